@@ -1,0 +1,1 @@
+"""Compiled kernels keyed by operator spec, shape and target; offline prebuilds (not built yet)."""

@@ -1,0 +1,1 @@
+"""Graph-level fusion pass: epilogue, horizontal and prologue stitching (not built yet)."""

@@ -1,0 +1,123 @@
+"""The mixed-precision matmul as a typed operator: y[M, N] = x[M, K] · dequant(W)[N, K]ᵀ (+ bias).
+
+`Matmul` is a hashable spec (the cache key's operator part); `Matmul.reference` is the pure-torch
+result every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ttype import QuantizedWeight, get
+from ..ttype.quantize import check_zero_mode
+from ..ttype.types import COMPUTE_DTYPES, check_compute_dtype
+
+ACTIVATION_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
+ACCUMULATE_DTYPES = ("float32", "float16", "int32")
+OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
+LAYOUTS = ("nt",)  # x [M, K] row-major, weight [N, K] (nn.Linear's layout)
+_TORCH_DTYPES = {**{name: pair[0] for name, pair in COMPUTE_DTYPES.items()}, "int32": torch.int32}
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """Spec of y = x · Wᵀ + b with W stored in `weight_dtype`.
+
+    activation_dtype: type of x; accumulate_dtype: type of the running sums (int32 for int8
+    activations × integer weights); output_dtype: type of y (default: the activation type, float32
+    for int8 activations); group_size / zero_mode: how W was quantized (see `bitkern.quantize`).
+    """
+
+    weight_dtype: str
+    activation_dtype: str = "float16"
+    accumulate_dtype: str = "float32"
+    output_dtype: str | None = None
+    group_size: int = 128
+    zero_mode: str = "none"
+    bias: bool = False
+    layout: str = "nt"
+
+    def __post_init__(self):
+        weight = get(self.weight_dtype)
+        object.__setattr__(self, "weight_dtype", weight.name)
+        activation = _choice("activation_dtype", _dtype_name(self.activation_dtype), ACTIVATION_DTYPES)
+        object.__setattr__(self, "activation_dtype", activation)
+        accumulate = _choice("accumulate_dtype", _dtype_name(self.accumulate_dtype), ACCUMULATE_DTYPES)
+        object.__setattr__(self, "accumulate_dtype", accumulate)
+        default_output = "float32" if activation == "int8" else activation
+        output = default_output if self.output_dtype is None else _dtype_name(self.output_dtype)
+        object.__setattr__(self, "output_dtype", _choice("output_dtype", output, OUTPUT_DTYPES))
+        _choice("layout", self.layout, LAYOUTS)
+        check_zero_mode(weight, self.zero_mode)
+        if weight.block_size > 1 and self.group_size != weight.block_size:
+            raise ValueError(f"group_size={self.group_size}: type {weight.name!r} has a fixed block; "
+                             f"accepted: {weight.block_size}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or \
+                (self.group_size < 1 and self.group_size != -1):
+            raise ValueError(f"group_size={self.group_size!r} must be a positive int or -1 (per-channel)")
+        if (activation == "int8") != (accumulate == "int32"):
+            raise ValueError(f"accumulate_dtype={accumulate!r} with activation_dtype={activation!r}: int8 "
+                             f"activations accumulate in int32, float activations in float32 or float16")
+        if activation == "int8" and "int8" not in weight.compute_types:
+            raise ValueError(f"activation_dtype='int8' needs a weight type that converts to int8 exactly; "
+                             f"{weight.name!r} converts to {list(weight.compute_types)}")
+
+    def check_inputs(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        """Raise naming the argument if x, weight or bias do not fit this spec."""
+        if not isinstance(weight, QuantizedWeight):
+            raise TypeError(f"weight must be a bitkern QuantizedWeight, got {type(weight).__name__}")
+        n, k = weight.shape
+        expected_group = k if self.group_size == -1 else self.group_size
+        for field, have, want in (("weight_dtype", weight.ttype.name, self.weight_dtype),
+                                  ("group_size", weight.group_size, expected_group),
+                                  ("zero_mode", weight.zero_mode, self.zero_mode)):
+            if have != want:
+                raise ValueError(f"weight has {field}={have!r} but the Matmul spec has {field}={want!r}")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != _TORCH_DTYPES[self.activation_dtype]:
+            raise TypeError(f"x has dtype {x.dtype}; this Matmul takes activation_dtype={self.activation_dtype}")
+        if x.dim() < 1 or x.shape[-1] != k:
+            raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be in_features={k}")
+        if x.device != weight.device:
+            raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
+        if self.bias != (bias is not None):
+            raise ValueError(f"bias {'is required' if self.bias else 'must be None'}: the spec has bias={self.bias}")
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,):
+                got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+                raise ValueError(f"bias must be a tensor of shape ({n},), got {got}")
+            if bias.device != weight.device:
+                raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+
+    def reference(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The exact result in float64 (dequantized weight, float64 sums), cast to the output type."""
+        self.check_inputs(x, weight, bias)
+        y = x.double() @ weight.dequantize(torch.float64).T
+        if bias is not None:
+            y = y + bias.double()
+        return y.to(_TORCH_DTYPES[self.output_dtype])
+
+    @classmethod
+    def for_weight(cls, weight: QuantizedWeight, activation_dtype="float16", bias: bool = False, **options) -> "Matmul":
+        """The spec that fits a quantized weight (its type, group size and zero mode)."""
+        return cls(weight.ttype.name, activation_dtype, group_size=weight.group_size, zero_mode=weight.zero_mode,
+                   bias=bias, **options)
+
+
+def _dtype_name(dtype):
+    """A bitkern dtype name for a torch dtype or name (int32 included for accumulators)."""
+    if dtype is torch.int32 or dtype == "int32":
+        return "int32"
+    try:
+        return check_compute_dtype(dtype)
+    except ValueError:
+        return dtype
+
+
+def _choice(argument: str, value, accepted: tuple):
+    if value not in accepted:
+        raise ValueError(f"{argument}={value!r} is not supported; accepted: {list(accepted)}")
+    return value

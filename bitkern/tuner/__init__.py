@@ -1,0 +1,1 @@
+"""Hardware descriptions (tTile-device), hint-based tile search and the traffic cost model (not built yet)."""

@@ -1,0 +1,30 @@
+"""bitkern: low-precision GEMM kernels for PyTorch."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+VERSION = re.search(r'^__version__ = "([^"]+)"', Path("bitkern/__init__.py").read_text(), re.M).group(1)
+
+setup(
+    name="bitkern",
+    version=VERSION,
+    description="Low-precision GEMM kernels for PyTorch: weights stored in custom types, decoded in the kernel",
+    long_description=Path("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["bitkern", "bitkern.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "apache-tvm==0.27.0.post1",
+        "apache-tvm-ffi==0.1.14.post1",  # the TVM wheel segfaults with newer tvm-ffi releases
+        "numpy",
+        "safetensors",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ml_dtypes"],
+        "bench": ["pytest-benchmark"],
+    },
+    entry_points={"console_scripts": ["bitkern=bitkern.__main__:main"]},
+)
