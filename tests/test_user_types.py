@@ -29,7 +29,7 @@ def test_user_codebook_flows_through_the_pipeline(build_elementwise):
     assert torch.equal(q.codes().long(), nearest.reshape(24, 64))
     assert torch.equal(q.dequantize(), (torch.tensor(MY_NF3)[nearest] * q.scales.unsqueeze(-1)).reshape(24, 64))
 
-    spec = Matmul("test_nf3", "float32", group_size=32)
+    spec = Matmul("test_nf3", "float32", group_size=32, scale_dtype="float32")
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(spec.reference(x, q), x @ q.dequantize().T)
 

@@ -17,6 +17,7 @@ from ..ttype.types import COMPUTE_DTYPES, check_compute_dtype
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 ACCUMULATE_DTYPES = ("float32", "float16", "int32")
 OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
 LAYOUTS = ("nt",)  # x [M, K] row-major, weight [N, K] (nn.Linear's layout)
 _TORCH_DTYPES = {**{name: pair[0] for name, pair in COMPUTE_DTYPES.items()}, "int32": torch.int32}
 
@@ -38,6 +39,7 @@ class Matmul:
     zero_mode: str = "none"
     bias: bool = False
     layout: str = "nt"
+    scale_dtype: str = "float16"
 
     def __post_init__(self):
         weight = get(self.weight_dtype)
@@ -50,6 +52,7 @@ class Matmul:
         output = default_output if self.output_dtype is None else _dtype_name(self.output_dtype)
         object.__setattr__(self, "output_dtype", _choice("output_dtype", output, OUTPUT_DTYPES))
         _choice("layout", self.layout, LAYOUTS)
+        object.__setattr__(self, "scale_dtype", _choice("scale_dtype", _dtype_name(self.scale_dtype), SCALE_DTYPES))
         check_zero_mode(weight, self.zero_mode)
         if weight.block_size > 1 and self.group_size != weight.block_size:
             raise ValueError(f"group_size={self.group_size}: type {weight.name!r} has a fixed block; "
@@ -64,15 +67,38 @@ class Matmul:
             raise ValueError(f"activation_dtype='int8' needs a weight type that converts to int8 exactly; "
                              f"{weight.name!r} converts to {list(weight.compute_types)}")
 
-    def check_inputs(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
-        """Raise naming the argument if x, weight or bias do not fit this spec."""
-        if not isinstance(weight, QuantizedWeight):
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x · Wᵀ (+ bias) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed weight."""
+        from ..cache import kernel_for  # ops sits below the kernel pipeline: reach it at call time
+        from ..codegen import PackedWeight
+
+        if not isinstance(weight, PackedWeight):
+            raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
+                            f"got {type(weight).__name__}")
+        self.check_inputs(x, weight, bias)
+        if x.device.type != "cpu":
+            raise NotImplementedError(f"bitkern has no kernels for {x.device.type} tensors yet")
+        n, k = weight.shape
+        rows = x.reshape(-1, k).contiguous()
+        if rows.shape[0] == 0:
+            return torch.empty(*x.shape[:-1], n, dtype=_TORCH_DTYPES[self.output_dtype], device=x.device)
+        kernel = kernel_for(self, n, k, rows.shape[0], weight.layout)
+        return kernel(rows, weight, bias).reshape(*x.shape[:-1], n)
+
+    def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> None:
+        """Raise naming the argument if x, weight (quantized or packed) or bias do not fit this spec."""
+        from ..codegen import PackedWeight
+
+        if not isinstance(weight, (QuantizedWeight, PackedWeight)):
             raise TypeError(f"weight must be a bitkern QuantizedWeight, got {type(weight).__name__}")
         n, k = weight.shape
         expected_group = k if self.group_size == -1 else self.group_size
+        scale_dtype = self.scale_dtype if weight.ttype.block_size == 1 else "float16"
+        have_scale = _dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         for field, have, want in (("weight_dtype", weight.ttype.name, self.weight_dtype),
                                   ("group_size", weight.group_size, expected_group),
-                                  ("zero_mode", weight.zero_mode, self.zero_mode)):
+                                  ("zero_mode", weight.zero_mode, self.zero_mode),
+                                  ("scale_dtype", have_scale, scale_dtype)):
             if have != want:
                 raise ValueError(f"weight has {field}={have!r} but the Matmul spec has {field}={want!r}")
         if not isinstance(x, torch.Tensor):
@@ -92,19 +118,24 @@ class Matmul:
             if bias.device != weight.device:
                 raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
 
-    def reference(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The exact result in float64 (dequantized weight, float64 sums), cast to the output type."""
+    def reference(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference result: `exact` cast to the output type."""
+        return self.exact(x, weight, bias).to(_TORCH_DTYPES[self.output_dtype])
+
+    def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The result in float64 before output rounding (dequantized weight, float64 sums)."""
         self.check_inputs(x, weight, bias)
+        if not isinstance(weight, QuantizedWeight):
+            weight = weight.to_portable()
         y = x.double() @ weight.dequantize(torch.float64).T
-        if bias is not None:
-            y = y + bias.double()
-        return y.to(_TORCH_DTYPES[self.output_dtype])
+        return y + bias.double() if bias is not None else y
 
     @classmethod
     def for_weight(cls, weight: QuantizedWeight, activation_dtype="float16", bias: bool = False, **options) -> "Matmul":
         """The spec that fits a quantized weight (its type, group size and zero mode)."""
+        scale_dtype = _dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         return cls(weight.ttype.name, activation_dtype, group_size=weight.group_size, zero_mode=weight.zero_mode,
-                   bias=bias, **options)
+                   bias=bias, scale_dtype=scale_dtype, **options)
 
 
 def _dtype_name(dtype):

@@ -1,0 +1,1 @@
+"""CPU code generation: weight layouts and schedule templates compiled by TVM through LLVM."""

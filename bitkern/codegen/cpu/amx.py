@@ -1,0 +1,516 @@
+"""AMX template: y = x · dequant(W)ᵀ with 1-, 2- or 4-bit weights decoded to bf16 tiles on the fly.
+
+Per parallel task (16·n_tiles output columns, a chunk of rows):
+  prologue  x -> bf16 planes A[plane, M, K/2] (one plane for bf16, hi+lo for fp16, three for fp32, so
+            the planes sum to x) and per-group row sums XS[M, groups] (for zero points and offsets);
+  stages    the codes of the next stage (a few 32-deep k-steps) are decoded with vector ops into bf16 B
+            tiles in L1 while AMX multiplies the current stage (a software pipeline: tile loads never
+            wait on the stores just issued); C tiles accumulate one quantization group;
+  epilogue  per group, in float32: y += scale · (alpha·C + beta·XS), where C = Σ x·d over the group's
+            decoded values d, and alpha/beta fold the decode offset and the zero point exactly.
+Decode strategies: "affine" for integer types (d = bf16(128 + u) by OR-ing the code into 0x4300, one
+ternary-logic op per 32 codes), "lut" for any type (a 32-entry bf16 table through vpermw).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from ...ops.matmul import Matmul
+from ...ttype import get
+from ...ttype.types import INT, UINT
+from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
+from .tir import LANES, bf16_bits, bf16_to_float, bf16_value, intrinsic, lanes, load, ramp, splat, stride, tile, tile_pointer, u32
+
+PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
+DECODES = ("affine", "lut")
+TILE_REGISTERS = 8
+SMALL_M_ROWS = AMX_TILE_ROWS
+_STORAGE = {"bfloat16": "int16", "float16": "float16", "float32": "float32"}  # bf16 travels as int16 bits
+_BF16_128 = 0x4300  # bfloat16 128.0: OR-ing a code u < 128 into its mantissa gives 128 + u exactly
+
+
+@dataclass(frozen=True)
+class AmxConfig:
+    """Tile configuration of the AMX template (chosen by the tuner).
+
+    n_tiles: 16-column C tiles per task; m_tiles: 16-row A tiles per m-block (large M); small_m: one
+    block of all M <= 16 rows (tile rows = M) instead of 16-row tiles; m_chunk: rows per task (large M);
+    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead; decode: strategy.
+    """
+
+    n_tiles: int = 4
+    m_tiles: int = 1
+    small_m: bool = True
+    m_chunk: int = 256
+    stage_steps: int = 4
+    prefetch: int = 16
+    decode: str = "affine"
+
+    def __post_init__(self):
+        if self.decode not in DECODES:
+            raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(DECODES)}")
+        if self.small_m and self.m_tiles != 1:
+            raise ValueError("small_m kernels use m_tiles=1")
+        if self.m_tiles * self.n_tiles + self.m_tiles + 1 > TILE_REGISTERS:
+            raise ValueError(f"m_tiles={self.m_tiles} x n_tiles={self.n_tiles} needs more than "
+                             f"{TILE_REGISTERS} AMX tile registers")
+        if self.m_chunk % (AMX_TILE_ROWS * self.m_tiles):
+            raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of {AMX_TILE_ROWS * self.m_tiles}")
+
+
+def unsupported_reason(spec: Matmul, k: int) -> str | None:
+    """Why the AMX template cannot run `spec` with reduction length k, or None if it can."""
+    ttype = get(spec.weight_dtype)
+    group = k if spec.group_size == -1 else spec.group_size
+    if ttype.bits not in TILE16_BITS:
+        return f"{ttype.bits}-bit codes (it decodes {TILE16_BITS}-bit codes)"
+    if spec.activation_dtype not in PLANES:
+        return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"
+    depth = _step_depth(group, k)
+    if depth is None:
+        return f"group_size={group} with in_features={k} (it needs a multiple of 32, 16, or per-channel)"
+    if depth * ttype.bits < 32:
+        return f"group_size={group}, shorter than one 32-bit word of {ttype.bits}-bit codes"
+    return None
+
+
+def decode_strategies(spec: Matmul) -> tuple[str, ...]:
+    """Decode strategies that apply to the spec.  "affine" folds a 128 offset out of float32 sums, which
+    costs up to ~2^-16 relative accuracy: below bf16 activations' own rounding, so it is offered for them
+    only."""
+    affine = get(spec.weight_dtype).kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
+    return ("affine", "lut") if affine else ("lut",)
+
+
+def build(spec: Matmul, n: int, k: int, config: AmxConfig, name: str = "main"):
+    """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M
+    (at most 16 with small_m).
+
+    Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), lut (lut
+    decode), bias [N] float32 (bias specs), y [M, N].  bfloat16 tensors travel as int16 views.
+    """
+    reason = unsupported_reason(spec, k)
+    if reason:
+        raise ValueError(f"the AMX template does not support {reason}")
+    if config.decode not in decode_strategies(spec):
+        raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
+                         f"accepted: {list(decode_strategies(spec))}")
+    return _Builder(spec, _Shape(spec, n, k, config), config, _decode_for(spec, config.decode)).build(name)
+
+
+def lut_words(spec: Matmul) -> torch.Tensor:
+    """The `lut` argument: the type's bf16 values, repeated to 32 entries, as 16 int32 words."""
+    values = get(spec.weight_dtype).lut("bfloat16").view(torch.int16)
+    return values.repeat(32 // values.numel()).view(torch.int32).contiguous()
+
+
+def _step_depth(group: int, k: int) -> int | None:
+    if group % AMX_STEP_K == 0:
+        return AMX_STEP_K
+    if group == 16:
+        return 16
+    if group == k:  # per-channel: K is padded to the step and the whole padded K is one group
+        return AMX_STEP_K
+    return None
+
+
+@dataclass(frozen=True)
+class _Decode:
+    """How a B tile element d relates to the weight value v: v = alpha·d + offset."""
+
+    strategy: str
+    bits: int
+    xor: int = 0
+    alpha: float = 1.0
+    offset: float = 0.0
+
+
+def _decode_for(spec: Matmul, strategy: str) -> _Decode:
+    ttype = get(spec.weight_dtype)
+    if strategy == "lut":
+        return _Decode("lut", ttype.bits)
+    if ttype.kind == UINT:  # d = 128 + code
+        return _Decode("affine", ttype.bits, offset=-128.0)
+    if ttype.bits == 1:  # ±1: v = 2·code - 1 = 2d - 257
+        return _Decode("affine", 1, alpha=2.0, offset=-257.0)
+    half = 1 << (ttype.bits - 1)  # two's complement: u = code ^ half = v + half, d = 128 + u
+    return _Decode("affine", ttype.bits, xor=half, offset=-128.0 - half)
+
+
+class _Shape:
+    """Static sizes of one kernel."""
+
+    def __init__(self, spec: Matmul, n: int, k: int, config: AmxConfig):
+        group = k if spec.group_size == -1 else spec.group_size
+        self.bits = get(spec.weight_dtype).bits
+        self.n, self.k = n, k
+        self.k_pad = padded_k(k)
+        self.depth = _step_depth(group, k)
+        self.per_channel = group == k
+        self.kgroup = self.k_pad if self.per_channel else group
+        self.groups = self.k_pad // self.kgroup
+        self.scale_groups = k // group
+        self.group_steps = self.kgroup // self.depth
+        steps = self.k_pad // self.depth
+        self.stage_steps = _stage_steps(self.group_steps, steps, config.stage_steps)
+        self.stages = steps // self.stage_steps
+        self.n_tiles = -(-n // AMX_TILE_ROWS)
+        self.words = self.k_pad * self.bits // 32
+        self.words_per_step = self.depth * self.bits // 32
+        self.rows_per_word = 16 // self.bits  # B tile rows (k pairs) one word yields
+        self.pairs = self.k_pad // 2
+        self.planes = PLANES[spec.activation_dtype]
+
+
+def _stage_steps(group_steps: int, steps: int, wanted: int) -> int:
+    """Steps per pipeline stage, near `wanted`: a divisor of the group's steps, or a multiple of them that
+    divides all the steps."""
+    if group_steps > wanted:
+        return max(d for d in range(1, wanted + 1) if group_steps % d == 0)
+    multiples = [m * group_steps for m in range(1, wanted // group_steps + 1) if steps % (m * group_steps) == 0]
+    return max(multiples)
+
+
+class _Builder:
+    """Emits one kernel with TVM's IRBuilder."""
+
+    def __init__(self, spec: Matmul, shape: _Shape, config: AmxConfig, decode: _Decode):
+        self.spec, self.s, self.cfg, self.dec = spec, shape, config, decode
+        self.ttype = get(spec.weight_dtype)
+        self.m = tirx.Var("M", "int32")
+        mt, nc = config.m_tiles, config.n_tiles
+        self.c_tiles = [[i * nc + c for c in range(nc)] for i in range(mt)]
+        self.a_tiles = [mt * nc + i for i in range(mt)]
+        self.b_tiles = list(range(mt * nc + mt, TILE_REGISTERS))
+
+    def build(self, name: str):
+        with IRBuilder() as builder:
+            with T.prim_func():
+                T.func_name(name)
+                self._arguments()
+                T.func_attr({"tirx.noalias": True})
+                if self.cfg.small_m:
+                    T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= SMALL_M_ROWS))
+                rows = self._padded_rows()
+                self.a = T.alloc_buffer((self.s.planes, rows, self.s.pairs), "int32")
+                self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
+                self._prologue(rows)
+                self._main(rows)
+        return builder.get()
+
+    # -- arguments -------------------------------------------------------------------------------------
+    def _arguments(self) -> None:
+        s, spec = self.s, self.spec
+        per_tile = (s.n_tiles, s.scale_groups, LANES)
+        self.x = T.arg("x", T.Buffer((self.m, s.k), _STORAGE[spec.activation_dtype]))
+        self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
+        self.scales = T.arg("scales", T.Buffer(per_tile, "uint8" if self.ttype.block_size > 1
+                                               else _STORAGE[spec.scale_dtype]))
+        self.zeros = None
+        if spec.zero_mode != "none":
+            self.zeros = T.arg("zeros", T.Buffer(per_tile, _STORAGE[spec.scale_dtype] if spec.zero_mode == "hqq"
+                                                 else "uint8"))
+        self.tensor_scale = T.arg("tensor_scale", T.Buffer((1,), "float32")) if self.ttype.tensor_scale else None
+        self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
+        self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
+        self.y = T.arg("y", T.Buffer((self.m, s.n), _STORAGE[spec.output_dtype]))
+
+    def _padded_rows(self):
+        if self.cfg.small_m:
+            return self.m
+        block = AMX_TILE_ROWS * self.cfg.m_tiles
+        return tirx.floordiv(self.m + (block - 1), block) * block
+
+    # -- prologue: activation planes and group sums -------------------------------------------------
+    def _prologue(self, rows) -> None:
+        s = self.s
+        full_chunks = s.k // 32  # chunks of 16 pairs that lie inside K
+        with T.parallel(0, rows) as row:
+            with T.If(row < self.m):
+                with T.Then():
+                    with T.serial(0, full_chunks) as chunk:
+                        even = self._load_x(row, tirx.Ramp(chunk * 32, 2, LANES))
+                        odd = self._load_x(row, tirx.Ramp(chunk * 32 + 1, 2, LANES))
+                        self._store_planes(row, chunk, even, odd)
+                    if s.k_pad > full_chunks * 32:
+                        self._prologue_tail(row, full_chunks)
+                with T.Else():
+                    with T.serial(0, s.pairs // LANES) as chunk:
+                        self._store_planes(row, chunk, splat(0.0, "float32"), splat(0.0, "float32"))
+
+    def _prologue_tail(self, row, chunk) -> None:
+        """The last 32-k chunk when K is not a multiple of 32: scalar loads, zero past K."""
+        s = self.s
+        by_parity = {0: [], 1: []}
+        for i in range(32):
+            k_index = chunk * 32 + i
+            value = self._load_x(row, min(k_index, s.k - 1)) if k_index < s.k else tirx.const(0.0, "float32")
+            by_parity[i % 2].append(value)
+        vectors = [tirx.Shuffle(by_parity[p], list(range(LANES))) for p in (0, 1)]
+        self._store_planes(row, chunk, *vectors)
+
+    def _load_x(self, row, index):
+        value = load(self.x, row, index)
+        if self.spec.activation_dtype == "bfloat16":
+            return bf16_to_float(value)
+        return tirx.Cast(f"float32x{lanes(value)}" if lanes(value) > 1 else "float32", value)
+
+    def _store_planes(self, row, chunk, even, odd) -> None:
+        """A[plane, row, 16·chunk + i] = bf16 pair of plane `plane` of x[2i], x[2i+1]; XS sums their total."""
+        total_even = total_odd = None
+        for plane in range(self.s.planes):
+            bits_even, bits_odd = bf16_bits(even), bf16_bits(odd)
+            word = tirx.bitwise_or(bits_even, tirx.shift_left(bits_odd, u32(16)))
+            T.buffer_store(self.a, tirx.reinterpret("int32x16", word), [plane, row, ramp(chunk * LANES)])
+            kept_even, kept_odd = bf16_value(bits_even), bf16_value(bits_odd)
+            total_even = kept_even if total_even is None else total_even + kept_even
+            total_odd = kept_odd if total_odd is None else total_odd + kept_odd
+            even, odd = even - kept_even, odd - kept_odd
+        pair_sums = total_even + total_odd
+        parts = max(1, 32 // self.s.kgroup)  # 16-k groups (nvfp4) split a 32-k chunk in two
+        for part in range(parts):
+            width = LANES // parts
+            part_sum = _horizontal_sum(tirx.Shuffle([pair_sums], list(range(part * width, (part + 1) * width))))
+            k_start = chunk * 32 + part * (32 // parts)
+            group = tirx.floordiv(k_start, self.s.kgroup)
+            first = tirx.floormod(k_start, self.s.kgroup) == 0
+            T.buffer_store(self.xs, tirx.Select(first, part_sum, load(self.xs, row, group) + part_sum), [row, group])
+
+    # -- main loop ---------------------------------------------------------------------------------------
+    def _main(self, rows) -> None:
+        cfg = self.cfg
+        blocks = -(-self.s.n_tiles // cfg.n_tiles)
+        chunks = 1 if cfg.small_m else tirx.floordiv(rows + (cfg.m_chunk - 1), cfg.m_chunk)
+        with T.parallel(0, blocks * chunks) as task:
+            if cfg.small_m:
+                self._task(rows, task, 0)
+            else:
+                self._task(rows, tirx.floordiv(task, chunks), tirx.floormod(task, chunks) * cfg.m_chunk)
+
+    def _task(self, rows, block, row0) -> None:
+        s, cfg = self.s, self.cfg
+        first_tile = block * cfg.n_tiles
+        tiles = [tirx.min(first_tile + c, s.n_tiles - 1) for c in range(cfg.n_tiles)]
+        owned = [first_tile + c < s.n_tiles for c in range(cfg.n_tiles)]  # the last block repeats a tile
+        tile_rows = self.m if cfg.small_m else AMX_TILE_ROWS
+        block_rows = AMX_TILE_ROWS * cfg.m_tiles
+        chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
+        m_blocks = 1 if cfg.small_m else tirx.min(cfg.m_chunk // block_rows, tirx.floordiv(rows - row0, block_rows))
+        gbuf = T.alloc_buffer((2, s.stage_steps, cfg.n_tiles, s.depth // 2, LANES), "int32", scope="local",
+                              align=64)
+        cbuf = T.alloc_buffer((cfg.m_tiles, cfg.n_tiles, AMX_TILE_ROWS, LANES), "float32", scope="local", align=64)
+        yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
+        stash = None
+        if s.group_steps > s.stage_steps and not cfg.small_m:  # C tiles leave registers between stages
+            stash = T.alloc_buffer((cfg.m_chunk // block_rows, cfg.m_tiles, cfg.n_tiles, AMX_TILE_ROWS, LANES),
+                                   "float32", scope="local", align=64)
+        self._configure_tiles(tile_rows)
+        with T.serial(0, chunk_rows) as r:
+            for c in range(cfg.n_tiles):
+                T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
+        self._decode_stage(gbuf, tiles, 0, 0)
+        with T.serial(0, s.stages) as stage:
+            upcoming = (tirx.min(stage + 1, s.stages - 1), tirx.floormod(stage + 1, 2))
+            if cfg.small_m:  # one m-block: decode the next stage tile by tile between the AMX ops
+                self._stage(gbuf, cbuf, yacc, stash, tiles, stage, row0, 0, tile_rows, upcoming)
+            else:  # the decoded stage serves every m-block of the chunk
+                self._decode_stage(gbuf, tiles, *upcoming)
+                with T.serial(0, m_blocks) as mb:
+                    self._stage(gbuf, cbuf, yacc, stash, tiles, stage, row0, mb, tile_rows)
+        self._store_output(yacc, tiles, owned, row0, chunk_rows)
+        intrinsic("llvm.x86.tilerelease")
+
+    def _configure_tiles(self, tile_rows) -> None:
+        """ldtilecfg: C and A tiles of `tile_rows` rows (A 2·depth bytes wide), B tiles of depth/2 rows."""
+        config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
+        for i in range(64):
+            T.buffer_store(config, tirx.const(1 if i == 0 else 0, "uint8"), [i])
+        shapes = [(t, tile_rows, 64) for row in self.c_tiles for t in row]
+        shapes += [(t, tile_rows, 2 * self.s.depth) for t in self.a_tiles]
+        shapes += [(t, self.s.depth // 2, 64) for t in self.b_tiles]
+        for t, rows, width in shapes:
+            T.buffer_store(config, tirx.const(width & 0xFF, "uint8"), [16 + 2 * t])
+            T.buffer_store(config, tirx.const(width >> 8, "uint8"), [17 + 2 * t])
+            T.buffer_store(config, tirx.Cast("uint8", rows), [48 + t])
+        intrinsic("llvm.x86.ldtilecfg", config.access_ptr("r", extent=64))
+
+    def _decode_stage(self, gbuf, tiles, stage, slot) -> None:
+        """Decode the codes of `stage` for the task's tiles into gbuf[slot] (bf16 B tiles)."""
+        for i in range(self.s.stage_steps):
+            for c in range(self.cfg.n_tiles):
+                self._decode_tile(gbuf, tiles, stage, slot, i, c)
+
+    def _decode_tile(self, gbuf, tiles, stage, slot, i, c) -> None:
+        """Decode step i of `stage` for tile c into gbuf[slot, i, c] (a loop over the step's words)."""
+        s, cfg = self.s, self.cfg
+        with T.serial(0, s.words_per_step) as w:
+            word_index = (stage * s.stage_steps + i) * s.words_per_step + w
+            ahead = tirx.min(word_index + cfg.prefetch, s.words - 1)
+            intrinsic("llvm.prefetch.p0", tirx.address_of(load(self.qweight, tiles[c], ahead, 0)),
+                      tirx.const(0, "int32"), tirx.const(3, "int32"), tirx.const(1, "int32"))
+            word = tirx.reinterpret("uint32x16", load(self.qweight, tiles[c], word_index, ramp(0)))
+            for j in range(s.rows_per_word):
+                shifted = word if j == 0 else tirx.shift_right(word, u32(j * s.bits))
+                T.buffer_store(gbuf, self._decode_word(shifted), [slot, i, c, w * s.rows_per_word + j, ramp(0)])
+
+    def _decode_word(self, shifted):
+        """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word shifted by j·bits."""
+        dec = self.dec
+        if dec.strategy == "lut":
+            table = tirx.reinterpret("int16x32", load(self.lut, ramp(0)))
+            picked = tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.permvar.hi.512", table,
+                                                tirx.reinterpret("int16x32", shifted))
+            return tirx.reinterpret("int32x16", picked)
+        mask = (1 << dec.bits) - 1
+        code = tirx.bitwise_and(shifted, u32(mask | (mask << 16)))
+        if dec.xor:
+            code = tirx.bitwise_xor(code, u32(dec.xor | (dec.xor << 16)))
+        return tirx.reinterpret("int32x16", tirx.bitwise_or(code, u32(_BF16_128 | (_BF16_128 << 16))))
+
+    def _stage(self, gbuf, cbuf, yacc, stash, tiles, stage, row0, mb, tile_rows, upcoming=None) -> None:
+        """AMX products of one stage for one m-block, with group starts and ends and C stashing; with
+        `upcoming` (stage, slot), each B tile's products are followed by decoding that tile of `upcoming`."""
+        s, cfg = self.s, self.cfg
+        slot = tirx.floormod(stage, 2)
+        local_row = mb * AMX_TILE_ROWS * cfg.m_tiles
+        for i in range(s.stage_steps):
+            starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
+            _when(starts, self._zero_c)
+            if stash is not None and i == 0:
+                _when(tirx.Not(starts), lambda: self._move_c(stash, mb, "llvm.x86.tileloadd64"))
+            step = stage * s.stage_steps + i
+            for plane in range(s.planes):
+                for m_i, a_tile in enumerate(self.a_tiles):
+                    source = tile_pointer(self.a, (plane, row0 + local_row + m_i * AMX_TILE_ROWS, step * s.depth // 2),
+                                          AMX_TILE_ROWS, s.pairs, "r")
+                    intrinsic("llvm.x86.tileloadd64", tile(a_tile), source, stride(s.pairs * 4))
+                for c in range(cfg.n_tiles):
+                    b_tile = self.b_tiles[c % len(self.b_tiles)]
+                    source = tile_pointer(gbuf, (slot, i, c, 0, 0), s.depth // 2, LANES, "r")
+                    intrinsic("llvm.x86.tileloadd64", tile(b_tile), source, stride(64))
+                    for m_i, a_tile in enumerate(self.a_tiles):
+                        intrinsic("llvm.x86.tdpbf16ps", tile(self.c_tiles[m_i][c]), tile(a_tile), tile(b_tile))
+                    if upcoming is not None and plane == s.planes - 1:
+                        self._decode_tile(gbuf, tiles, *upcoming, i, c)
+            group = tirx.floordiv(step, s.group_steps)
+            _when(ends, lambda: self._finish_group(cbuf, yacc, tiles, group, row0, local_row, tile_rows))
+            if stash is not None and i == s.stage_steps - 1:
+                _when(tirx.Not(ends), lambda: self._move_c(stash, mb, "llvm.x86.tilestored64"))
+
+    def _group_edge(self, stage, i, start: bool):
+        """Whether step i of `stage` starts (or ends) a quantization group: a bool, or a runtime test."""
+        s = self.s
+        if s.group_steps <= s.stage_steps:  # stages hold whole groups
+            return i % s.group_steps == (0 if start else s.group_steps - 1)
+        if i != (0 if start else s.stage_steps - 1):
+            return False
+        per_group = s.group_steps // s.stage_steps
+        return tirx.floormod(stage, per_group) == (0 if start else per_group - 1)
+
+    def _zero_c(self) -> None:
+        for row in self.c_tiles:
+            for t in row:
+                intrinsic("llvm.x86.tilezero", tile(t))
+
+    def _move_c(self, stash, mb, op: str) -> None:
+        for m_i, row in enumerate(self.c_tiles):
+            for c, t in enumerate(row):
+                access = "r" if op == "llvm.x86.tileloadd64" else "w"
+                intrinsic(op, tile(t), tile_pointer(stash, (mb, m_i, c, 0, 0), AMX_TILE_ROWS, LANES, access), stride(64))
+
+    def _finish_group(self, cbuf, yacc, tiles, group, row0, local_row, tile_rows) -> None:
+        """Store C and apply y += scale · (alpha·C + beta·XS) to the block's rows."""
+        s, cfg, dec = self.s, self.cfg, self.dec
+        for m_i, row in enumerate(self.c_tiles):
+            for c, t in enumerate(row):
+                target = tile_pointer(cbuf, (m_i, c, 0, 0), AMX_TILE_ROWS, LANES, "w")
+                intrinsic("llvm.x86.tilestored64", tile(t), target, stride(64))
+        scale_group = 0 if s.per_channel else group
+        needs_sums = dec.offset != 0.0 or self.zeros is not None
+        for c in range(cfg.n_tiles):
+            scale = self._scale(tiles[c], scale_group)
+            beta = splat(dec.offset, "float32")
+            if self.zeros is not None:
+                beta = beta - self._zero(tiles[c], scale_group)
+            for m_i in range(cfg.m_tiles):
+                with T.serial(0, tile_rows) as r:
+                    local = local_row + m_i * AMX_TILE_ROWS + r
+                    value = load(cbuf, m_i, c, r, ramp(0))
+                    if dec.alpha != 1.0:
+                        value = value * splat(dec.alpha, "float32")
+                    if needs_sums:
+                        value = value + beta * tirx.Broadcast(load(self.xs, row0 + local, group), LANES)
+                    T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
+
+    def _scale(self, tile_index, group):
+        raw = load(self.scales, tile_index, group, ramp(0))
+        if self.ttype.block_size == 1:
+            return self._float_lanes(raw)
+        scale = get(self.ttype.block_scale).tvm_decode(tirx.Cast("uint32x16", raw), "float32")
+        if self.tensor_scale is not None:
+            scale = scale * tirx.Broadcast(load(self.tensor_scale, 0), LANES)
+        return scale
+
+    def _zero(self, tile_index, group):
+        raw = load(self.zeros, tile_index, group, ramp(0))
+        return tirx.Cast("float32x16", raw) if self.spec.zero_mode != "hqq" else self._float_lanes(raw)
+
+    def _float_lanes(self, raw):
+        return bf16_to_float(raw) if self.spec.scale_dtype == "bfloat16" else tirx.Cast("float32x16", raw)
+
+    def _store_output(self, yacc, tiles, owned, row0, chunk_rows) -> None:
+        s = self.s
+        rows_here = self.m if self.cfg.small_m else tirx.max(tirx.min(chunk_rows, self.m - row0), 0)
+        with T.serial(0, rows_here) as r:
+            for c, tile_index in enumerate(tiles):
+                column = tile_index * LANES
+                with T.If(owned[c]):
+                    with T.Then():
+                        if s.n % LANES == 0:
+                            self._store_vector(yacc, r, c, row0, column)
+                        else:
+                            with T.If(column + LANES <= s.n):
+                                with T.Then():
+                                    self._store_vector(yacc, r, c, row0, column)
+                                with T.Else():
+                                    with T.serial(0, s.n % LANES) as lane:
+                                        value = load(yacc, r, c, lane)
+                                        if self.bias is not None:
+                                            value = value + load(self.bias, column + lane)
+                                        T.buffer_store(self.y, self._to_output(value), [row0 + r, column + lane])
+
+    def _store_vector(self, yacc, r, c, row0, column) -> None:
+        value = load(yacc, r, c, ramp(0))
+        if self.bias is not None:
+            value = value + load(self.bias, ramp(column))
+        T.buffer_store(self.y, self._to_output(value), [row0 + r, ramp(column)])
+
+    def _to_output(self, value):
+        suffix = f"x{lanes(value)}" if lanes(value) > 1 else ""
+        if self.spec.output_dtype == "bfloat16":
+            return tirx.reinterpret(f"int16{suffix}", tirx.Cast(f"uint16{suffix}", bf16_bits(value)))
+        return tirx.Cast(f"{self.spec.output_dtype}{suffix}", value)
+
+
+def _when(condition, emit) -> None:
+    """Emit `emit()` if condition is True, under a runtime test if it is an expression, never if False."""
+    if condition is True:
+        emit()
+    elif condition is not False:
+        with T.If(condition):
+            with T.Then():
+                emit()
+
+
+def _horizontal_sum(values):
+    """Sum of the lanes of a float32 vector, as a tree of halves."""
+    while lanes(values) > 1:
+        half = lanes(values) // 2
+        values = tirx.Shuffle([values], list(range(half))) + tirx.Shuffle([values], list(range(half, 2 * half)))
+    return values

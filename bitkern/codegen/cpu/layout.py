@@ -1,0 +1,153 @@
+"""Offline weight layout transforms for the CPU kernels (LADDER's slice / map / pad / convert at pack time).
+
+"tile16" (1-, 2- and 4-bit types): N is sliced into tiles of 16 output rows and K-words are laid out
+tile-major, qweight[N/16, words, 16], so one 64-byte load gives the same word for 16 rows.  Inside each
+32-bit word the codes are mapped so that the low half holds the even k's and the high half the odd k's
+of its 32/bits consecutive k's: shifting the word by j·bits puts (k=2j, k=2j+1) in the two 16-bit halves,
+which is exactly one row of an AMX bf16 B tile (a k pair for 16 rows).  N and K are padded with zero
+codes (to 16 rows and to the 32-deep AMX step); scales and zeros are laid out [N/16, groups, 16].
+"rowmajor": the portable layout itself (kernels that read QuantizedWeight tensors as they are).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...ttype import QuantizedWeight, codes_per_word, pack, unpack
+
+AMX_TILE_ROWS = 16
+AMX_STEP_K = 32
+TILE16_BITS = (1, 2, 4)
+LAYOUTS = ("tile16", "rowmajor")
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """A QuantizedWeight in a kernel layout; `to_portable()` gives back the portable QuantizedWeight."""
+
+    layout: str
+    ttype: object
+    shape: tuple[int, int]
+    group_size: int
+    zero_mode: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    tensor_scale: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.qweight, self.scales, self.zeros, self.tensor_scale)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    @property
+    def padded_k(self) -> int:
+        return padded_k(self.shape[1]) if self.layout == "tile16" else self.shape[1]
+
+    def to_portable(self) -> QuantizedWeight:
+        """The same weight in the portable layout (for checkpoints)."""
+        if self.layout == "rowmajor":
+            return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, self.qweight,
+                                   self.scales, self.zeros, self.tensor_scale)
+        n, k = self.shape
+        bits = self.ttype.bits
+        words = self.qweight.permute(0, 2, 1).reshape(-1, self.qweight.shape[1])[:n]
+        codes = _unmap_codes(unpack(words, bits, (n, words.shape[1] * codes_per_word(bits))), bits)[:, :k]
+        untile = (lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].contiguous())
+        return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, pack(codes, bits),
+                               untile(self.scales), untile(self.zeros), self.tensor_scale)
+
+
+def layout_for(ttype) -> str:
+    """The CPU layout a weight type is packed in: tile16 where its codes fit it, else the portable one."""
+    return "tile16" if ttype.bits in TILE16_BITS else "rowmajor"
+
+
+def padded_k(k: int) -> int:
+    """K rounded up to the AMX step."""
+    return math.ceil(k / AMX_STEP_K) * AMX_STEP_K
+
+
+def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
+    """Transform a portable QuantizedWeight into `layout` (see the module docstring)."""
+    if layout == "rowmajor":
+        return PackedWeight("rowmajor", weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
+                            weight.qweight, weight.scales, weight.zeros, weight.tensor_scale)
+    if layout != "tile16":
+        raise ValueError(f"layout={layout!r} is not known; accepted: {list(LAYOUTS)}")
+    bits = weight.ttype.bits
+    if bits not in TILE16_BITS:
+        raise ValueError(f"layout 'tile16' holds {TILE16_BITS}-bit types; {weight.ttype.name!r} has {bits} bits")
+    n, k = weight.shape
+    rows = math.ceil(n / AMX_TILE_ROWS) * AMX_TILE_ROWS
+    codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k) - k, 0, rows - n))
+    words = pack(_map_codes(codes, bits), bits)
+    tile = (lambda t: None if t is None else _tile_rows(t, rows))
+    return PackedWeight("tile16", weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
+                        tile(weight.scales), tile(weight.zeros), weight.tensor_scale)
+
+
+def _tile_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """[N, C] -> [rows/16, C, 16], zero-padding N to `rows`."""
+    padded = torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
+    return padded.reshape(rows // AMX_TILE_ROWS, AMX_TILE_ROWS, -1).permute(0, 2, 1).contiguous()
+
+
+def _word_order(bits: int) -> torch.Tensor:
+    """Position i of a mapped word holds code order[i] of its k's: even k's first, then odd k's."""
+    per_word = codes_per_word(bits)
+    return torch.cat([torch.arange(0, per_word, 2), torch.arange(1, per_word, 2)])
+
+
+def _map_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per_word = codes_per_word(bits)
+    grouped = codes.reshape(codes.shape[0], -1, per_word)
+    return grouped[..., _word_order(bits)].reshape(codes.shape)
+
+
+def _unmap_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per_word = codes_per_word(bits)
+    grouped = codes.reshape(codes.shape[0], -1, per_word)
+    return grouped[..., torch.argsort(_word_order(bits))].reshape(codes.shape)
+
+
+
+class Tile16Storage:
+    """The tile16 layout as a weight storage of the Matmul tensor expression (see `bitkern.ops.expr`)."""
+
+    def __init__(self, spec, n: int, k: int):
+        from tvm import te
+
+        from ...ops.expr import scale_storage, zero_storage
+        from ...ttype import get
+
+        self.bits = get(spec.weight_dtype).bits
+        self.per_word = codes_per_word(self.bits)
+        group = k if spec.group_size == -1 else spec.group_size
+        tiles, groups = math.ceil(n / AMX_TILE_ROWS), k // group
+        self.qweight = te.placeholder((tiles, padded_k(k) // self.per_word, AMX_TILE_ROWS), "int32", name="qweight")
+        self.scales = te.placeholder((tiles, groups, AMX_TILE_ROWS), scale_storage(spec), name="scales")
+        self.zeros = te.placeholder((tiles, groups, AMX_TILE_ROWS), zero_storage(spec), name="zeros") \
+            if spec.zero_mode != "none" else None
+
+    def code(self, i, j):
+        from tvm import tirx
+
+        word = self.qweight[i // AMX_TILE_ROWS, j // self.per_word, i % AMX_TILE_ROWS].astype("uint32")
+        within = j % self.per_word
+        position = within // 2 + (within % 2) * (self.per_word // 2)  # even k's low, odd k's high
+        shift = (position * self.bits).astype("uint32")
+        return tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const((1 << self.bits) - 1, "uint32"))
+
+    def scale(self, i, g):
+        return self.scales[i // AMX_TILE_ROWS, g, i % AMX_TILE_ROWS]
+
+    def zero(self, i, g):
+        return self.zeros[i // AMX_TILE_ROWS, g, i % AMX_TILE_ROWS]

@@ -1,0 +1,84 @@
+"""Small TIR helpers for the hand-scheduled CPU templates: vectors, bf16 bit patterns, x86 intrinsics."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+LANES = 16  # 32-bit lanes of one 512-bit vector
+
+
+def lanes(expr) -> int:
+    """Vector lanes of an expression (1 for scalars)."""
+    return expr.ty.dtype.lanes
+
+
+def load(buffer, *indices):
+    """buffer[indices] as an expression (a vector when an index is a ramp)."""
+    return tirx.BufferLoad(buffer, list(indices))
+
+
+def tile_pointer(buffer, indices, rows: int, row_stride: int, access: str):
+    """Pointer to a `rows` x `row_stride`-element block of a row-major buffer starting at `indices`, for
+    AMX tile loads/stores: the extent tells TVM the whole block is accessed (an address_of a single
+    element would let buffer compaction shrink the allocation to that element)."""
+    offset = 0
+    for index, extent in zip(indices, buffer.shape):
+        offset = offset * extent + index
+    return buffer.access_ptr(access, offset=offset, extent=rows * row_stride)
+
+
+def ramp(start, lanes: int = LANES):
+    return tirx.Ramp(start, 1, lanes)
+
+
+def splat(value, dtype: str, count: int = LANES):
+    """`count` lanes of a Python number (as `dtype`) or of a scalar expression."""
+    return tirx.Broadcast(tirx.const(value, dtype) if isinstance(value, (bool, int, float)) else value, count)
+
+
+def u32(value: int, count: int = LANES):
+    return splat(value, "uint32", count)
+
+
+def intrinsic(name: str, *args) -> None:
+    """Emit a call to an LLVM intrinsic that returns nothing (AMX tile ops, prefetch)."""
+    T.evaluate(tirx.call_llvm_intrin("void", name, *args))
+
+
+def tile(index: int):
+    """An AMX tile register number (an i8 immediate)."""
+    return tirx.const(index, "int8")
+
+
+def stride(bytes_: int):
+    return tirx.const(bytes_, "int64")
+
+
+def _typed(dtype: str, lanes: int) -> str:
+    return f"{dtype}x{lanes}" if lanes > 1 else dtype
+
+
+def _u32_like(value: int, lanes: int):
+    return u32(value, lanes) if lanes > 1 else tirx.const(value, "uint32")
+
+
+def bf16_bits(value):
+    """uint32 (lanes) holding the round-to-nearest-even bfloat16 pattern of float32 (lanes) in the low
+    16 bits."""
+    n = lanes(value)
+    bits = tirx.reinterpret(_typed("uint32", n), value)
+    lsb = tirx.bitwise_and(tirx.shift_right(bits, _u32_like(16, n)), _u32_like(1, n))
+    return tirx.shift_right(bits + _u32_like(0x7FFF, n) + lsb, _u32_like(16, n))
+
+
+def bf16_value(bits):
+    """float32 (lanes) of bfloat16 patterns held in the low 16 bits of uint32 (lanes)."""
+    n = lanes(bits)
+    return tirx.reinterpret(_typed("float32", n), tirx.shift_left(bits, _u32_like(16, n)))
+
+
+def bf16_to_float(stored):
+    """float32 (lanes) of bfloat16 values stored as int16 (lanes)."""
+    n = lanes(stored)
+    return bf16_value(tirx.Cast(_typed("uint32", n), tirx.reinterpret(_typed("uint16", n), stored)))

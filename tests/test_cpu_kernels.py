@@ -1,0 +1,180 @@
+"""Compiled CPU kernels (AMX and generic templates) against the float64 reference of bitkern.ops."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bitkern
+from bitkern import ttype
+from bitkern.cache import kernel_for
+from bitkern.codegen import PackedWeight, pack, to_layout
+from bitkern.ops import Matmul
+from bitkern.tuner import host_cpu
+
+TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
+OUTPUT_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+def _case(name, n, k, m, activation="bfloat16", output="float32", group=128, zero_mode=None, bias=False, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=group, zero_mode=zero_mode)
+    spec = Matmul.for_weight(qweight, activation, bias=bias, output_dtype=output,
+                             accumulate_dtype="int32" if activation == "int8" else "float32")
+    x = torch.randn(m, k, generator=generator)
+    x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if activation == "int8" else x.to(TORCH[activation])
+    b = torch.randn(n, generator=generator) if bias else None
+    return spec, qweight, x, b
+
+
+def assert_matches_reference(spec, qweight, x, bias, y):
+    """|y - ref| <= c·Σ_k|x|·(|w| + offset·s) + eps_out·|ref|.
+
+    The kernels sum in float32; integer weights with bf16 activations may be decoded as 128 + u with the
+    128·s offset folded out of the sums afterwards, so the summed magnitudes include it.  c is 2^-8 for
+    types whose values bf16 rounds (nf4), else 1e-5; eps_out is the output type's rounding."""
+    assert y.dtype == TORCH[spec.output_dtype] and y.shape == (*x.shape[:-1], qweight.shape[0])
+    reference = spec.exact(x, qweight, bias)
+    summed = qweight.dequantize(torch.float64).abs()
+    if qweight.ttype.kind in ("int", "uint") and spec.activation_dtype == "bfloat16":
+        scale = qweight.scale_values().double().repeat_interleave(qweight.group_size, 1)
+        summed = summed + 136 * scale
+    magnitude = x.double().abs() @ summed.T
+    c = 1e-5 if "bfloat16" in qweight.ttype.compute_types else 2.0**-8
+    bound = c * magnitude + OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
+    excess = (y.double() - reference).abs() - bound
+    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g} over the bound"
+
+
+def _run(spec, qweight, x, bias=None):
+    y = spec(x, pack(qweight), bias)
+    assert_matches_reference(spec, qweight, x, bias, y)
+    return y
+
+
+WEIGHT_TYPES = ["int8", "uint8", "int4", "uint4", "int3", "uint3", "int2", "uint2", "int1", "uint1", "nf4",
+                "fp4_e2m1", "float8_e4m3", "float8_e5m2", "mxfp8", "mxfp4", "nvfp4"]
+
+
+@pytest.mark.parametrize("name", WEIGHT_TYPES)
+@pytest.mark.parametrize("m", [1, 33])
+def test_every_weight_type(name, m):
+    block = ttype.get(name).block_size > 1
+    _run(*_case(name, 96, 256, m, group=None if block else 128)[:3])
+
+
+@pytest.mark.parametrize("name", ["int4", "int3"])
+@pytest.mark.parametrize("activation", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("output", ["float32", "float16", "bfloat16"])
+def test_activation_and_output_types(name, activation, output):
+    spec, q, x, b = _case(name, 48, 192, 5, activation, output, group=64, bias=True)
+    _run(spec, q, x, b)
+
+
+@pytest.mark.parametrize("name", ["uint4", "uint2"])
+@pytest.mark.parametrize("zero_mode", ["gptq", "awq", "hqq"])
+@pytest.mark.parametrize("activation", ["bfloat16", "float32"])
+def test_zero_point_conventions(name, zero_mode, activation):
+    _run(*_case(name, 64, 256, 3, activation, group=64, zero_mode=zero_mode)[:3])
+
+
+@pytest.mark.parametrize("group", [32, 64, 256, -1])
+@pytest.mark.parametrize("m", [2, 40])
+def test_group_sizes(group, m):
+    spec, q, x, b = _case("int4", 80, 512, m, group=group, bias=True)
+    _run(spec, q, x, b)
+
+
+@pytest.mark.parametrize("name, scale_dtype", [("int4", torch.bfloat16), ("uint4", torch.float32)])
+def test_scale_storage_dtypes(name, scale_dtype):
+    q = bitkern.quantize(torch.randn(32, 128), name, group_size=64, scale_dtype=scale_dtype)
+    spec = Matmul.for_weight(q, "float32")
+    assert spec.scale_dtype == {torch.bfloat16: "bfloat16", torch.float32: "float32"}[scale_dtype]
+    _run(spec, q, torch.randn(3, 128))
+
+
+@pytest.mark.parametrize("name", ["int4", "int8", "uint4"])
+def test_int8_activations(name):
+    _run(*_case(name, 64, 256, 4, "int8", zero_mode="gptq" if name == "uint4" else None)[:3])
+
+
+@settings(max_examples=8, deadline=None)
+@given(name=st.sampled_from(["int4", "uint2", "nf4", "int3", "int1"]), n=st.integers(1, 70), k_words=st.integers(1, 12),
+       m=st.integers(1, 40), seed=st.integers(0, 1000))
+def test_fuzzed_shapes(name, n, k_words, m, seed):
+    k = 8 * k_words  # per-channel scales: any K
+    spec, q, x, b = _case(name, n, k, m, group=-1, bias=seed % 2 == 0, seed=seed)
+    _run(spec, q, x, b)
+
+
+def test_batched_input_and_empty_rows():
+    spec, q, _, _ = _case("int4", 32, 128, 1)
+    x = torch.randn(2, 3, 128).bfloat16()
+    _run(spec, q, x)
+    assert spec(torch.empty(0, 128, dtype=torch.bfloat16), pack(q)).shape == (0, 32)
+
+
+def test_user_defined_types_run_in_kernels():
+    cb4 = ttype.register(ttype.codebook("kernel_cb4", [i / 8 - 1 for i in range(16)]))
+    cb3 = ttype.register(ttype.codebook("kernel_cb3", [-1, -0.5, -0.2, 0, 0.15, 0.4, 0.7, 1]))
+    int5 = ttype.register(ttype.integer("kernel_int5", 5))
+    fp6 = ttype.register(ttype.floating("kernel_fp6", 3, 2))
+    for t in (cb4, cb3, int5, fp6):
+        _run(*_case(t.name, 48, 128, 3, group=64)[:3])
+
+
+def test_amx_and_generic_templates_agree():
+    if not host_cpu().has_amx_bf16:
+        pytest.skip("this CPU has no AMX")
+    spec, q, x, _ = _case("nf4", 64, 256, 7, "float32")
+    packed = pack(q)
+    amx_kernel = kernel_for(spec, 64, 256, 7, packed.layout)
+    assert amx_kernel.template == "amx"
+    from bitkern.codegen.cpu.generic import GenericConfig
+    from bitkern.codegen.cpu.kernel import build_kernel
+
+    generic_kernel = build_kernel(spec, 64, 256, "generic", GenericConfig(), packed.layout, (1, 16), host_cpu())
+    assert_matches_reference(spec, q, x, None, amx_kernel(x, packed))
+    assert_matches_reference(spec, q, x, None, generic_kernel(x, packed))
+
+
+def test_kernels_are_built_once_per_bucket():
+    spec, q, x, _ = _case("uint4", 64, 256, 1)
+    packed = pack(q)
+    small = kernel_for(spec, 64, 256, 1, packed.layout)
+    assert kernel_for(spec, 64, 256, 16, packed.layout) is small
+    large = kernel_for(spec, 64, 256, 17, packed.layout)
+    assert large is not small and kernel_for(spec, 64, 256, 4096, packed.layout) is large
+    assert small.m_range == (1, 16) and large.m_range[0] == 17
+
+
+@pytest.mark.parametrize("name", ["int4", "uint2", "int1", "nf4", "uint3", "int8", "mxfp4"])
+@pytest.mark.parametrize("n, k", [(16, 128), (37, 100), (5, 8)])
+def test_layout_transform_round_trips(name, n, k):
+    block = ttype.get(name).block_size > 1
+    if block and k % 32:
+        pytest.skip("block types need K divisible by their block")
+    q = bitkern.quantize(torch.randn(n, k), name, group_size=None if block else -1)
+    packed = pack(q)
+    assert packed.layout == ("tile16" if q.ttype.bits in (1, 2, 4) else "rowmajor")
+    back = packed.to_portable()
+    for field in ("qweight", "scales", "zeros", "tensor_scale"):
+        a, b = getattr(back, field), getattr(q, field)
+        assert (a is None and b is None) or torch.equal(a, b), field
+    assert to_layout(q, "rowmajor").to_portable().qweight is q.qweight
+
+
+def test_call_errors_name_the_argument():
+    spec, q, x, _ = _case("int4", 32, 128, 2)
+    packed = pack(q)
+    with pytest.raises(TypeError, match=r"weight must be packed for the kernels with bitkern.pack"):
+        spec(x, q)
+    with pytest.raises(TypeError, match="x has dtype torch.float32; this Matmul takes activation_dtype=bfloat16"):
+        spec(x.float(), packed)
+    with pytest.raises(ValueError, match=r"its last dimension must be in_features=128"):
+        spec(torch.randn(2, 64).bfloat16(), packed)
+    with pytest.raises(ValueError, match="weight has group_size=128 but the Matmul spec has group_size=64"):
+        Matmul("int4", "bfloat16", group_size=64)(x, packed)
+    assert isinstance(packed, PackedWeight)
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        pack(torch.zeros(4, 4))
