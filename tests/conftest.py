@@ -1,6 +1,11 @@
-"""Shared test helpers: compiling small TVM expressions for the host CPU."""
+"""Shared test helpers: compiling small TVM expressions for the host CPU; kernels chosen by the cost model
+(profiling top-k candidates per kernel would multiply the suite's compile time; test_tuner covers it)."""
+
+import os
 
 import pytest
+
+os.environ.setdefault("BITKERN_TUNING", "model")
 
 
 @pytest.fixture(scope="session")

@@ -141,11 +141,14 @@ def test_amx_and_generic_templates_agree():
 def test_kernels_are_built_once_per_bucket():
     spec, q, x, _ = _case("uint4", 64, 256, 1)
     packed = pack(q)
-    small = kernel_for(spec, 64, 256, 1, packed.layout)
-    assert kernel_for(spec, 64, 256, 16, packed.layout) is small
-    large = kernel_for(spec, 64, 256, 17, packed.layout)
-    assert large is not small and kernel_for(spec, 64, 256, 4096, packed.layout) is large
-    assert small.m_range == (1, 16) and large.m_range[0] == 17
+    first = kernel_for(spec, 64, 256, 1, packed.layout)
+    assert kernel_for(spec, 64, 256, 4, packed.layout) is first
+    middle = kernel_for(spec, 64, 256, 16, packed.layout)
+    assert middle is not first and kernel_for(spec, 64, 256, 5, packed.layout) is middle
+    large = kernel_for(spec, 64, 256, 4096, packed.layout)
+    assert kernel_for(spec, 64, 256, 129, packed.layout) is large
+    assert (first.m_range, middle.m_range, large.m_range[0]) == ((1, 4), (5, 16), 129)
+    assert first.record.bucket == (1, 4) and first.record.chosen is not None
 
 
 @pytest.mark.parametrize("name", ["int4", "uint2", "int1", "nf4", "uint3", "int8", "mxfp4"])

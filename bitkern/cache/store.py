@@ -1,12 +1,12 @@
-"""The in-process kernel map: a miss asks the tuner for a configuration and compiles it."""
+"""The in-process kernel map: a miss has the tuner choose and compile the kernel."""
 
 from __future__ import annotations
 
+import os
 import threading
 
-from ..codegen.cpu.kernel import build_kernel
 from ..ops.matmul import Matmul
-from ..tuner import choose, host_cpu, m_bucket
+from ..tuner import host_cpu, m_bucket, tune
 
 _kernels: dict = {}
 _build_lock = threading.Lock()
@@ -22,7 +22,20 @@ def kernel_for(spec: Matmul, n: int, k: int, m: int, layout: str, device=None):
         with _build_lock:
             kernel = _kernels.get(key)
             if kernel is None:
-                choice = choose(spec, n, k, bucket, layout, device)
-                kernel = build_kernel(spec, n, k, choice.template, choice.config, layout, bucket, device)
+                tuned = tune(spec, n, k, bucket, layout, device, profile=tuning_mode() == "profile")
+                kernel = tuned.kernel
+                kernel.record = tuned.record
                 _kernels[key] = kernel
     return kernel
+
+
+TUNING_MODES = ("profile", "model")
+
+
+def tuning_mode() -> str:
+    """$BITKERN_TUNING: "profile" (default: build and time the top-k candidates) or "model" (cost model
+    alone: faster, for tests and cross-compilation)."""
+    mode = os.environ.get("BITKERN_TUNING", "profile")
+    if mode not in TUNING_MODES:
+        raise ValueError(f"BITKERN_TUNING={mode!r} is not known; accepted: {list(TUNING_MODES)}")
+    return mode

@@ -1,9 +1,12 @@
-"""Hardware descriptions (tTile-device) and the choice of template and tile configuration per kernel.
+"""Hardware descriptions (tTile-device), hint-based tile search, the traffic cost model, top-k profiling.
 
-Entry points: `host_cpu()`, `choose(spec, n, k, bucket, layout, device)`, `m_bucket(m)`.
+Entry points: `tune(spec, n, k, bucket, layout, device)` -> a compiled kernel and its `TuningRecord`;
+`m_bucket(m)`; device descriptions `host_cpu()`, `cuda_device(arch)`, `device_for(target)`.
 """
 
-from .device import CpuDevice, host_cpu
-from .select import M_BUCKETS, Choice, choose, m_bucket
+from .device import CpuDevice, CudaDevice, cuda_device, device_for, host_cpu
+from .record import TuningRecord
+from .select import M_BUCKETS, Tuned, m_bucket, tune
 
-__all__ = ["CpuDevice", "Choice", "M_BUCKETS", "choose", "host_cpu", "m_bucket"]
+__all__ = ["CpuDevice", "CudaDevice", "M_BUCKETS", "Tuned", "TuningRecord", "cuda_device", "device_for",
+           "host_cpu", "m_bucket", "tune"]

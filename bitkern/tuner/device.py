@@ -2,6 +2,8 @@
 
 `host_cpu()` reads the machine this process runs on (instruction sets from /proc/cpuinfo, cache sizes
 from sysfs, usable cores from the scheduler) and gives the TVM LLVM target that compiles for it.
+`cuda_device(arch)` describes an NVIDIA architecture by name (for cross-compiling on a machine without
+it); `cuda_device()` reads the present GPU through torch's device properties.
 """
 
 from __future__ import annotations
@@ -33,10 +35,16 @@ class CpuDevice:
     llc_bytes: int
     has_amx_bf16: bool
     flags: frozenset
+    clock_hz: float = 3.0e9
+    prefetch_bytes: int = 4096  # memory latency x per-core bandwidth: how far ahead streams must prefetch
 
     @property
     def kind(self) -> str:
         return "cpu"
+
+    def memory_bandwidth(self) -> float:
+        """DRAM read bandwidth with all cores (bytes/s), measured once per process."""
+        return _measured_bandwidth(self.cores)
 
     @property
     def key(self) -> str:
@@ -63,7 +71,40 @@ def host_cpu() -> CpuDevice:
         name=_cpu_model(), llvm_cpu=llvm_cpu, cores=_usable_cores(), vector_bytes=vector_bytes,
         l1_bytes=_cache_bytes(1, "Data", 48 << 10), l2_bytes=_cache_bytes(2, "Unified", 2 << 20),
         llc_bytes=_cache_bytes(3, "Unified", 32 << 20),
-        has_amx_bf16={"amx_tile", "amx_bf16"} <= flags, flags=frozenset(flags))
+        has_amx_bf16={"amx_tile", "amx_bf16"} <= flags, flags=frozenset(flags), clock_hz=_cpu_mhz() * 1e6)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_bandwidth(cores: int) -> float:
+    """Best of three streaming reads of 256 MiB (beyond any per-core cache) with `cores` threads."""
+    import time
+
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        buffer = torch.ones(64 << 20, dtype=torch.float32)
+        buffer.sum()
+        best = 0.0
+        for _ in range(3):
+            start = time.perf_counter()
+            buffer.sum()
+            best = max(best, buffer.numel() * 4 / (time.perf_counter() - start))
+        return best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _cpu_mhz() -> float:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("cpu MHz"):
+                    return float(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return 3000.0
 
 
 def _usable_cores() -> int:
@@ -112,3 +153,95 @@ def _cache_bytes(level: int, kind: str, default: int) -> int:
     except (OSError, ValueError):
         pass
     return default
+
+
+@dataclass(frozen=True)
+class MmaShape:
+    """A TensorCore mma.sync instruction: m x n x k for one input type."""
+
+    m: int
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    """An NVIDIA GPU architecture: memory levels with their transaction granularity and capacity, and
+    the TensorCore instruction shapes per input type."""
+
+    name: str
+    arch: str
+    sm_count: int
+    global_transaction_bytes: int
+    shared_banks: int
+    shared_bank_bytes: int
+    shared_bytes_per_block: int
+    shared_bytes_per_sm: int
+    ldmatrix_bytes: int
+    registers_per_thread: int
+    registers_per_sm: int
+    max_threads_per_block: int
+    l2_bytes: int
+    mma: dict
+    has_cp_async: bool = True
+
+    @property
+    def kind(self) -> str:
+        return "cuda"
+
+    @property
+    def key(self) -> str:
+        return f"cuda-{self.arch}"
+
+    def tvm_target(self):
+        import tvm
+
+        return tvm.target.Target({"kind": "cuda", "arch": self.arch})
+
+
+_F16_MMA = {"float16": MmaShape(16, 8, 16), "bfloat16": MmaShape(16, 8, 16), "int8": MmaShape(16, 8, 32)}
+_FP8_MMA = {**_F16_MMA, "float8_e4m3": MmaShape(16, 8, 32)}
+
+# Per-architecture limits from NVIDIA's CUDA C++ Programming Guide (compute capabilities table); SM counts
+# of the reference data-center parts (A100, A10, L40S, H100 SXM); a present GPU reports its own.
+CUDA_ARCHS = {
+    "sm_80": CudaDevice("A100", "sm_80", 108, 32, 32, 4, 163 << 10, 164 << 10, 16, 255, 65536, 1024, 40 << 20,
+                        _F16_MMA),
+    "sm_86": CudaDevice("A10", "sm_86", 72, 32, 32, 4, 99 << 10, 100 << 10, 16, 255, 65536, 1024, 6 << 20,
+                        _F16_MMA),
+    "sm_89": CudaDevice("L40S", "sm_89", 142, 32, 32, 4, 99 << 10, 100 << 10, 16, 255, 65536, 1024, 96 << 20,
+                        _FP8_MMA),
+    "sm_90": CudaDevice("H100", "sm_90", 132, 32, 32, 4, 227 << 10, 228 << 10, 16, 255, 65536, 1024, 50 << 20,
+                        _FP8_MMA),
+}
+
+
+def cuda_device(arch: str | None = None) -> CudaDevice:
+    """The description of `arch` ("sm_80", "sm_86", "sm_89", "sm_90"), or of the present GPU."""
+    if arch is not None:
+        if arch not in CUDA_ARCHS:
+            raise ValueError(f"arch={arch!r} is not a known CUDA target; accepted: {sorted(CUDA_ARCHS)}")
+        return CUDA_ARCHS[arch]
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is present; name an arch (e.g. 'sm_90') to cross-compile for it")
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    detected = f"sm_{props.major}{props.minor}"
+    base = CUDA_ARCHS.get(detected) or CUDA_ARCHS["sm_90" if props.major >= 9 else "sm_80"]
+    return CudaDevice(props.name, detected, props.multi_processor_count, base.global_transaction_bytes,
+                      base.shared_banks, base.shared_bank_bytes,
+                      getattr(props, "shared_memory_per_block_optin", base.shared_bytes_per_block),
+                      getattr(props, "shared_memory_per_multiprocessor", base.shared_bytes_per_sm),
+                      base.ldmatrix_bytes, base.registers_per_thread,
+                      getattr(props, "regs_per_multiprocessor", base.registers_per_sm),
+                      base.max_threads_per_block, getattr(props, "L2_cache_size", base.l2_bytes), base.mma)
+
+
+def device_for(target: str):
+    """A device description from a target name: "cpu" (the host) or a CUDA arch like "sm_90"."""
+    if target == "cpu":
+        return host_cpu()
+    if target == "cuda":
+        return cuda_device()
+    return cuda_device(target)

@@ -1,59 +1,123 @@
-"""Which template and tile configuration compiles a (spec, N, K, M bucket) for a device.
+"""Tune one kernel: enumerate hint-aligned candidates, rank them by the cost model, build the top-k in
+parallel, time them on the device, keep the fastest (or the model's best where the device is absent).
 
-Rows M are served by buckets, each one compiled kernel whose M is symbolic: M <= 16 runs the small-M
-kernel (one AMX block of M rows), larger M the blocked kernel.  A spec the fast template cannot run
-falls back to the generic template, and the fallback is logged with its reason.
+Rows M are served by buckets, each one compiled kernel whose M is symbolic, tuned at a representative M:
+M 1..4 (decode-bound GEMV shapes: the lookup template competes), 5..16 (one AMX block of M rows),
+17..128 and 129.. (blocked AMX GEMM).  The bucket is part of the cache key and of the tuning record.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
-from ..codegen.cpu import amx
-from ..codegen.cpu.generic import GenericConfig
+from tqdm import tqdm
+
 from ..ops.matmul import Matmul
+from .cost import estimate
+from .profile import build_all, inputs, time_kernel
+from .record import Trial, TuningRecord
+from .space import enumerate_candidates, templates_for
 
 log = logging.getLogger("bitkern")
 
-SMALL_M = amx.SMALL_M_ROWS
-M_BUCKETS = ((1, SMALL_M), (SMALL_M + 1, 2**31 - 1))
+M_BUCKETS = ((1, 4), (5, 16), (17, 128), (129, 2**31 - 1))
+TUNED_M = {(1, 4): 1, (5, 16): 16, (17, 128): 64, (129, 2**31 - 1): 256}
+TOP_K = 4
+TIE = 0.03  # measured times within 3% of the fastest are a tie, broken by the model: stable choices
 
 
 def m_bucket(m: int) -> tuple[int, int]:
-    """The bucket of rows M (1-based, inclusive bounds) whose kernel serves M."""
+    """The bucket of rows M (inclusive bounds) whose kernel serves M."""
     if m < 1:
         raise ValueError(f"m={m}: a kernel serves at least one row")
     return next(bucket for bucket in M_BUCKETS if bucket[0] <= m <= bucket[1])
 
 
-@dataclass(frozen=True)
-class Choice:
-    """A template, its configuration, and why it was chosen."""
+@dataclass
+class Tuned:
+    """The chosen kernel (compiled) and the record of how it was chosen."""
 
-    template: str
-    config: object
-    reason: str
-
-
-def choose(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, device) -> Choice:
-    """The template and configuration for one kernel."""
-    reason = _amx_unavailable(spec, k, layout, device)
-    if reason is None:
-        decode = amx.decode_strategies(spec)[0]
-        if bucket[1] <= SMALL_M:
-            config = amx.AmxConfig(n_tiles=2, prefetch=64, decode=decode)
-        else:
-            config = amx.AmxConfig(small_m=False, m_tiles=2, n_tiles=2, m_chunk=64, prefetch=64, decode=decode)
-        return Choice("amx", config, "AMX bf16 with on-the-fly decode")
-    log.info("bitkern: generic CPU template for %s (N=%d, K=%d): the AMX template does not run %s",
-             spec.weight_dtype, n, k, reason)
-    return Choice("generic", GenericConfig(), f"generic template: no AMX path for {reason}")
+    kernel: object
+    record: TuningRecord
 
 
-def _amx_unavailable(spec: Matmul, k: int, layout: str, device) -> str | None:
-    if not device.has_amx_bf16:
-        return "this CPU (no AMX-BF16)"
-    if layout != "tile16":
-        return f"the {layout} weight layout"
-    return amx.unsupported_reason(spec, k)
+def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, device, top_k: int = TOP_K,
+         profile: bool = True) -> Tuned:
+    """Choose and compile the kernel for `spec` on a [N, K] weight in `layout`, rows in `bucket`."""
+    if not 1 <= top_k <= 8:
+        raise ValueError(f"top_k={top_k} is out of range; accepted: 1..8")
+    start = time.perf_counter()
+    hint, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
+    tuned_m = TUNED_M.get(bucket, bucket[0])
+    record = TuningRecord(spec, n, k, bucket, tuned_m, device.key, hint)
+    record.trials = [Trial(c.template, c.config, estimate(c.template, c.config, spec, n, k, tuned_m, device).seconds)
+                     for c in candidates]
+    for template, reason in templates_for(spec, k, bucket, layout, device).items():
+        if reason is not None:
+            record.notes.append(f"{template} template not used: {reason}")
+    order = _ranked(record.trials)
+    present = is_present(device)
+    if profile and present:
+        shortlist = _shortlist(record.trials, order, top_k)
+        kernels = build_all([candidates[i] for i in shortlist], spec, n, k, layout, bucket, device)
+        x, copies, bias = inputs(spec, n, k, tuned_m, layout, device)
+        for i, kernel in tqdm(list(zip(shortlist, kernels)), desc=f"tuning {spec.weight_dtype} {n}x{k}",
+                              leave=False, disable=None):
+            record.trials[i].measured_s = time_kernel(kernel, x, copies, bias)
+        fastest = min(record.trials[i].measured_s for i in shortlist)
+        ties = [i for i in shortlist if record.trials[i].measured_s <= fastest * (1 + TIE)]
+        record.chosen = min(ties, key=order.index)
+        record.profiled = True
+        kernel = kernels[shortlist.index(record.chosen)]
+    else:
+        record.chosen = order[0]
+        record.notes.append("chosen by the cost model alone: the target device is not present"
+                            if not present else "chosen by the cost model alone (profiling off)")
+        chosen = record.choice
+        from ..codegen.cpu.kernel import build_kernel
+
+        kernel = build_kernel(spec, n, k, chosen.template, chosen.config, layout, bucket, device)
+    record.seconds = time.perf_counter() - start
+    log.info("bitkern: tuned %s", record.summary())
+    log.debug("bitkern: tuning record\n%s", record)
+    return Tuned(kernel, record)
+
+
+def _ranked(trials: list[Trial]) -> list[int]:
+    """Candidate indices by modeled time; ties broken by template and configuration, so runs agree."""
+    return sorted(range(len(trials)), key=lambda i: (trials[i].modeled_s, trials[i].template, repr(trials[i].config)))
+
+
+CONTENDER = 2.0  # another template's best is worth building if modeled within this factor of the best
+
+
+def _shortlist(trials: list[Trial], order: list[int], top_k: int) -> list[int]:
+    """The best candidate of each template the model rates a contender, then the next best, up to top_k."""
+    best = trials[order[0]].modeled_s
+    chosen: list[int] = []
+    for template in dict.fromkeys(trials[i].template for i in order):
+        first = next(i for i in order if trials[i].template == template)
+        if len(chosen) < top_k and trials[first].modeled_s <= CONTENDER * best:
+            chosen.append(first)
+    for i in order:
+        if len(chosen) >= top_k:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return sorted(chosen, key=order.index)
+
+
+def is_present(device) -> bool:
+    """Whether kernels for `device` can run in this process (so candidates can be timed)."""
+    if device.kind == "cpu":
+        from .device import host_cpu
+
+        return device.key == host_cpu().key
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return device.arch == f"sm_{props.major}{props.minor}"

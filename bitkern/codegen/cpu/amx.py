@@ -25,13 +25,13 @@ from ...ops.matmul import Matmul
 from ...ttype import get
 from ...ttype.types import INT, UINT
 from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
-from .tir import LANES, bf16_bits, bf16_to_float, bf16_value, intrinsic, lanes, load, ramp, splat, stride, tile, tile_pointer, u32
+from .tir import (LANES, STORAGE, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
+                  splat, stride, tile, tile_pointer, u32)
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
 DECODES = ("affine", "lut")
 TILE_REGISTERS = 8
 SMALL_M_ROWS = AMX_TILE_ROWS
-_STORAGE = {"bfloat16": "int16", "float16": "float16", "float32": "float32"}  # bf16 travels as int16 bits
 _BF16_128 = 0x4300  # bfloat16 128.0: OR-ing a code u < 128 into its mantissa gives 128 + u exactly
 
 
@@ -208,18 +208,18 @@ class _Builder:
     def _arguments(self) -> None:
         s, spec = self.s, self.spec
         per_tile = (s.n_tiles, s.scale_groups, LANES)
-        self.x = T.arg("x", T.Buffer((self.m, s.k), _STORAGE[spec.activation_dtype]))
+        self.x = T.arg("x", T.Buffer((self.m, s.k), STORAGE[spec.activation_dtype]))
         self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
         self.scales = T.arg("scales", T.Buffer(per_tile, "uint8" if self.ttype.block_size > 1
-                                               else _STORAGE[spec.scale_dtype]))
+                                               else STORAGE[spec.scale_dtype]))
         self.zeros = None
         if spec.zero_mode != "none":
-            self.zeros = T.arg("zeros", T.Buffer(per_tile, _STORAGE[spec.scale_dtype] if spec.zero_mode == "hqq"
+            self.zeros = T.arg("zeros", T.Buffer(per_tile, STORAGE[spec.scale_dtype] if spec.zero_mode == "hqq"
                                                  else "uint8"))
         self.tensor_scale = T.arg("tensor_scale", T.Buffer((1,), "float32")) if self.ttype.tensor_scale else None
         self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
         self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
-        self.y = T.arg("y", T.Buffer((self.m, s.n), _STORAGE[spec.output_dtype]))
+        self.y = T.arg("y", T.Buffer((self.m, s.n), STORAGE[spec.output_dtype]))
 
     def _padded_rows(self):
         if self.cfg.small_m:
@@ -276,7 +276,7 @@ class _Builder:
         parts = max(1, 32 // self.s.kgroup)  # 16-k groups (nvfp4) split a 32-k chunk in two
         for part in range(parts):
             width = LANES // parts
-            part_sum = _horizontal_sum(tirx.Shuffle([pair_sums], list(range(part * width, (part + 1) * width))))
+            part_sum = horizontal_sum(tirx.Shuffle([pair_sums], list(range(part * width, (part + 1) * width))))
             k_start = chunk * 32 + part * (32 // parts)
             group = tirx.floordiv(k_start, self.s.kgroup)
             first = tirx.floormod(k_start, self.s.kgroup) == 0
@@ -506,11 +506,3 @@ def _when(condition, emit) -> None:
         with T.If(condition):
             with T.Then():
                 emit()
-
-
-def _horizontal_sum(values):
-    """Sum of the lanes of a float32 vector, as a tree of halves."""
-    while lanes(values) > 1:
-        half = lanes(values) // 2
-        values = tirx.Shuffle([values], list(range(half))) + tirx.Shuffle([values], list(range(half, 2 * half)))
-    return values

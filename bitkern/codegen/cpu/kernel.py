@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from ...ops.matmul import Matmul
-from . import amx, generic
+from . import amx, generic, lut
 from .layout import PackedWeight
 from .runtime import enable_amx
 
-TEMPLATES = ("amx", "generic")
+TEMPLATES = ("amx", "lut", "generic")
 
 
 @dataclass
@@ -37,7 +37,9 @@ class CpuKernel:
         if weight.tensor_scale is not None:
             args.append(weight.tensor_scale.reshape(1))
         if self.template == "amx" and self.config.decode == "lut":
-            args.append(self._lut)
+            args.append(self._table(amx.lut_words))
+        if self.template == "lut":
+            args.append(self._table(lut.value_table))
         if bias is not None:
             args.append(bias.to(torch.float32).contiguous())
         args.append(self._as_arg(y))
@@ -45,14 +47,14 @@ class CpuKernel:
         return y
 
     def _as_arg(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The AMX template takes bfloat16 data as int16 bits."""
-        return tensor.view(torch.int16) if self.template == "amx" and tensor.dtype == torch.bfloat16 else tensor
+        """The hand-written templates take bfloat16 data as int16 bits."""
+        return tensor.view(torch.int16) if self.template != "generic" and tensor.dtype == torch.bfloat16 else tensor
 
-    @property
-    def _lut(self) -> torch.Tensor:
-        if "_lut_words" not in self.__dict__:
-            self.__dict__["_lut_words"] = amx.lut_words(self.spec)
-        return self.__dict__["_lut_words"]
+    def _table(self, make) -> torch.Tensor:
+        """A constant table argument of the template, made once per kernel."""
+        if "_constant_table" not in self.__dict__:
+            self.__dict__["_constant_table"] = make(self.spec)
+        return self.__dict__["_constant_table"]
 
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -63,11 +65,13 @@ def build_kernel(spec: Matmul, n: int, k: int, template: str, config, layout: st
     """Generate the template's code for `config` and compile it for `device` (a tuner CpuDevice)."""
     import tvm
 
+    if template in ("amx", "lut") and layout != "tile16":
+        raise ValueError(f"the {template} template reads the tile16 layout, not {layout!r}")
     if template == "amx":
-        if layout != "tile16":
-            raise ValueError(f"the AMX template reads the tile16 layout, not {layout!r}")
         func = amx.build(spec, n, k, config)
         enable_amx()
+    elif template == "lut":
+        func = lut.build(spec, n, k, config)
     elif template == "generic":
         func = generic.build(spec, n, k, config, layout)
     else:

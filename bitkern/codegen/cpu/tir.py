@@ -6,6 +6,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 LANES = 16  # 32-bit lanes of one 512-bit vector
+STORAGE = {"bfloat16": "int16", "float16": "float16", "float32": "float32"}  # bf16 travels as int16 bits
 
 
 def lanes(expr) -> int:
@@ -82,3 +83,11 @@ def bf16_to_float(stored):
     """float32 (lanes) of bfloat16 values stored as int16 (lanes)."""
     n = lanes(stored)
     return bf16_value(tirx.Cast(_typed("uint32", n), tirx.reinterpret(_typed("uint16", n), stored)))
+
+
+def horizontal_sum(values):
+    """Sum of the lanes of a float32 vector, as a tree of halves."""
+    while lanes(values) > 1:
+        half = lanes(values) // 2
+        values = tirx.Shuffle([values], list(range(half))) + tirx.Shuffle([values], list(range(half, 2 * half)))
+    return values

@@ -1,0 +1,250 @@
+"""Table-lookup template for few rows (T-MAC style): y = x · dequant(W)ᵀ without decoding the weights.
+
+Each 4-bit nibble of a tile16 word holds 4/bits codes of one row.  For every nibble position p and every
+row of x, the prologue tabulates all 16 partial sums T[m, p, c] = Σ_i x[m, k_i] · v(code_i(c)) over the
+k's the nibble covers.  The main loop then needs, per nibble of 16 weight rows, one vpermps (a 16-entry
+float32 table lookup in a register, indexed by the low 4 bits of each lane: the word shifted by 4·j) and
+one add: 64 weights per lookup for 1-bit codes, 32 for 2-bit, 16 for 4-bit, all in exact float32 sums.
+Per group, y += scale · (Σ + beta·XS) folds the zero point (codes tabulate as raw integers then).
+Cost grows with the number of rows, so the tuner uses it for M <= 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+from ...ops.matmul import Matmul
+from ...ttype import codes_per_word, get
+from .amx import PLANES
+from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
+from .tir import LANES, STORAGE, bf16_bits, bf16_to_float, horizontal_sum, load, ramp, splat
+
+MAX_ROWS = 4
+NIBBLES_PER_WORD = 8
+
+
+@dataclass(frozen=True)
+class LutConfig:
+    """Tile configuration of the lookup template: `n_tiles` 16-row weight tiles per task (they share each
+    group's tables while those sit in L1), `prefetch` words ahead."""
+
+    n_tiles: int = 8
+    prefetch: int = 32
+
+
+def unsupported_reason(spec: Matmul, k: int) -> str | None:
+    """Why the lookup template cannot run `spec` with reduction length k, or None if it can."""
+    ttype = get(spec.weight_dtype)
+    group = k if spec.group_size == -1 else spec.group_size
+    if ttype.bits not in TILE16_BITS:
+        return f"{ttype.bits}-bit codes (it reads {TILE16_BITS}-bit codes)"
+    if spec.activation_dtype not in PLANES:
+        return f"activation_dtype={spec.activation_dtype}"
+    if group != k and group % codes_per_word(ttype.bits):
+        return f"group_size={group} (it needs whole 32-bit words of codes per group)"
+    return None
+
+
+def value_table(spec: Matmul) -> torch.Tensor:
+    """The `values` argument: float32 v(c) for every code c of the weight type (raw codes for zero modes)."""
+    ttype = get(spec.weight_dtype)
+    if spec.zero_mode != "none":
+        return torch.arange(ttype.num_codes, dtype=torch.float32)
+    return ttype.values.clone()
+
+
+def build(spec: Matmul, n: int, k: int, config: LutConfig, name: str = "main"):
+    """The PrimFunc for a [N, K] weight in the tile16 layout and M <= 4 rows.
+
+    Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), values
+    (see `value_table`), bias [N] float32 (bias specs), y [M, N]; bfloat16 travels as int16 bits.
+    """
+    reason = unsupported_reason(spec, k)
+    if reason:
+        raise ValueError(f"the lookup template does not support {reason}")
+    return _Builder(spec, n, k, config).build(name)
+
+
+class _Builder:
+    def __init__(self, spec: Matmul, n: int, k: int, config: LutConfig):
+        self.spec, self.cfg = spec, config
+        self.ttype = get(spec.weight_dtype)
+        self.bits = self.ttype.bits
+        self.n, self.k = n, k
+        self.k_pad = padded_k(k)
+        group = k if spec.group_size == -1 else spec.group_size
+        self.per_channel = group == k
+        self.kgroup = self.k_pad if self.per_channel else group
+        self.groups = self.k_pad // self.kgroup
+        self.scale_groups = k // group
+        self.per_word = codes_per_word(self.bits)
+        self.words = self.k_pad // self.per_word
+        self.group_words = self.kgroup // self.per_word
+        self.codes_per_nibble = 4 // self.bits
+        self.positions = self.words * NIBBLES_PER_WORD
+        self.n_tiles = -(-n // AMX_TILE_ROWS)
+        self.m = tirx.Var("M", "int32")
+
+    def build(self, name: str):
+        with IRBuilder() as builder:
+            with T.prim_func():
+                T.func_name(name)
+                self._arguments()
+                T.func_attr({"tirx.noalias": True})
+                T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= MAX_ROWS))
+                self.tables = T.alloc_buffer((self.m, self.positions, LANES), "float32")
+                self.xs = T.alloc_buffer((self.m, self.groups), "float32")
+                self._prologue()
+                self._main()
+        return builder.get()
+
+    def _arguments(self) -> None:
+        spec = self.spec
+        per_tile = (self.n_tiles, self.scale_groups, AMX_TILE_ROWS)
+        self.x = T.arg("x", T.Buffer((self.m, self.k), STORAGE[spec.activation_dtype]))
+        self.qweight = T.arg("qweight", T.Buffer((self.n_tiles, self.words, AMX_TILE_ROWS), "int32"))
+        self.scales = T.arg("scales", T.Buffer(per_tile, "uint8" if self.ttype.block_size > 1
+                                               else STORAGE[spec.scale_dtype]))
+        self.zeros = None
+        if spec.zero_mode != "none":
+            self.zeros = T.arg("zeros", T.Buffer(per_tile, STORAGE[spec.scale_dtype] if spec.zero_mode == "hqq"
+                                                 else "uint8"))
+        self.tensor_scale = T.arg("tensor_scale", T.Buffer((1,), "float32")) if self.ttype.tensor_scale else None
+        self.values = T.arg("values", T.Buffer((self.ttype.num_codes,), "float32"))
+        self.bias = T.arg("bias", T.Buffer((self.n,), "float32")) if spec.bias else None
+        self.y = T.arg("y", T.Buffer((self.m, self.n), STORAGE[spec.output_dtype]))
+
+    # -- prologue: tables and group sums ---------------------------------------------------------------
+    def _k_in_word(self, slot: int) -> int:
+        """The k offset (within its word's k's) of code position `slot` of a tile16 word."""
+        half = self.per_word // 2
+        return slot * 2 if slot < half else (slot - half) * 2 + 1
+
+    def _x(self, row, k_index):
+        """x[row, k] as float32, 0 past K."""
+        value = load(self.x, row, tirx.min(k_index, self.k - 1))
+        value = bf16_to_float(value) if self.spec.activation_dtype == "bfloat16" else tirx.Cast("float32", value)
+        return tirx.Select(k_index < self.k, value, tirx.const(0.0, "float32"))
+
+    def _prologue(self) -> None:
+        """T[m, 8w + j, c] = Σ_i x[m, k_i] · v((c >> i·bits) & mask) over the k's of nibble j of word w, in
+        parallel over (m, w); with zero points also XS[m, g] = Σ_{k in g} x[m, k]."""
+        mask = (1 << self.bits) - 1
+        lane = tirx.Ramp(0, 1, LANES)
+        selected = [load(self.values, tirx.bitwise_and(tirx.shift_right(lane, splat(i * self.bits, "int32")),
+                                                        splat(mask, "int32"))) for i in range(self.codes_per_nibble)]
+        with T.parallel(0, self.m * self.words) as task:
+            row, word = tirx.floordiv(task, self.words), tirx.floormod(task, self.words)
+            for nibble in range(NIBBLES_PER_WORD):
+                total = None
+                for i in range(self.codes_per_nibble):
+                    k_index = word * self.per_word + self._k_in_word(nibble * self.codes_per_nibble + i)
+                    term = tirx.Broadcast(self._x(row, k_index), LANES) * selected[i]
+                    total = term if total is None else total + term
+                T.buffer_store(self.tables, total, [row, word * NIBBLES_PER_WORD + nibble, ramp(0)])
+        if self.zeros is None:
+            return
+        with T.serial(0, self.m) as row:
+            with T.serial(0, self.groups) as g:
+                acc = T.alloc_buffer((LANES,), "float32", scope="local")
+                T.buffer_store(acc, splat(0.0, "float32"), [ramp(0)])
+                with T.serial(0, self.kgroup // LANES) as chunk:
+                    T.buffer_store(acc, load(acc, ramp(0)) + self._x_vector(row, g * self.kgroup + chunk * LANES),
+                                   [ramp(0)])
+                T.buffer_store(self.xs, horizontal_sum(load(acc, ramp(0))), [row, g])
+
+    def _x_vector(self, row, k0):
+        """x[row, k0 : k0 + 16] as float32 lanes, 0 past K."""
+        if self.k % LANES == 0:
+            value = load(self.x, row, ramp(k0))
+            return bf16_to_float(value) if self.spec.activation_dtype == "bfloat16" else tirx.Cast("float32x16", value)
+        return tirx.Shuffle([self._x(row, k0 + i) for i in range(LANES)], list(range(LANES)))
+
+    # -- main loop --------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        """Tasks of n_tiles weight tiles; per group, the group's tables (L1) serve every tile of the task."""
+        cfg = self.cfg
+        blocks = -(-self.n_tiles // cfg.n_tiles)
+        with T.parallel(0, blocks) as block:
+            yacc = T.alloc_buffer((MAX_ROWS, cfg.n_tiles, LANES), "float32", scope="local", align=64)
+            gacc = T.alloc_buffer((MAX_ROWS, 2, LANES), "float32", scope="local", align=64)
+            with T.serial(0, self.m * cfg.n_tiles) as slot:
+                T.buffer_store(yacc, splat(0.0, "float32"), [tirx.floordiv(slot, cfg.n_tiles),
+                                                             tirx.floormod(slot, cfg.n_tiles), ramp(0)])
+            with T.serial(0, self.groups) as g:
+                with T.serial(0, cfg.n_tiles) as c:
+                    tile_index = tirx.min(block * cfg.n_tiles + c, self.n_tiles - 1)
+                    with T.serial(0, self.m * 2) as slot:
+                        T.buffer_store(gacc, splat(0.0, "float32"), [tirx.floordiv(slot, 2), tirx.floormod(slot, 2),
+                                                                     ramp(0)])
+                    with T.serial(0, self.group_words) as w:  # two accumulators, alternating words
+                        self._lookup_word(gacc, tile_index, tirx.floormod(w, 2), g * self.group_words + w)
+                    self._finish_group(yacc, gacc, tile_index, c, g)
+            with T.serial(0, cfg.n_tiles) as c:
+                first = block * cfg.n_tiles + c
+                with T.If(first < self.n_tiles):
+                    with T.Then():
+                        self._store(yacc, first, c)
+
+    def _lookup_word(self, gacc, tile_index, half, word_index) -> None:
+        """gacc[row, half] += Σ_j T[row, 8·word + j][nibble j of each lane's word]."""
+        ahead = tirx.min(word_index + self.cfg.prefetch, self.words - 1)
+        T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
+                                         tirx.address_of(load(self.qweight, tile_index, ahead, 0)),
+                                         tirx.const(0, "int32"), tirx.const(3, "int32"), tirx.const(1, "int32")))
+        word = load(self.qweight, tile_index, word_index, ramp(0))
+        indices = [word if j == 0 else tirx.reinterpret("int32x16", tirx.shift_right(
+            tirx.reinterpret("uint32x16", word), tirx.Broadcast(tirx.const(4 * j, "uint32"), LANES)))
+            for j in range(NIBBLES_PER_WORD)]
+        with T.serial(0, self.m) as row:
+            picked = [tirx.call_llvm_pure_intrin(
+                "float32x16", "llvm.x86.avx512.permvar.sf.512",
+                load(self.tables, row, word_index * NIBBLES_PER_WORD + j, ramp(0)), index)
+                for j, index in enumerate(indices)]
+            while len(picked) > 1:  # a tree: short dependency chains
+                picked = [picked[i] + picked[i + 1] for i in range(0, len(picked), 2)]
+            T.buffer_store(gacc, load(gacc, row, half, ramp(0)) + picked[0], [row, half, ramp(0)])
+
+    def _finish_group(self, yacc, gacc, tile_index, c, g) -> None:
+        scale_group = 0 if self.per_channel else g
+        scale = self._scale(tile_index, scale_group)
+        zero = self._zero(tile_index, scale_group) if self.zeros is not None else None
+        with T.serial(0, self.m) as row:
+            total = load(gacc, row, 0, ramp(0)) + load(gacc, row, 1, ramp(0))
+            if zero is not None:
+                total = total - zero * tirx.Broadcast(load(self.xs, row, g), LANES)
+            T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scale, [row, c, ramp(0)])
+
+    def _scale(self, tile_index, group):
+        raw = load(self.scales, tile_index, group, ramp(0))
+        if self.ttype.block_size == 1:
+            return bf16_to_float(raw) if self.spec.scale_dtype == "bfloat16" else tirx.Cast("float32x16", raw)
+        scale = get(self.ttype.block_scale).tvm_decode(tirx.Cast("uint32x16", raw), "float32")
+        if self.tensor_scale is not None:
+            scale = scale * tirx.Broadcast(load(self.tensor_scale, 0), LANES)
+        return scale
+
+    def _zero(self, tile_index, group):
+        raw = load(self.zeros, tile_index, group, ramp(0))
+        if self.spec.zero_mode != "hqq":
+            return tirx.Cast("float32x16", raw)
+        return bf16_to_float(raw) if self.spec.scale_dtype == "bfloat16" else tirx.Cast("float32x16", raw)
+
+    def _store(self, yacc, tile_index, c) -> None:
+        column = tile_index * LANES
+        with T.serial(0, self.m) as row:
+            with T.serial(0, tirx.min(LANES, self.n - column)) as lane:
+                value = load(yacc, row, c, lane)
+                if self.bias is not None:
+                    value = value + load(self.bias, column + lane)
+                T.buffer_store(self.y, self._to_output(value), [row, column + lane])
+
+    def _to_output(self, value):
+        if self.spec.output_dtype == "bfloat16":
+            return tirx.reinterpret("int16", tirx.Cast("uint16", bf16_bits(value)))
+        return tirx.Cast(self.spec.output_dtype, value)

@@ -1,0 +1,117 @@
+"""Memory-traffic and footprint cost model (Welder §3.2 MemTraffic/MemFootprint, §4.1 penalties).
+
+For a candidate, count the bytes each level moves (DRAM: weights, scales, activations, outputs; L2:
+lookup tables and activation planes re-read per task) and the work each unit does per core (vector
+decode with its 64-byte stores, AMX tile loads and products, table lookups), turn them into time with the
+device's throughputs, and add the §4.1 penalties: too little parallelism (tasks that leave cores idle or
+unbalanced), footprints over capacity, and — for the prefetch knob the traffic counts cannot see — the
+distance from the prefetch depth that keeps the device's memory latency covered.
+
+The cycle costs below are per 64-byte operation on the CPUs the templates target (Sapphire Rapids:
+two 512-bit ALU ports, one 512-bit store per cycle, AMX tile load 8 cycles, tdpbf16ps 16 cycles for 16
+rows and ~9 for a few); decode and AMX work do not overlap (measured), memory and compute partly do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..codegen.cpu.layout import padded_k
+from ..ops.matmul import Matmul
+from ..ttype import codes_per_word, get
+
+TILE_LOAD_CYCLES = 8
+TDP_CYCLES_FULL = 16
+TDP_CYCLES_FEW_ROWS = 9
+DECODE_CYCLES = {"affine": 19, "lut": 21}  # per decoded B tile: 16 stores, shifts, ternlog or vpermw
+PIPELINE_TILES = 4  # decoded tiles needed between a tile's stores and its AMX load to avoid a stall
+STALL_CYCLES = 12  # per tile, when the decode runs closer than that
+LOOKUP_CYCLES = (8, 12)  # per 64-byte word of codes: fixed, and per row of x
+OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
+PREFETCH_PENALTY = 0.04  # per doubling away from the ideal prefetch depth
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Modeled seconds of one call and the parts it is made of."""
+
+    seconds: float
+    parts: dict
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name}={value:.3g}" for name, value in self.parts.items())
+
+
+def estimate(template: str, config, spec: Matmul, n: int, k: int, m: int, device) -> Estimate:
+    """Modeled time of `template` with `config` for M rows of a [N, K] weight on a CPU `device`."""
+    ttype = get(spec.weight_dtype)
+    bits = ttype.bits
+    groups = k // (k if spec.group_size == -1 else spec.group_size)
+    scale_bytes = 1 if ttype.block_size > 1 else (4 if spec.scale_dtype == "float32" else 2)
+    activation_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}.get(spec.activation_dtype, 2)
+    dram = n * k * bits / 8 + n * groups * scale_bytes + m * k * activation_bytes + m * n * 4
+    work = {"amx": _amx_cycles, "lut": _lut_cycles, "generic": _generic_cycles}[template]
+    cycles, tasks, extra = work(config, spec, n, k, m, device)
+    imbalance = math.ceil(tasks / device.cores) / (tasks / device.cores) if tasks else 1.0
+    compute = cycles / device.cores * imbalance / device.clock_hz
+    memory = dram / device.memory_bandwidth()
+    seconds = max(compute, memory) + OVERLAP * min(compute, memory)
+    if hasattr(config, "prefetch"):
+        seconds *= 1 + PREFETCH_PENALTY * abs(math.log2(config.prefetch / _ideal_prefetch(config, device)))
+    parts = {"compute_s": compute, "dram_s": memory, "dram_bytes": dram, "tasks": tasks, "imbalance": imbalance,
+             **extra}
+    return Estimate(seconds, parts)
+
+
+def _ideal_prefetch(config, device) -> float:
+    """Words ahead that cover the memory latency: each task streams `n_tiles` tile rows at once."""
+    streams = getattr(config, "n_tiles", 1)
+    return max(8.0, device.prefetch_bytes / 64 / streams * 2)
+
+
+def _amx_cycles(config, spec, n, k, m, device):
+    k_pad = padded_k(k)
+    tiles_n = -(-n // 16)
+    steps = k_pad // 32
+    planes = {"bfloat16": 1, "float16": 2, "float32": 3}[spec.activation_dtype]
+    b_tiles = tiles_n * steps
+    if config.small_m:
+        rows, blocks, chunks, tdp = m, 1, 1, TDP_CYCLES_FEW_ROWS if m <= 4 else TDP_CYCLES_FULL
+    else:
+        block = 16 * config.m_tiles
+        rows = -(-m // block) * block
+        chunks = -(-rows // config.m_chunk)
+        blocks = rows // block
+        tdp = TDP_CYCLES_FULL
+    decode = b_tiles * chunks * DECODE_CYCLES[config.decode]
+    distance = config.stage_steps * config.n_tiles
+    decode += b_tiles * chunks * STALL_CYCLES * max(0, PIPELINE_TILES - distance) / PIPELINE_TILES
+    per_step_block = planes * (config.m_tiles * TILE_LOAD_CYCLES + config.n_tiles * TILE_LOAD_CYCLES
+                               + config.m_tiles * config.n_tiles * tdp)
+    products = b_tiles / config.n_tiles * blocks * per_step_block
+    group = k if spec.group_size == -1 else spec.group_size
+    epilogue = tiles_n * (k_pad // max(group, 16)) * (TDP_CYCLES_FULL + rows * 3)
+    tasks = -(-tiles_n // config.n_tiles) * chunks
+    footprint = 2 * config.stage_steps * config.n_tiles * 1024 + (config.m_chunk if not config.small_m else 16) * \
+        config.n_tiles * 64
+    spill = 1.5 if footprint > device.l1_bytes else 1.0
+    return (decode + products + epilogue) * spill, tasks, {"decode_cycles": decode, "amx_cycles": products}
+
+
+def _lut_cycles(config, spec, n, k, m, device):
+    bits = get(spec.weight_dtype).bits
+    words = -(-n // 16) * padded_k(k) // codes_per_word(bits)
+    lookups = words * (LOOKUP_CYCLES[0] + LOOKUP_CYCLES[1] * m)
+    positions = padded_k(k) * bits // 4
+    tables = m * positions * 4  # building the tables
+    tasks = -(-(-(-n // 16)) // config.n_tiles)
+    table_reads = tasks * m * positions * 64 / 32  # each task re-reads every table from L2 at 32 B/cycle
+    return lookups + tables + table_reads, tasks, {"lookup_cycles": lookups, "table_l2_cycles": table_reads}
+
+
+def _generic_cycles(config, spec, n, k, m, device):
+    lanes = device.vector_bytes // 4
+    decode = n * k * 6 / lanes
+    products = n * k * m * 2 / lanes / 2
+    return decode + products, max(1, n // lanes), {"decode_cycles": decode}

@@ -1,0 +1,92 @@
+"""Build candidate kernels in parallel and time them on the device they are for."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..codegen.cpu.kernel import build_kernel
+from ..codegen.cpu.layout import PackedWeight, to_layout
+from ..ops.matmul import Matmul
+from ..ttype import get, quantize
+
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROFILE_BYTES = 64 << 20  # weights rotate through this much memory while timing (beyond the L2 caches)
+
+
+def build_all(candidates, spec: Matmul, n: int, k: int, layout: str, bucket, device) -> list:
+    """Compile every candidate (TVM releases the interpreter while compiling: a thread per core)."""
+    def build(candidate):
+        return build_kernel(spec, n, k, candidate.template, candidate.config, layout, bucket, device)
+
+    with ThreadPoolExecutor(max_workers=max(1, device.cores)) as pool:
+        return list(pool.map(build, candidates))
+
+
+def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
+    """Random inputs of the kernel's shape: x, a rotation of packed weights (random codes: any bit pattern
+    is a valid code, and timing does not depend on the values), bias."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = to_layout(_tiny_weight(spec, k), layout)  # the layout's tensor kinds, from a 1-row weight
+    packed = _random_packed(spec, n, k, layout, shapes, generator)
+    copies = [packed] + [_clone(packed) for _ in range(max(1, PROFILE_BYTES // max(1, packed.nbytes)) - 1)]
+    x = torch.randn(m, k, generator=generator)
+    x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
+        x.to(_TORCH[spec.activation_dtype])
+    bias = torch.randn(n, generator=generator) if spec.bias else None
+    return x, copies, bias
+
+
+def _tiny_weight(spec: Matmul, k: int):
+    block = get(spec.weight_dtype).block_size > 1
+    return quantize(torch.ones(1, k), spec.weight_dtype, group_size=None if block else spec.group_size,
+                    zero_mode=spec.zero_mode, scale_dtype=getattr(torch, spec.scale_dtype))
+
+
+def _random_packed(spec: Matmul, n: int, k: int, layout: str, like, generator):
+    """A packed weight of N rows with random codes, scales near 1 and valid zeros, shaped like `like`."""
+    ttype = get(spec.weight_dtype)
+    rows = -(-n // 16) * 16 if layout == "tile16" else n
+
+    def grow(tensor, fill):
+        if tensor is None:
+            return None
+        shape = list(tensor.shape)
+        shape[0] = rows // 16 if layout == "tile16" else n
+        return fill(shape, tensor.dtype)
+
+    words = grow(like.qweight, lambda shape, dtype: torch.randint(-2**31, 2**31 - 1, shape, generator=generator,
+                                                                   dtype=torch.int32))
+    scales = grow(like.scales, lambda shape, dtype: (torch.randint(120, 130, shape, generator=generator)
+                                                     .to(dtype) if dtype == torch.uint8 else
+                                                     (torch.rand(shape, generator=generator) + 0.5).to(dtype)))
+    zeros = grow(like.zeros, lambda shape, dtype: (torch.randint(0, ttype.num_codes, shape, generator=generator)
+                                                   .to(dtype)))
+    return PackedWeight(layout, ttype, (n, k), like.group_size, like.zero_mode, words, scales, zeros,
+                        like.tensor_scale)
+
+
+def time_kernel(kernel, x, copies, bias, budget_s: float = 0.15) -> float:
+    """Median seconds per call, rotating through the weight copies, within about `budget_s`."""
+    for weight in copies[:2]:
+        kernel(x, weight, bias)
+    start = time.perf_counter()
+    kernel(x, copies[0], bias)
+    once = max(time.perf_counter() - start, 1e-7)
+    samples = []
+    for i in range(max(5, min(200, int(budget_s / once)))):
+        start = time.perf_counter()
+        kernel(x, copies[i % len(copies)], bias)
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def _clone(packed):
+    def copy(tensor):
+        return None if tensor is None else tensor.clone()
+
+    return type(packed)(packed.layout, packed.ttype, packed.shape, packed.group_size, packed.zero_mode,
+                        copy(packed.qweight), copy(packed.scales), copy(packed.zeros), copy(packed.tensor_scale))

@@ -1,0 +1,106 @@
+"""Roller-style candidate enumeration: hint-aligned tiles, grown while they fit each level's capacity.
+
+Tiles are multiples of the device hint on every axis (16-column weight tiles, 32-deep k steps, 16-row
+AMX blocks); each axis grows by doubling from the hint until the footprint exceeds the level that must
+hold it (AMX tile registers for C/A/B tiles, L1 for decoded stages and lookup tables, L2 for activation
+planes).  Knobs the traffic model cannot see (prefetch distance, decode strategy) vary alongside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..codegen.cpu import amx, lut
+from ..codegen.cpu.amx import TILE_REGISTERS, AmxConfig
+from ..codegen.cpu.generic import GenericConfig
+from ..codegen.cpu.lut import LutConfig
+from ..ops.matmul import Matmul
+from ..ttype import codes_per_word, get
+from .hints import Hint, cpu_hint
+
+PREFETCH_WORDS = (16, 32, 64, 128)
+LUT_MAX_ROWS = lut.MAX_ROWS
+SMALL_M = amx.SMALL_M_ROWS
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One template configuration the tuner may build."""
+
+    template: str
+    config: object
+
+
+def templates_for(spec: Matmul, k: int, bucket: tuple[int, int], layout: str, device) -> dict[str, str | None]:
+    """Each CPU template and why it cannot serve this kernel (None: it can)."""
+    high = bucket[1]
+    reasons = {"generic": None}
+    amx_reason = amx.unsupported_reason(spec, k) if layout == "tile16" else f"the {layout} weight layout"
+    if not device.has_amx_bf16:
+        amx_reason = "this CPU (no AMX-BF16)"
+    reasons["amx"] = amx_reason
+    lut_reason = lut.unsupported_reason(spec, k) if layout == "tile16" else f"the {layout} weight layout"
+    if high > LUT_MAX_ROWS:
+        lut_reason = f"{high} rows (the lookup template serves at most {LUT_MAX_ROWS})"
+    reasons["lut"] = lut_reason
+    return reasons
+
+
+def enumerate_candidates(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str,
+                         device) -> tuple[Hint, list[Candidate]]:
+    """The device hint and every configuration, of every template that can serve the kernel."""
+    hint = cpu_hint(spec, k, device)
+    reasons = templates_for(spec, k, bucket, layout, device)
+    found: list[Candidate] = []
+    if reasons["amx"] is None:
+        found += _amx(spec, k, bucket, device, hint)
+    if reasons["lut"] is None:
+        found += _lut(spec, k, device)
+    if reasons["generic"] is None:
+        found += [Candidate("generic", GenericConfig(block)) for block in _doublings(hint.k, 256) if k % block == 0]
+        if not any(c.template == "generic" for c in found):
+            found.append(Candidate("generic", GenericConfig(k)))
+    return hint, found
+
+
+def _doublings(start: int, limit: int) -> list[int]:
+    values, value = [], max(1, start)
+    while value <= limit:
+        values.append(value)
+        value *= 2
+    return values
+
+
+def _amx(spec: Matmul, k: int, bucket: tuple[int, int], device, hint: Hint) -> list[Candidate]:
+    decodes = amx.decode_strategies(spec)
+    tile_bytes = 16 * 64  # a decoded bf16 B tile, a float32 C tile
+    found = []
+    small = bucket[1] <= SMALL_M
+    for m_tiles in (1,) if small else (1, 2):
+        for n_tiles in range(1, TILE_REGISTERS):
+            if m_tiles * n_tiles + m_tiles + 1 > TILE_REGISTERS:
+                break
+            for stage in _doublings(1, 8):
+                # L1 holds two decoded stages, the stored C tiles and the task's accumulators.
+                footprint = 2 * stage * n_tiles * tile_bytes + m_tiles * n_tiles * tile_bytes
+                chunks = [SMALL_M] if small else [c for c in _doublings(hint.m * m_tiles, 256)]
+                for chunk in chunks:
+                    if footprint + chunk * n_tiles * 64 > device.l1_bytes:
+                        continue
+                    for prefetch in PREFETCH_WORDS:
+                        for decode in decodes:
+                            found.append(Candidate("amx", AmxConfig(n_tiles, m_tiles, small, max(chunk, 16 * m_tiles),
+                                                                    stage, prefetch, decode)))
+    return found
+
+
+def _lut(spec: Matmul, k: int, device) -> list[Candidate]:
+    bits = get(spec.weight_dtype).bits
+    group = k if spec.group_size == -1 else spec.group_size
+    tables_per_group = group // codes_per_word(bits) * lut.NIBBLES_PER_WORD * 64
+    found = []
+    for n_tiles in _doublings(1, 16):
+        if tables_per_group + n_tiles * LUT_MAX_ROWS * 64 > device.l1_bytes and n_tiles > 1:
+            break
+        found += [Candidate("lut", LutConfig(n_tiles, prefetch)) for prefetch in PREFETCH_WORDS]
+    return found
