@@ -1,11 +1,11 @@
-"""Command line: `python -m bitkern demo`."""
+"""Command line: `python -m bitkern demo | prebuild | cache ...`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import demo, ttype
+from . import cli_cache, demo, ttype
 
 
 def main(argv=None) -> int:
@@ -17,7 +17,10 @@ def main(argv=None) -> int:
     run_demo.add_argument("--shape", default="4096,4096", help="out_features,in_features")
     run_demo.add_argument("--group-size", type=int, default=128)
     run_demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    cli_cache.add_commands(commands)
     args = parser.parse_args(argv)
+    if hasattr(args, "run"):
+        return args.run(args, parser)
     if args.command == "demo":
         try:
             out_features, in_features = (int(s) for s in args.shape.split(","))

@@ -8,6 +8,19 @@ import pytest
 os.environ.setdefault("BITKERN_TUNING", "model")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache_dir(tmp_path_factory):
+    """A fresh disk cache for the session: kernels are compiled once per run (the cold path) and reused."""
+    path = tmp_path_factory.mktemp("bitkern-cache")
+    previous = os.environ.get("BITKERN_CACHE_DIR")
+    os.environ["BITKERN_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("BITKERN_CACHE_DIR", None)
+    else:
+        os.environ["BITKERN_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def llvm_target():
     """A TVM LLVM target for this machine (the host's triple and CPU, as LLVM detects them)."""

@@ -130,8 +130,8 @@ def test_amx_and_generic_templates_agree():
     packed = pack(q)
     amx_kernel = kernel_for(spec, 64, 256, 7, packed.layout)
     assert amx_kernel.template == "amx"
-    from bitkern.codegen.cpu.generic import GenericConfig
-    from bitkern.codegen.cpu.kernel import build_kernel
+    from bitkern.codegen.cpu.configs import GenericConfig
+    from bitkern.codegen.cpu.build import build_kernel
 
     generic_kernel = build_kernel(spec, 64, 256, "generic", GenericConfig(), packed.layout, (1, 16), host_cpu())
     assert_matches_reference(spec, q, x, None, amx_kernel(x, packed))

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import bitkern
-from bitkern.codegen.cpu.amx import TILE_REGISTERS, AmxConfig
-from bitkern.codegen.cpu.generic import GenericConfig
+from bitkern.codegen.cpu.configs import TILE_REGISTERS, AmxConfig, GenericConfig
 from bitkern.codegen.cpu.layout import to_layout
 from bitkern.ops import Matmul
 from bitkern.tuner import M_BUCKETS, cuda_device, device_for, host_cpu, m_bucket, tune

@@ -67,6 +67,15 @@ class Matmul:
             raise ValueError(f"activation_dtype='int8' needs a weight type that converts to int8 exactly; "
                              f"{weight.name!r} converts to {list(weight.compute_types)}")
 
+    def check_shape(self, n: int, k: int) -> None:
+        """Raise unless a [N, K] weight can have this spec (positive sizes, group size dividing K)."""
+        if n < 1 or k < 1:
+            raise ValueError(f"weight shape ({n}, {k}) must be positive")
+        group = k if self.group_size == -1 else self.group_size
+        if k % group:
+            raise ValueError(f"group_size={self.group_size} does not divide in_features={k}; accepted: a divisor "
+                             f"of {k}, or -1 for per-channel")
+
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x · Wᵀ (+ bias) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed weight."""
         from ..cache import kernel_for  # ops sits below the kernel pipeline: reach it at call time

@@ -1,12 +1,23 @@
 """Hardware descriptions (tTile-device), hint-based tile search, the traffic cost model, top-k profiling.
 
 Entry points: `tune(spec, n, k, bucket, layout, device)` -> a compiled kernel and its `TuningRecord`;
-`m_bucket(m)`; device descriptions `host_cpu()`, `cuda_device(arch)`, `device_for(target)`.
+`m_bucket(m)`; device descriptions `host_cpu()`, `cuda_device(arch)`, `device_for(target)`.  The search
+needs the TVM compiler and is imported on first use, so finding a kernel in the cache never loads it.
 """
 
+from .buckets import M_BUCKETS, TUNED_M, m_bucket
 from .device import CpuDevice, CudaDevice, cuda_device, device_for, host_cpu
-from .record import TuningRecord
-from .select import M_BUCKETS, Tuned, m_bucket, tune
 
-__all__ = ["CpuDevice", "CudaDevice", "M_BUCKETS", "Tuned", "TuningRecord", "cuda_device", "device_for",
-           "host_cpu", "m_bucket", "tune"]
+_SEARCH = {"tune": "select", "Tuned": "select", "TuningRecord": "record"}
+
+
+def __getattr__(name):
+    if name in _SEARCH:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_SEARCH[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CpuDevice", "CudaDevice", "M_BUCKETS", "TUNED_M", "Tuned", "TuningRecord", "cuda_device",
+           "device_for", "host_cpu", "m_bucket", "tune"]

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..codegen.cpu.kernel import build_kernel
+from ..codegen.cpu.build import build_kernel
 from ..codegen.cpu.layout import PackedWeight, to_layout
 from ..ops.matmul import Matmul
 from ..ttype import get, quantize

@@ -1,9 +1,5 @@
 """Tune one kernel: enumerate hint-aligned candidates, rank them by the cost model, build the top-k in
 parallel, time them on the device, keep the fastest (or the model's best where the device is absent).
-
-Rows M are served by buckets, each one compiled kernel whose M is symbolic, tuned at a representative M:
-M 1..4 (decode-bound GEMV shapes: the lookup template competes), 5..16 (one AMX block of M rows),
-17..128 and 129.. (blocked AMX GEMM).  The bucket is part of the cache key and of the tuning record.
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from ..ops.matmul import Matmul
+from .buckets import TUNED_M
 from .cost import estimate
 from .profile import build_all, inputs, time_kernel
 from .record import Trial, TuningRecord
@@ -22,17 +19,8 @@ from .space import enumerate_candidates, templates_for
 
 log = logging.getLogger("bitkern")
 
-M_BUCKETS = ((1, 4), (5, 16), (17, 128), (129, 2**31 - 1))
-TUNED_M = {(1, 4): 1, (5, 16): 16, (17, 128): 64, (129, 2**31 - 1): 256}
 TOP_K = 4
 TIE = 0.03  # measured times within 3% of the fastest are a tie, broken by the model: stable choices
-
-
-def m_bucket(m: int) -> tuple[int, int]:
-    """The bucket of rows M (inclusive bounds) whose kernel serves M."""
-    if m < 1:
-        raise ValueError(f"m={m}: a kernel serves at least one row")
-    return next(bucket for bucket in M_BUCKETS if bucket[0] <= m <= bucket[1])
 
 
 @dataclass
@@ -76,7 +64,7 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
         record.notes.append("chosen by the cost model alone: the target device is not present"
                             if not present else "chosen by the cost model alone (profiling off)")
         chosen = record.choice
-        from ..codegen.cpu.kernel import build_kernel
+        from ..codegen.cpu.build import build_kernel
 
         kernel = build_kernel(spec, n, k, chosen.template, chosen.config, layout, bucket, device)
     record.seconds = time.perf_counter() - start

@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..codegen.cpu import amx, lut
-from ..codegen.cpu.amx import TILE_REGISTERS, AmxConfig
-from ..codegen.cpu.generic import GenericConfig
-from ..codegen.cpu.lut import LutConfig
+from ..codegen.cpu.configs import TILE_REGISTERS, AmxConfig, GenericConfig, LutConfig
 from ..ops.matmul import Matmul
 from ..ttype import codes_per_word, get
 from .hints import Hint, cpu_hint

@@ -24,44 +24,14 @@ from tvm.script.ir_builder import tirx as T
 from ...ops.matmul import Matmul
 from ...ttype import get
 from ...ttype.types import INT, UINT
+from .configs import TILE_REGISTERS, AmxConfig
 from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
 from .tir import (LANES, STORAGE, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
                   splat, stride, tile, tile_pointer, u32)
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
-DECODES = ("affine", "lut")
-TILE_REGISTERS = 8
 SMALL_M_ROWS = AMX_TILE_ROWS
 _BF16_128 = 0x4300  # bfloat16 128.0: OR-ing a code u < 128 into its mantissa gives 128 + u exactly
-
-
-@dataclass(frozen=True)
-class AmxConfig:
-    """Tile configuration of the AMX template (chosen by the tuner).
-
-    n_tiles: 16-column C tiles per task; m_tiles: 16-row A tiles per m-block (large M); small_m: one
-    block of all M <= 16 rows (tile rows = M) instead of 16-row tiles; m_chunk: rows per task (large M);
-    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead; decode: strategy.
-    """
-
-    n_tiles: int = 4
-    m_tiles: int = 1
-    small_m: bool = True
-    m_chunk: int = 256
-    stage_steps: int = 4
-    prefetch: int = 16
-    decode: str = "affine"
-
-    def __post_init__(self):
-        if self.decode not in DECODES:
-            raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(DECODES)}")
-        if self.small_m and self.m_tiles != 1:
-            raise ValueError("small_m kernels use m_tiles=1")
-        if self.m_tiles * self.n_tiles + self.m_tiles + 1 > TILE_REGISTERS:
-            raise ValueError(f"m_tiles={self.m_tiles} x n_tiles={self.n_tiles} needs more than "
-                             f"{TILE_REGISTERS} AMX tile registers")
-        if self.m_chunk % (AMX_TILE_ROWS * self.m_tiles):
-            raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of {AMX_TILE_ROWS * self.m_tiles}")
 
 
 def unsupported_reason(spec: Matmul, k: int) -> str | None:

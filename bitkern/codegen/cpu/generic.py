@@ -8,18 +8,10 @@ accumulation is vectorized over N.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ...ops.expr import matmul_expr
 from ...ops.matmul import Matmul
+from .configs import GenericConfig
 from .layout import Tile16Storage
-
-
-@dataclass(frozen=True)
-class GenericConfig:
-    """Tile configuration of the generic template: `k_block` k's decoded per tile (a divisor of K)."""
-
-    k_block: int = 128
 
 
 def vector_lanes(n: int, wanted: int = 16) -> int:

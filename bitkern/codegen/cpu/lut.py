@@ -11,8 +11,6 @@ Cost grows with the number of rows, so the tuner uses it for M <= 4.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
@@ -21,20 +19,12 @@ from tvm.script.ir_builder import tirx as T
 from ...ops.matmul import Matmul
 from ...ttype import codes_per_word, get
 from .amx import PLANES
+from .configs import LutConfig
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
 from .tir import LANES, STORAGE, bf16_bits, bf16_to_float, horizontal_sum, load, ramp, splat
 
 MAX_ROWS = 4
 NIBBLES_PER_WORD = 8
-
-
-@dataclass(frozen=True)
-class LutConfig:
-    """Tile configuration of the lookup template: `n_tiles` 16-row weight tiles per task (they share each
-    group's tables while those sit in L1), `prefetch` words ahead."""
-
-    n_tiles: int = 8
-    prefetch: int = 32
 
 
 def unsupported_reason(spec: Matmul, k: int) -> str | None:

@@ -1,0 +1,64 @@
+"""Find the kernel for a call: in this process's map, else in the disk store, else tune and build it
+(under a cross-process lock, so processes that need the same kernel build it once) and store it."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ..ops.matmul import Matmul
+from ..tuner.buckets import m_bucket
+from ..tuner.device import host_cpu
+from .disk import DiskStore
+from .key import KernelKey
+
+TUNING_MODES = ("profile", "model")
+_kernels: dict = {}
+_build_lock = threading.Lock()
+
+
+def kernel_for(spec: Matmul, n: int, k: int, m: int, layout: str, device=None, store: DiskStore | None = None):
+    """The compiled kernel serving `spec` on a [N, K] weight in `layout` for M rows on `device`."""
+    device = device or host_cpu()
+    key = KernelKey(spec, n, k, m_bucket(m), layout, device.key)
+    kernel = _kernels.get(key)
+    if kernel is not None:
+        return kernel
+    with _build_lock:
+        kernel = _kernels.get(key)
+        if kernel is None:
+            kernel = _load_or_build(key, device, store or DiskStore())
+            _kernels[key] = kernel
+    return kernel
+
+
+def _load_or_build(key: KernelKey, device, store: DiskStore):
+    kernel = store.load(key)
+    if kernel is not None:
+        return kernel
+    with store.lock(key):
+        kernel = store.load(key)  # another process may have built it while we waited
+        if kernel is None:
+            from ..tuner import tune
+
+            tuned = tune(key.spec, key.n, key.k, key.bucket, key.layout, device,
+                         profile=tuning_mode() == "profile")
+            kernel = tuned.kernel
+            kernel.record = tuned.record
+            store.save(key, kernel)
+    return kernel
+
+
+def tuning_mode() -> str:
+    """$BITKERN_TUNING: "profile" (default: build and time the top-k candidates) or "model" (cost model
+    alone: faster, for tests and cross-compilation)."""
+    mode = os.environ.get("BITKERN_TUNING", "profile")
+    if mode not in TUNING_MODES:
+        raise ValueError(f"BITKERN_TUNING={mode!r} is not known; accepted: {list(TUNING_MODES)}")
+    return mode
+
+
+def forget() -> None:
+    """Drop this process's map (kernels stay on disk): the next call of each shape loads or builds again."""
+    with _build_lock:
+        _kernels.clear()

@@ -1,0 +1,35 @@
+"""Compile a CPU template for one (spec, N, K) with TVM into a callable `CpuKernel`."""
+
+from __future__ import annotations
+
+from ...ops.matmul import Matmul
+from . import amx, generic, lut
+from .kernel import TEMPLATES, CpuKernel
+from .runtime import enable_amx
+
+
+def build_kernel(spec: Matmul, n: int, k: int, template: str, config, layout: str, m_range: tuple[int, int],
+                 device) -> CpuKernel:
+    """Generate the template's code for `config` and compile it for `device` (a tuner CpuDevice)."""
+    import tvm
+
+    spec.check_shape(n, k)
+    if template in ("amx", "lut") and layout != "tile16":
+        raise ValueError(f"the {template} template reads the tile16 layout, not {layout!r}")
+    constants = []
+    if template == "amx":
+        func = amx.build(spec, n, k, config)
+        enable_amx()
+        if config.decode == "lut":
+            constants.append(amx.lut_words(spec))
+    elif template == "lut":
+        func = lut.build(spec, n, k, config)
+        constants.append(lut.value_table(spec))
+    elif template == "generic":
+        func = generic.build(spec, n, k, config, layout)
+    else:
+        raise ValueError(f"template={template!r} is not known; accepted: {list(TEMPLATES)}")
+    # LLVM eliminates common subexpressions itself; TVM's pass is slow on the unrolled templates.
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
+        module = tvm.compile(tvm.IRModule({"main": func}), target=device.tvm_target())
+    return CpuKernel(spec, n, k, template, config, layout, m_range, module["main"], constants, module=module)

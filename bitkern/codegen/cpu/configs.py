@@ -1,0 +1,73 @@
+"""Tile configurations of the CPU templates: what the tuner chooses and the cache stores (no TVM needed)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .layout import AMX_TILE_ROWS
+
+TILE_REGISTERS = 8  # AMX tile registers
+AMX_DECODES = ("affine", "lut")
+
+
+@dataclass(frozen=True)
+class AmxConfig:
+    """Tile configuration of the AMX template (chosen by the tuner).
+
+    n_tiles: 16-column C tiles per task; m_tiles: 16-row A tiles per m-block (large M); small_m: one
+    block of all M <= 16 rows (tile rows = M) instead of 16-row tiles; m_chunk: rows per task (large M);
+    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead; decode: strategy.
+    """
+
+    n_tiles: int = 4
+    m_tiles: int = 1
+    small_m: bool = True
+    m_chunk: int = 256
+    stage_steps: int = 4
+    prefetch: int = 16
+    decode: str = "affine"
+
+    def __post_init__(self):
+        if self.decode not in AMX_DECODES:
+            raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(AMX_DECODES)}")
+        if self.small_m and self.m_tiles != 1:
+            raise ValueError("small_m kernels use m_tiles=1")
+        if self.m_tiles * self.n_tiles + self.m_tiles + 1 > TILE_REGISTERS:
+            raise ValueError(f"m_tiles={self.m_tiles} x n_tiles={self.n_tiles} needs more than "
+                             f"{TILE_REGISTERS} AMX tile registers")
+        if self.m_chunk % (AMX_TILE_ROWS * self.m_tiles):
+            raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of {AMX_TILE_ROWS * self.m_tiles}")
+
+
+@dataclass(frozen=True)
+class LutConfig:
+    """Tile configuration of the lookup template: `n_tiles` 16-row weight tiles per task (they share each
+    group's tables while those sit in L1), `prefetch` words ahead."""
+
+    n_tiles: int = 8
+    prefetch: int = 32
+
+
+@dataclass(frozen=True)
+class GenericConfig:
+    """Tile configuration of the generic template: `k_block` k's decoded per tile (a divisor of K)."""
+
+    k_block: int = 128
+
+
+
+CONFIGS = {"amx": AmxConfig, "lut": LutConfig, "generic": GenericConfig}
+
+
+def config_to_dict(template: str, config) -> dict:
+    """A JSON-able description of a template's configuration."""
+    if not isinstance(config, CONFIGS.get(template, ())):
+        raise TypeError(f"config {config!r} is not a configuration of template {template!r}")
+    return asdict(config)
+
+
+def config_from_dict(template: str, fields: dict):
+    """The configuration `config_to_dict` described."""
+    if template not in CONFIGS:
+        raise ValueError(f"template={template!r} is not known; accepted: {sorted(CONFIGS)}")
+    return CONFIGS[template](**fields)
