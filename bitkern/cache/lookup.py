@@ -20,15 +20,16 @@ _build_lock = threading.Lock()
 def kernel_for(spec: Matmul, n: int, k: int, m: int, layout: str, device=None, store: DiskStore | None = None):
     """The compiled kernel serving `spec` on a [N, K] weight in `layout` for M rows on `device`."""
     device = device or host_cpu()
-    key = KernelKey(spec, n, k, m_bucket(m), layout, device.key)
-    kernel = _kernels.get(key)
+    bucket = m_bucket(m)
+    kernel = _kernels.get((spec, n, k, bucket, layout, device.key))
     if kernel is not None:
         return kernel
+    key = KernelKey(spec, n, k, bucket, layout, device.key)
     with _build_lock:
-        kernel = _kernels.get(key)
+        kernel = _kernels.get((spec, n, k, bucket, layout, device.key))
         if kernel is None:
             kernel = _load_or_build(key, device, store or DiskStore())
-            _kernels[key] = kernel
+            _kernels[(spec, n, k, bucket, layout, device.key)] = kernel
     return kernel
 
 

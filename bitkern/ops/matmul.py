@@ -6,7 +6,8 @@ result every kernel is tested against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +20,8 @@ ACCUMULATE_DTYPES = ("float32", "float16", "int32")
 OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 LAYOUTS = ("nt",)  # x [M, K] row-major, weight [N, K] (nn.Linear's layout)
+_SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
+                "bias", "layout", "scale_dtype")
 _TORCH_DTYPES = {**{name: pair[0] for name, pair in COMPUTE_DTYPES.items()}, "int32": torch.int32}
 
 
@@ -40,6 +43,10 @@ class Matmul:
     bias: bool = False
     layout: str = "nt"
     scale_dtype: str = "float16"
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:  # specs key every kernel lookup: hash them once
+        return self._hash
 
     def __post_init__(self):
         weight = get(self.weight_dtype)
@@ -66,6 +73,7 @@ class Matmul:
         if activation == "int8" and "int8" not in weight.compute_types:
             raise ValueError(f"activation_dtype='int8' needs a weight type that converts to int8 exactly; "
                              f"{weight.name!r} converts to {list(weight.compute_types)}")
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _SPEC_FIELDS)))
 
     def check_shape(self, n: int, k: int) -> None:
         """Raise unless a [N, K] weight can have this spec (positive sizes, group size dividing K)."""
@@ -78,9 +86,7 @@ class Matmul:
 
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x · Wᵀ (+ bias) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed weight."""
-        from ..cache import kernel_for  # ops sits below the kernel pipeline: reach it at call time
-        from ..codegen import PackedWeight
-
+        kernel_for, PackedWeight = _pipeline()
         if not isinstance(weight, PackedWeight):
             raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                             f"got {type(weight).__name__}")
@@ -96,9 +102,7 @@ class Matmul:
 
     def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> None:
         """Raise naming the argument if x, weight (quantized or packed) or bias do not fit this spec."""
-        from ..codegen import PackedWeight
-
-        if not isinstance(weight, (QuantizedWeight, PackedWeight)):
+        if not isinstance(weight, (QuantizedWeight, _pipeline()[1])):
             raise TypeError(f"weight must be a bitkern QuantizedWeight, got {type(weight).__name__}")
         n, k = weight.shape
         expected_group = k if self.group_size == -1 else self.group_size
@@ -145,6 +149,16 @@ class Matmul:
         scale_dtype = _dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         return cls(weight.ttype.name, activation_dtype, group_size=weight.group_size, zero_mode=weight.zero_mode,
                    bias=bias, scale_dtype=scale_dtype, **options)
+
+
+@functools.lru_cache(maxsize=None)
+def _pipeline():
+    """The kernel lookup and the packed-weight type: ops sits below the kernel pipeline, so it reaches
+    them at call time (once)."""
+    from ..cache import kernel_for
+    from ..codegen import PackedWeight
+
+    return kernel_for, PackedWeight
 
 
 def _dtype_name(dtype):

@@ -1,0 +1,85 @@
+"""Kernel cache: warm-hit overhead per call, a new process loading a stored kernel, prebuilding a model.
+
+Run: python -m pytest benchmarks/bench_cache.py   (tables land in benchmarks/results/)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+import bitkern
+from bitkern.cache import DiskStore, forget, kernel_for
+from bitkern.cache.prebuild import prebuild, shapes_from_config
+from bitkern.ops import Matmul
+
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "num_hidden_layers": 32}
+
+
+def _best_us(call, rounds: int = 5, calls: int = 2000) -> float:
+    for _ in range(100):
+        call()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def test_warm_hit_overhead(benchmark, record, tmp_path, monkeypatch):
+    monkeypatch.setenv("BITKERN_CACHE_DIR", str(tmp_path))
+    quantized = bitkern.quantize(torch.randn(4096, 4096), "int4")
+    packed, spec = bitkern.pack(quantized), Matmul.for_weight(quantized, "bfloat16")
+    x = torch.randn(1, 4096).bfloat16()
+    spec(x, packed)
+    kernel = kernel_for(spec, 4096, 4096, 1, packed.layout)
+    y = torch.empty(1, 4096, dtype=torch.bfloat16)
+    raw_args = [kernel._as_arg(x), packed.qweight, packed.scales, *kernel.constants, kernel._as_arg(y)]
+    raw = _best_us(lambda: kernel.function(*raw_args))
+    full = _best_us(lambda: spec(x, packed))
+    benchmark.pedantic(lambda: spec(x, packed), rounds=200, warmup_rounds=10)
+    record("cache", measure="warm hit: Matmul call over the raw kernel launch (us)", value=full - raw,
+           detail=f"raw {raw:.1f} us, call {full:.1f} us ({kernel.template}, int4 4096x4096, M=1)")
+
+
+def test_new_process_loads_a_stored_kernel(benchmark, record, tmp_path):
+    forget()
+    kernel_for(Matmul("int4", "bfloat16"), 4096, 4096, 1, "tile16", store=DiskStore(tmp_path))
+    code = textwrap.dedent("""
+        import json, sys, time, torch, bitkern
+        from bitkern.cache import kernel_for
+        from bitkern.ops import Matmul
+        start = time.perf_counter()
+        kernel = kernel_for(Matmul("int4", "bfloat16"), 4096, 4096, 1, "tile16")
+        loaded = time.perf_counter() - start
+        print(json.dumps({"load_ms": loaded * 1e3, "compiler_imported": "tvm.tirx" in sys.modules}))
+    """)
+    env = {**os.environ, "BITKERN_CACHE_DIR": str(tmp_path)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                      check=True).stdout) for _ in range(5)]
+    benchmark.pedantic(lambda: None, rounds=1)
+    best = min(run["load_ms"] for run in runs)
+    record("cache", measure="new process: load a stored kernel (ms, after import bitkern)", value=best,
+           detail=f"median {sorted(r['load_ms'] for r in runs)[2]:.1f} ms; compiler imported: "
+                  f"{any(r['compiler_imported'] for r in runs)}")
+
+
+def test_prebuild_llama3_8b(benchmark, record, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+    shapes = shapes_from_config(config)
+    forget()
+    report = benchmark.pedantic(lambda: prebuild(shapes, "int4", 128, "cpu", (1, 16, 128),
+                                                 store=DiskStore(tmp_path / "cache"), progress=False), rounds=1)
+    record("cache", measure="prebuild Llama-3-8B Linear shapes for this CPU (s)", value=report.seconds,
+           detail=f"{report.kernels} kernels ({len(shapes)} distinct shapes x 3 M buckets), tuning: "
+                  f"{os.environ.get('BITKERN_TUNING', 'profile')}")
