@@ -37,18 +37,18 @@ def _best_us(call, rounds: int = 5, calls: int = 2000) -> float:
 
 def test_warm_hit_overhead(benchmark, record, tmp_path, monkeypatch):
     monkeypatch.setenv("BITKERN_CACHE_DIR", str(tmp_path))
-    quantized = bitkern.quantize(torch.randn(4096, 4096), "int4")
+    quantized = bitkern.quantize(torch.randn(256, 256), "int4")  # small: the launch, not the work, dominates
     packed, spec = bitkern.pack(quantized), Matmul.for_weight(quantized, "bfloat16")
-    x = torch.randn(1, 4096).bfloat16()
+    x = torch.randn(1, 256).bfloat16()
     spec(x, packed)
-    kernel = kernel_for(spec, 4096, 4096, 1, packed.layout)
-    y = torch.empty(1, 4096, dtype=torch.bfloat16)
+    kernel = kernel_for(spec, 256, 256, 1, packed.layout)
+    y = torch.empty(1, 256, dtype=torch.bfloat16)
     raw_args = [kernel._as_arg(x), packed.qweight, packed.scales, *kernel.constants, kernel._as_arg(y)]
     raw = _best_us(lambda: kernel.function(*raw_args))
     full = _best_us(lambda: spec(x, packed))
     benchmark.pedantic(lambda: spec(x, packed), rounds=200, warmup_rounds=10)
     record("cache", measure="warm hit: Matmul call over the raw kernel launch (us)", value=full - raw,
-           detail=f"raw {raw:.1f} us, call {full:.1f} us ({kernel.template}, int4 4096x4096, M=1)")
+           detail=f"raw {raw:.1f} us, call {full:.1f} us ({kernel.template}, int4 256x256, M=1)")
 
 
 def test_new_process_loads_a_stored_kernel(benchmark, record, tmp_path):
