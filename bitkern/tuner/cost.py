@@ -71,7 +71,7 @@ def _ideal_prefetch(config, device) -> float:
 
 
 def _amx_cycles(config, spec, n, k, m, device):
-    k_pad = padded_k(k)
+    k_pad = padded_k(k, get(spec.weight_dtype).bits)
     tiles_n = -(-n // 16)
     steps = k_pad // 32
     planes = {"bfloat16": 1, "float16": 2, "float32": 3}[spec.activation_dtype]
@@ -101,9 +101,9 @@ def _amx_cycles(config, spec, n, k, m, device):
 
 def _lut_cycles(config, spec, n, k, m, device):
     bits = get(spec.weight_dtype).bits
-    words = -(-n // 16) * padded_k(k) // codes_per_word(bits)
+    words = -(-n // 16) * padded_k(k, bits) // codes_per_word(bits)
     lookups = words * (LOOKUP_CYCLES[0] + LOOKUP_CYCLES[1] * m)
-    positions = padded_k(k) * bits // 4
+    positions = padded_k(k, bits) * bits // 4
     tables = m * positions * 4  # building the tables
     tasks = -(-(-(-n // 16)) // config.n_tiles)
     table_reads = tasks * m * positions * 64 / 32  # each task re-reads every table from L2 at 32 B/cycle

@@ -120,7 +120,7 @@ class _Shape:
         group = k if spec.group_size == -1 else spec.group_size
         self.bits = get(spec.weight_dtype).bits
         self.n, self.k = n, k
-        self.k_pad = padded_k(k)
+        self.k_pad = padded_k(k, self.bits)
         self.depth = _step_depth(group, k)
         self.per_channel = group == k
         self.kgroup = self.k_pad if self.per_channel else group

@@ -50,6 +50,7 @@ def _schedule_float(sch, lanes: int, k_block: int) -> None:
     red_outer, red_inner = sch.split(red, [None, k_block])
     sch.reorder(col_outer, red_outer, rows, red_inner, col_inner)
     weight = sch.get_sblock("weight")
+    sch.transform_layout(weight, ("write", 0), lambda i, j: (j, i))  # the tile k-major: vectors over N
     sch.compute_at(weight, red_outer)
     if lanes > 1:  # decode the tile k-major so it vectorizes over the tile's columns
         w_cols, w_red = sch.get_loops(weight)[-2:]

@@ -1,11 +1,12 @@
 """Offline weight layout transforms for the CPU kernels (LADDER's slice / map / pad / convert at pack time).
 
-"tile16" (1-, 2- and 4-bit types): N is sliced into tiles of 16 output rows and K-words are laid out
-tile-major, qweight[N/16, words, 16], so one 64-byte load gives the same word for 16 rows.  Inside each
-32-bit word the codes are mapped so that the low half holds the even k's and the high half the odd k's
-of its 32/bits consecutive k's: shifting the word by j·bits puts (k=2j, k=2j+1) in the two 16-bit halves,
-which is exactly one row of an AMX bf16 B tile (a k pair for 16 rows).  N and K are padded with zero
-codes (to 16 rows and to the 32-deep AMX step); scales and zeros are laid out [N/16, groups, 16].
+"tile16" (every width): N is sliced into tiles of 16 output rows and K-words are laid out tile-major,
+qweight[N/16, words, 16], so one 64-byte load gives the same word for 16 rows (a vector over N).  Inside
+each 32-bit word the codes are mapped so that the first half of the positions holds the even k's and the
+second half the odd k's of its 32 // bits consecutive k's: for 1-, 2- and 4-bit codes, shifting the word
+by j·bits puts (k=2j, k=2j+1) in the two 16-bit halves, exactly one row of an AMX bf16 B tile.  N and K
+are padded with zero codes (to 16 rows, and to a multiple of both the 32-deep AMX step and the codes of a
+word); scales and zeros are laid out [N/16, groups, 16].
 "rowmajor": the portable layout itself (kernels that read QuantizedWeight tensors as they are).
 """
 
@@ -20,7 +21,7 @@ from ...ttype import QuantizedWeight, codes_per_word, pack, unpack
 
 AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
-TILE16_BITS = (1, 2, 4)
+TILE16_BITS = (1, 2, 4)  # widths whose words split into 16-bit halves of whole codes (AMX, lookup tables)
 LAYOUTS = ("tile16", "rowmajor")
 
 
@@ -49,7 +50,7 @@ class PackedWeight:
 
     @property
     def padded_k(self) -> int:
-        return padded_k(self.shape[1]) if self.layout == "tile16" else self.shape[1]
+        return padded_k(self.shape[1], self.ttype.bits) if self.layout == "tile16" else self.shape[1]
 
     def to_portable(self) -> QuantizedWeight:
         """The same weight in the portable layout (for checkpoints)."""
@@ -66,13 +67,14 @@ class PackedWeight:
 
 
 def layout_for(ttype) -> str:
-    """The CPU layout a weight type is packed in: tile16 where its codes fit it, else the portable one."""
-    return "tile16" if ttype.bits in TILE16_BITS else "rowmajor"
+    """The CPU layout a weight type is packed in (every template reads tile16)."""
+    return "tile16"
 
 
-def padded_k(k: int) -> int:
-    """K rounded up to the AMX step."""
-    return math.ceil(k / AMX_STEP_K) * AMX_STEP_K
+def padded_k(k: int, bits: int) -> int:
+    """K rounded up to a multiple of the AMX step and of the codes one word holds."""
+    unit = math.lcm(AMX_STEP_K, codes_per_word(bits))
+    return math.ceil(k / unit) * unit
 
 
 def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
@@ -83,11 +85,9 @@ def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
     if layout != "tile16":
         raise ValueError(f"layout={layout!r} is not known; accepted: {list(LAYOUTS)}")
     bits = weight.ttype.bits
-    if bits not in TILE16_BITS:
-        raise ValueError(f"layout 'tile16' holds {TILE16_BITS}-bit types; {weight.ttype.name!r} has {bits} bits")
     n, k = weight.shape
     rows = math.ceil(n / AMX_TILE_ROWS) * AMX_TILE_ROWS
-    codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k) - k, 0, rows - n))
+    codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
     words = pack(_map_codes(codes, bits), bits)
     tile = (lambda t: None if t is None else _tile_rows(t, rows))
     return PackedWeight("tile16", weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
@@ -132,7 +132,8 @@ class Tile16Storage:
         self.per_word = codes_per_word(self.bits)
         group = k if spec.group_size == -1 else spec.group_size
         tiles, groups = math.ceil(n / AMX_TILE_ROWS), k // group
-        self.qweight = te.placeholder((tiles, padded_k(k) // self.per_word, AMX_TILE_ROWS), "int32", name="qweight")
+        self.qweight = te.placeholder((tiles, padded_k(k, self.bits) // self.per_word, AMX_TILE_ROWS), "int32",
+                                      name="qweight")
         self.scales = te.placeholder((tiles, groups, AMX_TILE_ROWS), scale_storage(spec), name="scales")
         self.zeros = te.placeholder((tiles, groups, AMX_TILE_ROWS), zero_storage(spec), name="zeros") \
             if spec.zero_mode != "none" else None
@@ -142,7 +143,7 @@ class Tile16Storage:
 
         word = self.qweight[i // AMX_TILE_ROWS, j // self.per_word, i % AMX_TILE_ROWS].astype("uint32")
         within = j % self.per_word
-        position = within // 2 + (within % 2) * (self.per_word // 2)  # even k's low, odd k's high
+        position = within // 2 + (within % 2) * ((self.per_word + 1) // 2)  # even k's first, then odd k's
         shift = (position * self.bits).astype("uint32")
         return tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const((1 << self.bits) - 1, "uint32"))
 

@@ -66,7 +66,7 @@ class _Builder:
         self.ttype = get(spec.weight_dtype)
         self.bits = self.ttype.bits
         self.n, self.k = n, k
-        self.k_pad = padded_k(k)
+        self.k_pad = padded_k(k, self.bits)
         group = k if spec.group_size == -1 else spec.group_size
         self.per_channel = group == k
         self.kgroup = self.k_pad if self.per_channel else group
