@@ -47,7 +47,7 @@ DECODERS = _float_decoders() + _exact_decoders()
 
 
 def _wrapper(d: Decoder) -> str:
-    """extern "C" run_<name>(count, words, out, scales, zeros, tensor_scale, lut): one call per word."""
+    """extern "C" run_<name>(count, words, out, scales, zeros, tensor_scale): one call per word."""
     out_bytes = TORCH[d.out].itemsize * d.per_word
     args = []
     for a in d.arguments():
@@ -59,7 +59,7 @@ def _wrapper(d: Decoder) -> str:
             args.append(a)
     call = ", ".join(["&words[i]", f"(char*)out + i * {out_bytes}"] + args)
     return (f'extern "C" void run_{d.name}(long count, const uint32_t* words, void* out, const void* scales, '
-            f'const void* zeros, float tensor_scale, const float* lut) {{\n'
+            f'const void* zeros, float tensor_scale) {{\n'
             f'  for (long i = 0; i < count; ++i) {d.name}({call});\n}}\n')
 
 
@@ -164,14 +164,13 @@ def test_host_decode_is_bit_exact(decoder, host_library):
     words = _pack_words(codes, d.ttype.bits)
     out = torch.empty(len(codes), d.per_word, dtype=TORCH[d.out])
     tensor_scale = 0.0117
-    lut = d.ttype.lut("float32").contiguous() if d.uses_lut else None
     scale_arg = scales.contiguous() if d.scale is not None else None
     zero_arg = zeros.contiguous() if zeros is not None else None
     run = getattr(host_library, f"run_{d.name}")
     run(ctypes.c_long(len(codes)), ctypes.c_void_p(words.data_ptr()), ctypes.c_void_p(out.data_ptr()),
         ctypes.c_void_p(scale_arg.data_ptr() if scale_arg is not None else 0),
         ctypes.c_void_p(zero_arg.data_ptr() if zero_arg is not None else 0),
-        ctypes.c_float(tensor_scale), ctypes.c_void_p(lut.data_ptr() if lut is not None else 0))
+        ctypes.c_float(tensor_scale))
     expected = _expected(d, codes, scales, zeros, torch.tensor(tensor_scale, dtype=torch.float32))
     if out.dtype.is_floating_point:
         nan = torch.isnan(expected.float())
@@ -193,7 +192,7 @@ def test_lop3_layout_feeds_decoders_in_natural_order(host_library):
     ones = torch.ones(words.numel())
     getattr(host_library, f"run_{d.name}")(ctypes.c_long(words.numel()), ctypes.c_void_p(words.data_ptr()),
                                            ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(ones.data_ptr()),
-                                           None, ctypes.c_float(0), None)
+                                           None, ctypes.c_float(0))
     assert torch.equal(out.view(-1), q.ttype.decode(q.codes()).view(-1))
 
 

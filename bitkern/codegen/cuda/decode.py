@@ -8,10 +8,10 @@ What it computes (and what the TIR description of the intrinsic says, see `expr.
 outputs, out = round_out((v - z) · s) with v the code's value, z the integer or float zero point
 (zero modes) and s the scale in float32 (element-wise scales, MX's 2^e, NVFP4's e4m3 · tensor scale);
 for int8 / float8_e4m3 outputs (integer and fp8 matmuls, scaled after the product) out = v or v - z.
-How: integer codes of 1, 2, 4 (and 8 for float16) bits become 16-bit float pairs by OR-ing them into the
-mantissa of a magic number with one `lop3.b32` per pair, then one fma removes the magic and the zero point
-exactly; fp4_e2m1 and fp8 codes are placed into float16 bit patterns and rescaled by a power of two
-(exact, subnormals included); other types read a float32 table.  The scale multiplies the exact pair in
+How: integer codes become 16-bit float pairs by OR-ing them into the mantissa of a magic number with one
+`lop3.b32` per pair, then one fma removes the magic and the zero point exactly; fp4_e2m1 and fp8 codes are
+placed into float16 bit patterns and rescaled by a power of two (exact, subnormals included); other types
+(codebooks such as nf4, user-defined floats) read a float32 table of their values in constant memory.  The scale multiplies the exact pair in
 16-bit arithmetic when that rounds exactly like the float32 formula (scale stored in the output type,
 integer zero point, values exact in it), else the pair goes through float32.
 Pair i of a word holds the codes at positions i and i + C/2, which the "lop3" layout fills with
@@ -47,12 +47,14 @@ PRELUDE = r"""
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #define BK_FN static __device__ __forceinline__
+#define BK_TABLE static __constant__ const float
 typedef __half bk_half_arg;
 typedef __nv_bfloat16 bk_bf16_arg;
 #define BK_HALF_BITS(x) ((uint32_t)__half_as_ushort(x))
 #define BK_BF16_BITS(x) ((uint32_t)__bfloat16_as_ushort(x))
 #else
 #define BK_FN static inline
+#define BK_TABLE static const float
 typedef uint16_t bk_half_arg;
 typedef uint16_t bk_bf16_arg;
 #define BK_HALF_BITS(x) ((uint32_t)(x))
@@ -265,14 +267,10 @@ class Decoder:
         """The C function name (unique per decoder)."""
         return f"bk_decode_{self.weight}_{self.out}_{self.zero_mode}_{self.scale or 'unscaled'}"
 
-    @property
-    def uses_lut(self) -> bool:
-        """Whether the function reads a float32 table of the type's values (`TType.lut`)."""
-        return self.method == "lut"
-
     @cached_property
     def method(self) -> str:
-        """How codes become values: "magic" (LOP3), "fp4", "fp8", "lut", or "exact" (int8/fp8 outputs)."""
+        """How codes become values: "magic" (LOP3), "fp4", "fp8", "table" (a float32 table of the type's
+        values in constant memory), or "exact" (int8 / float8_e4m3 outputs)."""
         t = self.ttype
         if self.out not in FLOAT_OUTPUTS:
             return "exact"
@@ -282,30 +280,38 @@ class Decoder:
             return "fp4"
         if t.kind == FLOAT and t.float_format in (get("float8_e4m3").float_format, get("float8_e5m2").float_format):
             return "fp8"
-        return "lut"
+        return "table"
 
     def arguments(self) -> list[str]:
-        """The function's arguments after (word, out), in order: "scale", "zero", "tensor_scale", "lut"."""
+        """The function's arguments after (word, out), in order: "scale", "zero", "tensor_scale"."""
         args = ["scale"] if self.scale is not None else []
         if self.zero_mode != "none":
             args.append("zero")
         if self.ttype.tensor_scale and self.scale is not None:
             args.append("tensor_scale")
-        if self.uses_lut:
-            args.append("lut")
         return args
 
     def signature(self) -> str:
-        types = {"scale": _C_SCALE.get(self.scale), "tensor_scale": "float", "lut": "const float*",
+        types = {"scale": _C_SCALE.get(self.scale), "tensor_scale": "float",
                  "zero": _C_SCALE[self.scale] if self.zero_mode == "hqq" else "uint8_t"}
         extra = "".join(f", {types[a]} {a}" for a in self.arguments())
         return f"BK_FN void {self.name}(const void* word, void* out{extra})"
+
+    @property
+    def table(self) -> str:
+        """Name of the constant table of the type's float32 values that "table" / "exact" decoders read."""
+        return f"bk_values_{self.weight}"
 
     def source(self) -> str:
         """The C++ source of the function (guarded, so sources can be concatenated); needs `PRELUDE`."""
         guard = self.name.upper()
         body = "\n".join("  " + line for line in _Body(self).lines())
-        return f"#ifndef {guard}\n#define {guard}\n{self.signature()} {{\n{body}\n}}\n#endif\n"
+        table = ""
+        if self.method == "table" or (self.method == "exact" and self.ttype.kind not in (INT, UINT)):
+            values = ", ".join(_float(float(v)) for v in self.ttype.values.tolist())
+            table = (f"#ifndef {self.table.upper()}\n#define {self.table.upper()}\n"
+                     f"BK_TABLE {self.table}[{self.ttype.num_codes}] = {{{values}}};\n#endif\n")
+        return f"{table}#ifndef {guard}\n#define {guard}\n{self.signature()} {{\n{body}\n}}\n#endif\n"
 
 
 class _Body:
@@ -328,7 +334,7 @@ class _Body:
         elif method == "fp8":
             pairs, kind = self._fp8(), "float16"
         else:
-            self._lut()
+            self._table()
             return self.out
         self._finish_pairs(pairs, kind)
         return self.out
@@ -475,10 +481,10 @@ class _Body:
             to_out = "bk_f32_to_bf16" if d.out == "bfloat16" else "bk_f32_to_f16"
             self.out.append(f"((uint16_t*)out)[{element}] = (uint16_t){to_out}({product});")
 
-    def _lut(self) -> None:
+    def _table(self) -> None:
         self._scale_and_zero_f32()
         for e in range(self.per_word):
-            self._store(e, f"lut[{self._code(e)}]")
+            self._store(e, f"{self.d.table}[{self._code(e)}]")
 
     def _exact(self) -> None:
         """int8 / float8_e4m3 outputs: the exact value (minus an integer zero point), unscaled."""
@@ -490,9 +496,6 @@ class _Body:
         if d.out == "int8" and t.bits == 4 and t.kind in (INT, UINT):
             self._int4_to_int8()
             return
-        if t.kind not in (INT, UINT):
-            values = ", ".join(_float(float(v)) for v in t.values.tolist())
-            self.out.append(f"const float table[{t.num_codes}] = {{{values}}};")
         for e in range(self.per_word):
             code = self._code(e)
             if d.zero_mode != "none":
@@ -504,7 +507,7 @@ class _Body:
             elif t.kind == UINT:
                 value = f"(int32_t){code}"
             else:
-                value = f"table[{code}]"
+                value = f"{d.table}[{code}]"
             if d.out == "int8":
                 self.out.append(f"((int8_t*)out)[{e}] = (int8_t)({value});")
             else:
