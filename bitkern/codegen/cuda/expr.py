@@ -22,6 +22,7 @@ from ...ttype import codes_per_word, get
 from .decode import FLOAT_OUTPUTS, Decoder
 from .layout import layout_group, padded_shape
 
+MAX_ROWS = 1 << 30  # rows a kernel serves; bounds M so padded row counts stay within int32
 ACCUMULATE = {"float16": "float32", "bfloat16": "float32", "float32": "float32", "int8": "int32",
               "float8_e4m3": "float32"}
 
@@ -121,7 +122,8 @@ def cuda_matmul_expr(spec: Matmul, n: int, k: int, row_block: int) -> CudaExpr:
     """The expression for a [N, K] weight in the lop3 layout and symbolic M rows.
 
     The product is computed for M rounded up to `row_block` rows; the rows past M read row M - 1 (so no
-    load needs a predicate) and are never stored.  Columns of x past K read as zero."""
+    load needs a predicate) and are never stored.  Columns of x past K read as zero.  M is at most
+    MAX_ROWS (the kernels check it)."""
     from tvm import te, tirx
 
     ttype = get(spec.weight_dtype)
@@ -153,7 +155,7 @@ def cuda_matmul_expr(spec: Matmul, n: int, k: int, row_block: int) -> CudaExpr:
                        None if tensor_scale is None else tensor_scale[0])
 
     wdec = te.compute((n_pad, k_pad), weight, name="wdec")
-    m_pad = (m + (row_block - 1)) // row_block * row_block
+    m_pad = (tirx.min(m, MAX_ROWS) + (row_block - 1)) // row_block * row_block
     last = m - 1
 
     def padded_x(r, j):
