@@ -282,6 +282,17 @@ class Decoder:
             return "fp8"
         return "table"
 
+    @property
+    def uses_lop3(self) -> bool:
+        """Whether the function's PTX holds lop3.b32 (integer and fp4 decodes, e4m3 to float16 pairs, 4-bit
+        integers to int8)."""
+        t = self.ttype
+        if self.method in ("magic", "fp4"):
+            return True
+        if self.method == "fp8":
+            return t.float_format == get("float8_e4m3").float_format
+        return self.method == "exact" and self.out == "int8" and t.bits == 4 and t.kind in (INT, UINT)
+
     def arguments(self) -> list[str]:
         """The function's arguments after (word, out), in order: "scale", "zero", "tensor_scale"."""
         args = ["scale"] if self.scale is not None else []

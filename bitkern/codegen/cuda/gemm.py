@@ -122,6 +122,10 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
     per_word = 32 // ttype.bits
     if WARP % (config.block_k // per_word) or config.block_k < per_word:
         return f"block_k={config.block_k} with {per_word} codes per word (one word per thread per row)"
+    words = config.block_n * (config.block_k // per_word)
+    if words % config.threads:
+        return (f"block_n={config.block_n} x block_k={config.block_k} holds {words} words of codes, not a multiple "
+                f"of the {config.threads} threads that decode one word each")
     if config.decode == "lop3":
         group = layout_group(k if spec.group_size == -1 else spec.group_size, k)
         if group % per_word:
@@ -129,24 +133,28 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
     return None
 
 
-def resources(spec: Matmul, config: GemmConfig) -> Resources:
+def resources(spec: Matmul, k: int, config: GemmConfig) -> Resources:
     """Shared memory, threads and an estimate of the registers per thread of the kernel for `config`.
 
-    Shared memory is the pipeline (x tile and packed weight tile per stage, rows of x padded by 16
-    bytes), the decoded weight tile, or the epilogue's accumulator tile when that is larger (it reuses
-    the pipeline's memory)."""
+    Shared memory (an upper bound): the pipeline (x tile and packed weight tile per stage), the decoded
+    weight tile (rows of both padded by 16 bytes) and the epilogue's float32 accumulator tile, which TVM
+    places in the pipeline's memory when one of its buffers is large enough.  Registers: the
+    accumulators, two sets of ldmatrix fragments and the decode's temporaries; ptxas' count after the
+    build is in `CudaKernel.binary.registers`."""
     ttype = get(spec.weight_dtype)
     activation = _BYTES[spec.activation_dtype]
+    k_pad = padded_shape(1, k)[1]
     pad = 16 // activation
     x_tile = config.block_m * (config.block_k + pad) * activation
     packed_tile = config.block_n * config.block_k * ttype.bits // 8
     decoded_tile = config.block_n * (config.block_k + pad) * activation
-    pipeline = config.stages * (x_tile + packed_tile) + decoded_tile
+    stages = max(1, min(config.stages, k_pad // config.block_k))
+    pipeline = stages * (x_tile + packed_tile) + decoded_tile
     epilogue = config.block_m * config.block_n * 4
     accumulators = config.warp_m * config.warp_n // WARP
-    fragments = (config.warp_m + config.warp_n) // 16 * 4 * 4 // activation
-    registers = accumulators + fragments + 32 // ttype.bits + 40
-    return Resources(max(pipeline, epilogue), config.threads, registers)
+    fragments = 2 * (config.warp_m + config.warp_n) // 16 * 4
+    registers = accumulators + fragments + 32 // ttype.bits + 24
+    return Resources(pipeline + epilogue, config.threads, registers)
 
 
 def build(spec: Matmul, n: int, k: int, config: GemmConfig, arch: str, name: str = "main"):
@@ -212,7 +220,7 @@ class _Schedule:
         fetch = sch.cache_read(self.outer, 0, "shared.dyn")
         sch.compute_at(fetch, self.k0)
         sch.compute_inline(sch.get_sblock("xk"))
-        fused = sch.fuse(*sch.get_loops(fetch)[-2:])
+        fused = sch.fuse(*_loops_under(sch, fetch, self.k0))
         _, warp, lane, vec = sch.split(fused, [None, cfg.warps, WARP, vector])
         sch.bind(lane, "threadIdx.x")
         sch.bind(warp, "threadIdx.y")
@@ -242,7 +250,7 @@ class _Schedule:
         sch.set_scope(wdec, 0, "local")
         packed = sch.cache_read(wdec, _read_index(sch, wdec, "qweight"), "shared.dyn")
         sch.compute_at(packed, self.k0)
-        fused = sch.fuse(*sch.get_loops(packed)[-2:])
+        fused = sch.fuse(*_loops_under(sch, packed, self.k0))
         _, warp, lane, vec = sch.split(fused, [None, cfg.warps, WARP, _vector(4, words_per_row)])
         sch.bind(lane, "threadIdx.x")
         sch.bind(warp, "threadIdx.y")
@@ -311,6 +319,13 @@ def _vector(wanted: int, extent: int) -> int:
     while lanes > 1 and extent % lanes:
         lanes //= 2
     return lanes
+
+
+def _loops_under(sch, block, anchor) -> list:
+    """The loops of `block` nested inside loop `anchor` (a cache block's own loops after compute_at)."""
+    loops = sch.get_loops(block)
+    position = next(i for i, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(anchor)))
+    return loops[position + 1:]
 
 
 def _read_index(sch, block, prefix: str) -> int:

@@ -18,7 +18,7 @@ from ...ops.expr import TVM_DTYPES
 from ...ops.matmul import Matmul
 from ...ttype import get
 from .decode import library
-from .expr import ACCUMULATE, cuda_matmul_expr
+from .expr import ACCUMULATE, MAX_ROWS, cuda_matmul_expr
 from .gemm import Resources
 from .intrin import decode_intrinsic
 from .layout import check_type, layout_group, padded_shape
@@ -101,11 +101,10 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemvConfig) -> str 
     return None
 
 
-def resources(spec: Matmul, config: GemvConfig) -> Resources:
-    """Threads, shared memory (none: x is read through the cache) and a register estimate."""
-    ttype = get(spec.weight_dtype)
-    decoded = config.words * (32 // ttype.bits)
-    registers = config.rows * 2 + config.words + decoded // 2 + 32
+def resources(spec: Matmul, k: int, config: GemvConfig) -> Resources:
+    """Threads, shared memory (none: x is read through the cache, the reduction uses warp shuffles) and a
+    register estimate (ptxas' count after the build is in `CudaKernel.binary.registers`)."""
+    registers = 24 + 2 * config.rows + 2 * config.words
     return Resources(0, config.warps * WARP, registers)
 
 
@@ -129,13 +128,14 @@ def build(spec: Matmul, n: int, k: int, config: GemvConfig, name: str = "main"):
 
 
 def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce"):
-    """The kernel summing split-K partial sums [split_k, M, N_pad] into y [M, N] with the epilogue;
-    arguments: partial, scales (int8 per-channel scales, unused otherwise: never), bias (bias specs), y."""
-    from tvm import s_tir, te
+    """The kernel summing split-K partial sums [split_k, M rounded up to `rows`, N_pad] into y [M, N] with
+    the epilogue; arguments: partial, bias (bias specs), y."""
+    from tvm import s_tir, te, tirx
 
     n_pad, _ = padded_shape(n, 1)
     m = te.var("M")
-    partial = te.placeholder((config.split_k, m, n_pad), "float32", name="partial")
+    rows = (tirx.min(m, MAX_ROWS) + (config.rows - 1)) // config.rows * config.rows
+    partial = te.placeholder((config.split_k, rows, n_pad), "float32", name="partial")
     bias = te.placeholder((n,), "float32", name="bias") if spec.bias else None
     s = te.reduce_axis((0, config.split_k), name="s")
     total = te.compute((m, n), lambda r, i: te.sum(partial[s, r, i], axis=s), name="total")
