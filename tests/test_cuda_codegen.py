@@ -163,3 +163,63 @@ def test_launch_extents_follow_m(compiled):
     assert [evaluate(g, 1) for g in launch.grid] == [n // config.block_n, 1, 1]
     assert [evaluate(g, 65) for g in launch.grid] == [n // config.block_n, 2, 1]
     assert launch.params[-1] == "M" and {"x", "qweight", "scales", "zeros", "bias", "y"} <= set(launch.params)
+
+
+def test_kernel_checks_its_inputs_before_launching():
+    import torch
+
+    import bitkern
+    from bitkern.codegen import pack as pack_for_cpu
+    from bitkern.codegen.cuda import build_kernel, pack
+
+    spec = Matmul("int4", "float16", group_size=-1)
+    kernel = build_kernel(spec, 64, 128, "gemv", GemvConfig(k_threads=4, words=1, warps=2), "sm_80", (1, 4))
+    assert kernel.binary.cubin and "gemv_kernel" in kernel.source
+    q = bitkern.quantize(torch.randn(64, 128), "int4", group_size=-1)
+    x = torch.randn(2, 128).half()
+    with pytest.raises(ValueError, match="this kernel runs on CUDA devices"):
+        kernel(x, pack(q))
+    with pytest.raises(ValueError, match="x has 0 rows; a CUDA kernel serves 1 to"):
+        kernel(x[:0], pack(q))
+    with pytest.raises(TypeError, match="weight must be packed in the 'lop3' layout"):
+        kernel(x, pack_for_cpu(q))
+
+
+def test_build_errors_name_the_problem():
+    from bitkern.codegen.cuda import build_kernel
+
+    spec = Matmul("int4", "float16", group_size=128)
+    with pytest.raises(ValueError, match="template='wmma' is not known"):
+        build_kernel(spec, 64, 256, "wmma", GemmConfig(), "sm_80", (1, 16))
+    with pytest.raises(TypeError, match="config must be a GemvConfig"):
+        build_kernel(spec, 64, 256, "gemv", GemmConfig(), "sm_80", (1, 16))
+    with pytest.raises(ValueError, match="arch='sm_75' is not supported"):
+        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "sm_75", (1, 16))
+    with pytest.raises(ValueError, match="block_n=128 does not divide the padded N=64"):
+        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "sm_80", (1, 16))
+    with pytest.raises(ValueError, match="float8_e4m3 mma on sm_80"):
+        build_kernel(Matmul("int4", "float8_e4m3", group_size=-1, output_dtype="float16"), 128, 256, "gemm",
+                     GemmConfig(), "sm_80", (1, 16))
+    with pytest.raises(ValueError, match="group_size=128 with int8 activations"):
+        build_kernel(Matmul("int4", "int8", accumulate_dtype="int32"), 128, 256, "gemm", GemmConfig(), "sm_80", (1, 16))
+    with pytest.raises(ValueError, match=r"layout 'lop3' holds \[1, 2, 4, 8\]-bit types; 'int3'"):
+        build_kernel(Matmul("int3", "float16"), 128, 256, "gemv", GemvConfig(), "sm_80", (1, 16))
+    with pytest.raises(ValueError, match="activation_dtype=float32 \\(mma takes"):
+        build_kernel(Matmul("int4", "float32"), 128, 256, "gemm", GemmConfig(), "sm_80", (1, 16))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("warp_m", 24, "warp_m=24 must be a multiple of 16"), ("block_n", 96, "whole number of warp tiles"),
+    ("block_k", 48, "block_k=48 is not supported"), ("stages", 0, "stages=0 must be a positive int"),
+    ("decode", "lut", "decode='lut' is not known")])
+def test_gemm_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        GemmConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("k_threads", 3, "k_threads=3 must be a power of two"), ("words", 3, "words=3 is not supported"),
+    ("warps", 64, "warps=64 exceed 1024 threads"), ("rows", 0, "rows=0 must be a positive int")])
+def test_gemv_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        GemvConfig(**{field: value})

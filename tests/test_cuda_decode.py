@@ -66,6 +66,47 @@ def _wrapper(d: Decoder) -> str:
             f'  for (long i = 0; i < count; ++i) {d.name}({call});\n}}\n')
 
 
+def device_source(decoders) -> str:
+    """The decoders and one __global__ run_<name>(count, words, out, scales, zeros, tensor_scale) each, a
+    thread per word (the GPU tests run it; here nvcc compiles it)."""
+    types = {"float16": "bk_half_arg", "bfloat16": "bk_bf16_arg", "float32": "float", "uint8": "uint8_t"}
+    kernels = []
+    for d in decoders:
+        out_bytes = TORCH[d.out].itemsize * d.per_word
+        args = []
+        for role in d.arguments():
+            if role == "scale":
+                args.append(f"((const {types[d.scale]}*)scales)[i]")
+            elif role == "zero":
+                args.append(f"((const {types[d.scale] if d.zero_mode == 'hqq' else 'uint8_t'}*)zeros)[i]")
+            else:
+                args.append(role)
+        call = ", ".join(["&words[i]", f"(char*)out + i * {out_bytes}"] + args)
+        kernels.append(f'extern "C" __global__ void run_{d.name}(int count, const uint32_t* words, void* out, '
+                       f'const void* scales, const void* zeros, float tensor_scale) {{\n'
+                       f'  int i = blockIdx.x * blockDim.x + threadIdx.x;\n  if (i < count) {d.name}({call});\n}}\n')
+    return library(decoders) + "\n".join(kernels)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_device_branch_compiles_with_nvcc(arch):
+    """Every decoder's device code (PTX lop3, half2 / bfloat162 intrinsics) compiles; lop3 is in the PTX of
+    exactly the decoders that use it."""
+    import re
+
+    from bitkern.codegen.cuda.compile import find_nvcc, nvcc
+
+    if find_nvcc() is None:
+        pytest.skip("nvcc is not installed")
+    ptx = nvcc(device_source(DECODERS), arch).ptx
+    entries = {m.group(1): m.start() for m in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx)}
+    bounds = sorted(entries.values()) + [len(ptx)]
+    for d in DECODERS:
+        start = entries[f"run_{d.name}"]
+        body = ptx[start:bounds[bounds.index(start) + 1]]
+        assert ("lop3.b32" in body) == d.uses_lop3, d.name
+
+
 @pytest.fixture(scope="module")
 def host_library(tmp_path_factory):
     """All DECODERS compiled for the host with g++ (the emulation branch of the same source)."""

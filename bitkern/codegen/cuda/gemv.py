@@ -226,7 +226,8 @@ class _Schedule:
         sch.set_scope(wdec, 0, "local")
         register = sch.cache_read(wdec, _read_index(sch, wdec, "qweight"), "local")
         sch.compute_at(register, k_step)
-        sch.vectorize(sch.get_loops(register)[-1])
+        if cfg.words > 1:
+            sch.vectorize(sch.get_loops(register)[-1])
         if cfg.decode == "lop3":
             word = sch.get_loops(wdec)[-1]
             _, lanes = sch.split(word, [None, self.per_word])

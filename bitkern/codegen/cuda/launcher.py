@@ -12,6 +12,7 @@ import functools
 import threading
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_ARGUMENT_TYPES = {"pointer": ctypes.c_void_p, "int32": ctypes.c_int32, "float32": ctypes.c_float}
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
@@ -80,10 +81,10 @@ class Module:
         return function
 
     def launch(self, name: str, grid, block, shared_bytes: int, stream: int, arguments) -> None:
-        """Launch kernel `name`; `arguments` are ("pointer", address) or ("int32", value) pairs."""
+        """Launch kernel `name`; `arguments` are (kind, value) pairs, kind "pointer", "int32" or "float32"."""
         self._activate()
         function = self.function(name, shared_bytes)
-        holders = [ctypes.c_void_p(value) if kind == "pointer" else ctypes.c_int32(value) for kind, value in arguments]
+        holders = [_ARGUMENT_TYPES[kind](value) for kind, value in arguments]
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
         _check(self.lib, self.lib.cuLaunchKernel(function, *[ctypes.c_uint(int(g)) for g in grid],
                                                  *[ctypes.c_uint(int(b)) for b in block], ctypes.c_uint(shared_bytes),
