@@ -159,7 +159,7 @@ def cuda_matmul_expr(spec: Matmul, n: int, k: int, row_block: int) -> CudaExpr:
     last = m - 1
 
     def padded_x(r, j):
-        value = x[tirx.min(r, last), j]
+        value = x[tirx.min(r, last) if row_block > 1 else r, j]
         if k_pad > k:
             value = tirx.if_then_else(j < k, value, tirx.const(0, x.dtype))
         return value

@@ -1,9 +1,9 @@
 """Decode GEMV template for few rows: each warp computes a few outputs, its threads split K.
 
 Per thread and k-step: one vectorized load of `words` 32-bit words of codes (words=4: 128 bits), the
-LOP3 decode of each word into registers (scale and zero applied), products with x accumulated in
-float32 (int32 for int8 activations) for every row; then a warp-shuffle reduction across the threads
-of the warp and the epilogue (per-channel scale, bias, cast).  Rows are processed `rows` at a time
+LOP3 decode of each word into registers (scale and zero applied), products with x (loaded 16 bytes at a
+time for rows=1) accumulated in float32 (int32 for int8 activations) for every row; then a warp-shuffle
+reduction across the threads of the warp and the epilogue (per-channel scale, bias, cast).  Rows are processed `rows` at a time
 (blockIdx.y covers M / rows blocks), so one kernel serves any M and is fastest for M <= rows.
 Split-K (`split_k` > 1) cuts K into slices computed by different blocks: the kernel then writes float32
 partial sums [split_k, M, N] and `build_reduce` makes the kernel that sums them and applies the epilogue.
@@ -27,6 +27,7 @@ log = logging.getLogger("bitkern")
 
 WARP = 32
 ACTIVATIONS = ("float16", "bfloat16", "float32", "int8")
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,9 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemvConfig) -> str 
 def resources(spec: Matmul, k: int, config: GemvConfig) -> Resources:
     """Threads, shared memory (none: x is read through the cache, the reduction uses warp shuffles) and a
     register estimate (ptxas' count after the build is in `CudaKernel.binary.registers`)."""
-    registers = 24 + 2 * config.rows + 2 * config.words
+    ttype = get(spec.weight_dtype)
+    x_cache = config.words * (32 // ttype.bits) * _BYTES[spec.activation_dtype] // 8 if config.rows == 1 else 0
+    registers = 32 + 2 * config.rows + 2 * config.words + x_cache
     return Resources(0, config.warps * WARP, registers)
 
 
@@ -202,8 +205,11 @@ class _Schedule:
         sch.bind(loops[len(outer)], "threadIdx.z")
         sch.bind(column, "threadIdx.y")
         sch.bind(loops[len(outer) + 2], "threadIdx.x")
-        self._per_thread(partial, loops[len(outer) + 3])
+        k_step = loops[len(outer) + 3]
+        self._per_thread(partial, k_step)
         sch.compute_inline(sch.get_sblock("xk"))
+        if cfg.rows == 1:  # with more rows the clamped row index makes the cached region's size symbolic
+            self._load_x(partial, k_step)
         sch.reverse_compute_at(acc, column)
         # the write-back block's loops follow its iterators, (k_lane, row); the cross-thread sum over k_lane
         # (warp shuffles) needs it innermost
@@ -217,6 +223,15 @@ class _Schedule:
         if cfg.split_k == 1:
             sch.reverse_compute_at(sch.get_sblock("y"), column)
             sch.set_scope(acc, 0, "local")
+
+    def _load_x(self, partial, k_step) -> None:
+        """The thread's x values of a k-step (rows x words·C consecutive k) into registers, 16 bytes at a time."""
+        sch = self.sch
+        cache = sch.cache_read(partial, _read_index(sch, partial, "x"), "local")
+        sch.compute_at(cache, k_step)
+        size = _BYTES[self.spec.activation_dtype]
+        _, vector = sch.split(sch.get_loops(cache)[-1], [None, _widest(16 // size, self.cfg.words * self.per_word)])
+        sch.vectorize(vector)
 
     def _per_thread(self, partial, k_step) -> None:
         """Per k-step of a thread: one vectorized load of the packed words, LOP3 decode of each word."""
@@ -236,6 +251,13 @@ class _Schedule:
             sch.annotate(k_step, "pragma_import_c", self.imports)
         else:
             log.info("bitkern: CUDA GEMV decodes %s with plain TIR (decode='tir')", self.ttype.name)
+
+
+def _widest(wanted: int, extent: int) -> int:
+    lanes = wanted
+    while lanes > 1 and extent % lanes:
+        lanes //= 2
+    return lanes
 
 
 def _read_index(sch, block, prefix: str) -> int:
