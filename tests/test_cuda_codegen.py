@@ -3,7 +3,10 @@ compile with nvcc to cubins for sm_80 and sm_90, and their PTX holds the instruc
 built around (mma.sync, ldmatrix, cp.async; lop3 for integer weights; warp shuffles and 128-bit loads in
 the GEMV).  All kernels of an architecture go into one .cu, compiled once per test session."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -223,3 +226,25 @@ def test_gemm_config_validation(field, value, message):
 def test_gemv_config_validation(field, value, message):
     with pytest.raises(ValueError, match=message):
         GemvConfig(**{field: value})
+
+
+def test_saved_kernel_loads_without_tvm(tmp_path):
+    """A built kernel round-trips through files, and loading it imports neither TVM nor the compiler path."""
+    from bitkern.codegen.cuda import build_kernel, load_kernel
+
+    spec = Matmul("uint4", "bfloat16", group_size=64, zero_mode="gptq", scale_dtype="bfloat16", bias=True)
+    kernel = build_kernel(spec, 64, 256, "gemv", GemvConfig(rows=2, k_threads=8, words=2, split_k=2), "sm_90", (1, 8))
+    kernel.save(str(tmp_path))
+    loaded = load_kernel(str(tmp_path))
+    for field in ("spec", "n", "k", "template", "config", "arch", "m_range", "source", "launches"):
+        assert getattr(loaded, field) == getattr(kernel, field), field
+    assert loaded.binary == kernel.binary
+    script = ("import sys; from bitkern.codegen.cuda.kernel import load_kernel; "
+              f"k = load_kernel({str(tmp_path)!r}); "
+              "assert not [m for m in sys.modules if m.split('.')[0] in ('tvm', 'tvm_ffi')], 'TVM was imported'; "
+              "print(len(k.launches))")
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's bitkern
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=str(tmp_path),
+                            env={**os.environ, "PYTHONPATH": repository})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2"

@@ -2,13 +2,14 @@
 templates generated with TVM and compiled with nvcc, and a cubin launcher for torch tensors.
 
 Entry points: `pack(weight)` (a QuantizedWeight in the "lop3" layout), `build_kernel(spec, n, k, template,
-config, arch, m_range)` -> `CudaKernel`, the template configurations `GemmConfig` / `GemvConfig` and their
-`resources(spec, k, config)` (for the tuner's per-architecture limits).
+config, arch, m_range)` -> `CudaKernel` (callable, `save`-able; `load_kernel` needs neither TVM nor nvcc),
+the template configurations `GemmConfig` / `GemvConfig` and their `resources(spec, k, config)` (for the
+tuner's per-architecture limits).
 """
 
 from .gemm import GemmConfig, Resources
 from .gemv import GemvConfig
-from .kernel import TEMPLATES, CudaKernel, build_kernel
+from .kernel import TEMPLATES, CudaKernel, build_kernel, load_kernel
 from .layout import LAYOUT, Lop3Weight, to_lop3
 
 
@@ -30,4 +31,4 @@ def resources(spec, k: int, config) -> Resources:
 
 
 __all__ = ["CudaKernel", "GemmConfig", "GemvConfig", "LAYOUT", "Lop3Weight", "Resources", "TEMPLATES",
-           "build_kernel", "pack", "resources"]
+           "build_kernel", "load_kernel", "pack", "resources"]

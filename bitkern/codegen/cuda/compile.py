@@ -8,7 +8,6 @@ and block extents (as expressions of M) and dynamic shared memory.  No TVM is ne
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -134,7 +133,7 @@ _OPS = {"Add": "+", "Sub": "-", "Mul": "*", "FloorDiv": "//", "FloorMod": "%", "
 
 
 def _expression(expr):
-    """An integer TIR expression of M as a JSON-friendly tree: ints, "M", or [op, a, b]."""
+    """An integer TIR expression of M as a JSON-friendly tree: ints, "M", or (op, a, b)."""
     kind = type(expr).__name__
     if kind == "IntImm":
         return int(expr.value)
@@ -145,7 +144,7 @@ def _expression(expr):
     if kind == "Cast":
         return _expression(expr.value)
     if kind in _OPS:
-        return [_OPS[kind], _expression(expr.a), _expression(expr.b)]
+        return (_OPS[kind], _expression(expr.a), _expression(expr.b))
     raise RuntimeError(f"cannot evaluate launch extent {expr} ({kind})")
 
 
@@ -216,7 +215,3 @@ def _ptxas_report(text: str) -> tuple[dict, dict]:
             spills[current] = int(spill.group(1))
     return registers, spills
 
-
-def manifest(launches: list[Launch], arch: str) -> str:
-    """JSON of a kernel's launches (stored next to its cubin for runtime-only machines)."""
-    return json.dumps({"arch": arch, "launches": [launch.to_json() for launch in launches]})

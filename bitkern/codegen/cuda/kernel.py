@@ -4,12 +4,16 @@
 with nvcc for the target architecture (no GPU needed), and returns a `CudaKernel`: the call convention of
 the CPU kernels, `kernel(x2d, packed_weight, bias) -> y`, launched through the driver API on torch's
 current stream with the tensors' device pointers (no copies).  `CudaKernel.source` keeps the .cu,
-`binary.ptx` the PTX, `binary.registers` ptxas' register counts.
+`binary.ptx` the PTX, `binary.registers` ptxas' register counts.  `save` / `load_kernel` move a built
+kernel to a machine with only a driver (no TVM, no nvcc: this module imports neither).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +83,18 @@ class CudaKernel:
             module.launch(launch.name, grid, block, launch.shared_bytes, stream, arguments)
         return y
 
+    def save(self, directory: str) -> None:
+        """Write kernel.cubin, kernel.ptx, kernel.cu and kernel.json: what `load_kernel` needs."""
+        os.makedirs(directory, exist_ok=True)
+        description = {"spec": dataclasses.asdict(self.spec), "n": self.n, "k": self.k, "template": self.template,
+                       "config": dataclasses.asdict(self.config), "arch": self.arch, "m_range": list(self.m_range),
+                       "launches": [launch.to_json() for launch in self.launches],
+                       "registers": self.binary.registers, "spills": self.binary.spills}
+        for name, content, mode in (("kernel.cubin", self.binary.cubin, "wb"), ("kernel.ptx", self.binary.ptx, "w"),
+                                    ("kernel.cu", self.source, "w"), ("kernel.json", json.dumps(description), "w")):
+            with open(os.path.join(directory, name), mode) as handle:
+                handle.write(content)
+
     def _check_device(self, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"x is on {device}; this kernel runs on CUDA devices")
@@ -95,6 +111,26 @@ class CudaKernel:
         if loaded is None:
             loaded = self._modules[index] = module(self.binary.cubin, index)
         return loaded
+
+
+def load_kernel(directory: str) -> CudaKernel:
+    """A kernel written by `CudaKernel.save`."""
+    with open(os.path.join(directory, "kernel.json")) as handle:
+        description = json.load(handle)
+    with open(os.path.join(directory, "kernel.cubin"), "rb") as handle:
+        cubin = handle.read()
+    with open(os.path.join(directory, "kernel.ptx")) as handle:
+        ptx = handle.read()
+    with open(os.path.join(directory, "kernel.cu")) as handle:
+        source = handle.read()
+    template = description["template"]
+    if template not in TEMPLATES:
+        raise ValueError(f"{directory} holds a kernel of template {template!r}; accepted: {list(TEMPLATES)}")
+    config = (gemm.GemmConfig if template == "gemm" else gemv.GemvConfig)(**description["config"])
+    binary = Binary(description["arch"], cubin, ptx, description["registers"], description["spills"])
+    return CudaKernel(Matmul(**description["spec"]), description["n"], description["k"], template, config,
+                      description["arch"], tuple(description["m_range"]),
+                      source, [Launch.from_json(launch) for launch in description["launches"]], binary)
 
 
 def build_kernel(spec: Matmul, n: int, k: int, template: str, config, arch: str, m_range: tuple[int, int],
