@@ -467,7 +467,6 @@ class _Body:
         return d.out == kind and d.scale == kind and d.zero_mode != "hqq"
 
     def _finish_pairs(self, pairs: list[str], kind: str) -> None:
-        d = self.d
         if self._packed_scale(kind):
             prefix = "b2" if kind == "bfloat16" else "h2"
             scale_bits = "BK_BF16_BITS(scale)" if kind == "bfloat16" else "BK_HALF_BITS(scale)"

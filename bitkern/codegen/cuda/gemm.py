@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from ...ops.expr import TVM_DTYPES
 from ...ops.matmul import Matmul
 from ...ttype import get
-from .decode import FLOAT_OUTPUTS
+from .decode import FLOAT_OUTPUTS, library
 from .expr import cuda_matmul_expr
 from .intrin import MMA_DTYPES, decode_intrinsic, mma_intrinsics
 from .layout import K_GRAIN, check_type, layout_group, padded_shape
+from .sched import ITEM_BYTES, loops_under, read_index, vector_lanes
 
 log = logging.getLogger("bitkern")
 
 DECODES = ("lop3", "tir")
 WARP = 32
 MAX_THREADS = 1024
-_BYTES = {"float16": 2, "bfloat16": 2, "int8": 1, "float8_e4m3": 1, "float32": 4, "int32": 4}
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")
 
 
@@ -120,7 +120,7 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
     if config.block_k % mma_intrinsics(activation).k_step:
         return f"block_k={config.block_k} is not a multiple of the mma's k={mma_intrinsics(activation).k_step}"
     per_word = 32 // ttype.bits
-    if WARP % (config.block_k // per_word) or config.block_k < per_word:
+    if config.block_k < per_word or WARP % (config.block_k // per_word):
         return f"block_k={config.block_k} with {per_word} codes per word (one word per thread per row)"
     words = config.block_n * (config.block_k // per_word)
     if words % config.threads:
@@ -142,7 +142,7 @@ def resources(spec: Matmul, k: int, config: GemmConfig) -> Resources:
     accumulators, two sets of ldmatrix fragments and the decode's temporaries; ptxas' count after the
     build is in `CudaKernel.binary.registers`."""
     ttype = get(spec.weight_dtype)
-    activation = _BYTES[spec.activation_dtype]
+    activation = ITEM_BYTES[spec.activation_dtype]
     k_pad = padded_shape(1, k)[1]
     pad = 16 // activation
     x_tile = config.block_m * (config.block_k + pad) * activation
@@ -158,7 +158,8 @@ def resources(spec: Matmul, k: int, config: GemmConfig) -> Resources:
 
 
 def build(spec: Matmul, n: int, k: int, config: GemmConfig, arch: str, name: str = "main"):
-    """The scheduled PrimFunc (arguments as `expr.cuda_matmul_expr`) and the C source it imports."""
+    """The scheduled PrimFunc (arguments as `expr.cuda_matmul_expr`; the decode functions' C source is
+    attached with pragma_import_c)."""
     from tvm import s_tir, te
 
     reason = unsupported_reason(spec, n, k, config, arch)
@@ -168,7 +169,7 @@ def build(spec: Matmul, n: int, k: int, config: GemmConfig, arch: str, name: str
     func = te.create_prim_func([*expr.inputs, expr.output]).with_attr("global_symbol", name)
     schedule = _Schedule(s_tir.Schedule(func), spec, n, k, config, expr)
     schedule.apply()
-    return schedule.sch.mod["main"].with_attr("global_symbol", name), schedule.imports
+    return schedule.sch.mod["main"].with_attr("global_symbol", name)
 
 
 class _Schedule:
@@ -178,12 +179,10 @@ class _Schedule:
         self.sch, self.spec, self.n, self.k, self.cfg, self.expr = sch, spec, n, k, config, expr
         self.ttype = get(spec.weight_dtype)
         self.mma = mma_intrinsics(spec.activation_dtype)
-        self.n_pad, self.k_pad = padded_shape(n, k)
-        self.imports = ""
-        self.stages = min(config.stages, self.k_pad // config.block_k)
+        self.stages = min(config.stages, padded_shape(n, k)[1] // config.block_k)
 
     def apply(self) -> None:
-        sch, cfg = self.sch, self.cfg
+        sch = self.sch
         self._tile(sch.get_sblock("acc"))
         self._fetch_x()
         self._decode_weights()
@@ -210,17 +209,17 @@ class _Schedule:
         sch.bind(m0, "blockIdx.y")
         self.warp = sch.fuse(m1, n1)
         sch.bind(self.warp, "threadIdx.y")
-        self.k0, self.k1, self.block = k0, k1, n0
+        self.k0, self.k1 = k0, k1
 
     def _fetch_x(self) -> None:
         """x tile -> shared (cp.async); the K padding stays a predicate inside the copy (zero fill)."""
         sch, cfg = self.sch, self.cfg
-        size = _BYTES[self.spec.activation_dtype]
-        vector = _vector(16 // size, self.k)
+        size = ITEM_BYTES[self.spec.activation_dtype]
+        vector = vector_lanes(16 // size, self.k)
         fetch = sch.cache_read(self.outer, 0, "shared.dyn")
         sch.compute_at(fetch, self.k0)
         sch.compute_inline(sch.get_sblock("xk"))
-        fused = sch.fuse(*_loops_under(sch, fetch, self.k0))
+        fused = sch.fuse(*loops_under(sch, fetch, self.k0))
         _, warp, lane, vec = sch.split(fused, [None, cfg.warps, WARP, vector])
         sch.bind(lane, "threadIdx.x")
         sch.bind(warp, "threadIdx.y")
@@ -231,7 +230,7 @@ class _Schedule:
         """packed tile -> shared (cp.async), then per thread: one word -> registers -> decode -> shared."""
         sch, cfg, spec = self.sch, self.cfg, self.spec
         per_word = 32 // self.ttype.bits
-        size = _BYTES[spec.activation_dtype]
+        size = ITEM_BYTES[spec.activation_dtype]
         tile = sch.cache_read(self.outer, 1, "shared.dyn")
         sch.compute_at(tile, self.k0)
         rows, cols = sch.get_loops(tile)[-2:]
@@ -242,28 +241,25 @@ class _Schedule:
         thread = sch.fuse(row_lane, word)
         sch.bind(thread, "threadIdx.x")
         sch.bind(row_warp, "threadIdx.y")
-        _, store_vector = sch.split(lanes, [None, _vector(16 // size, per_word)])
+        _, store_vector = sch.split(lanes, [None, vector_lanes(16 // size, per_word)])
         sch.vectorize(store_vector)
         sch.storage_align(tile, 0, axis=-2, factor=32, offset=16 // size)
         wdec = sch.get_sblock("wdec")
         sch.compute_at(wdec, thread)
         sch.set_scope(wdec, 0, "local")
-        packed = sch.cache_read(wdec, _read_index(sch, wdec, "qweight"), "shared.dyn")
+        packed = sch.cache_read(wdec, read_index(sch, wdec, "qweight"), "shared.dyn")
         sch.compute_at(packed, self.k0)
-        fused = sch.fuse(*_loops_under(sch, packed, self.k0))
-        _, warp, lane, vec = sch.split(fused, [None, cfg.warps, WARP, _vector(4, words_per_row)])
+        fused = sch.fuse(*loops_under(sch, packed, self.k0))
+        _, warp, lane, vec = sch.split(fused, [None, cfg.warps, WARP, vector_lanes(4, words_per_row)])
         sch.bind(lane, "threadIdx.x")
         sch.bind(warp, "threadIdx.y")
         sch.vectorize(vec)
-        register = sch.cache_read(wdec, _read_index(sch, wdec, "qweight"), "local")
+        register = sch.cache_read(wdec, read_index(sch, wdec, "qweight"), "local")
         sch.compute_at(register, thread)
         if cfg.decode == "lop3":
             decoder = self.expr.decoder
             sch.tensorize(sch.get_loops(wdec)[-1], decode_intrinsic(decoder))
-            from .decode import library
-
-            self.imports = library([decoder])
-            sch.annotate(self.warp, "pragma_import_c", self.imports)
+            sch.annotate(self.warp, "pragma_import_c", library([decoder]))
         else:
             log.info("bitkern: CUDA GEMM decodes %s with plain TIR (decode='tir')", self.ttype.name)
 
@@ -306,33 +302,11 @@ class _Schedule:
         sch.compute_inline(self.c_shared)
         store = sch.get_sblock("y")
         sch.reverse_compute_at(store, self.warp)
-        out_size = _BYTES[TVM_DTYPES[self.spec.output_dtype]]
+        out_size = ITEM_BYTES[TVM_DTYPES[self.spec.output_dtype]]
         fused = sch.fuse(*sch.get_loops(store)[-2:])
-        _, lane, vec = sch.split(fused, [None, WARP, _vector(16 // out_size, self.n)])
+        _, lane, vec = sch.split(fused, [None, WARP, vector_lanes(16 // out_size, self.n)])
         sch.bind(lane, "threadIdx.x")
         sch.vectorize(vec)
-
-
-def _vector(wanted: int, extent: int) -> int:
-    """The widest vector up to `wanted` lanes that divides `extent`."""
-    lanes = wanted
-    while lanes > 1 and extent % lanes:
-        lanes //= 2
-    return lanes
-
-
-def _loops_under(sch, block, anchor) -> list:
-    """The loops of `block` nested inside loop `anchor` (a cache block's own loops after compute_at)."""
-    loops = sch.get_loops(block)
-    position = next(i for i, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(anchor)))
-    return loops[position + 1:]
-
-
-def _read_index(sch, block, prefix: str) -> int:
-    """Position among `block`'s reads of the buffer whose name starts with `prefix` (a cache of it keeps
-    the name as prefix)."""
-    reads = sch.get(block).reads
-    return next(i for i, region in enumerate(reads) if region.source.name.startswith(prefix))
 
 
 def _fragment_tile(sch, block, rows: int, cols: int):

@@ -22,12 +22,12 @@ from .expr import ACCUMULATE, MAX_ROWS, cuda_matmul_expr
 from .gemm import Resources
 from .intrin import decode_intrinsic
 from .layout import check_type, layout_group, padded_shape
+from .sched import ITEM_BYTES, read_index, vector_lanes
 
 log = logging.getLogger("bitkern")
 
 WARP = 32
 ACTIVATIONS = ("float16", "bfloat16", "float32", "int8")
-_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -106,13 +106,14 @@ def resources(spec: Matmul, k: int, config: GemvConfig) -> Resources:
     """Threads, shared memory (none: x is read through the cache, the reduction uses warp shuffles) and a
     register estimate (ptxas' count after the build is in `CudaKernel.binary.registers`)."""
     ttype = get(spec.weight_dtype)
-    x_cache = config.words * (32 // ttype.bits) * _BYTES[spec.activation_dtype] // 8 if config.rows == 1 else 0
+    x_cache = config.words * (32 // ttype.bits) * ITEM_BYTES[spec.activation_dtype] // 8 if config.rows == 1 else 0
     registers = 32 + 2 * config.rows + 2 * config.words + x_cache
     return Resources(0, config.warps * WARP, registers)
 
 
 def build(spec: Matmul, n: int, k: int, config: GemvConfig, name: str = "main"):
-    """The scheduled PrimFunc and the C source it imports.  Arguments as `expr.cuda_matmul_expr`; with
+    """The scheduled PrimFunc (the decode functions' C source attached with pragma_import_c).  Arguments
+    as `expr.cuda_matmul_expr`; with
     split_k > 1 the last argument is instead the float32 partial sums [split_k, M, N_pad]."""
     from tvm import s_tir, te
 
@@ -127,7 +128,7 @@ def build(spec: Matmul, n: int, k: int, config: GemvConfig, name: str = "main"):
         func = te.create_prim_func([*expr.inputs, expr.output])
     schedule = _Schedule(s_tir.Schedule(func.with_attr("global_symbol", name)), spec, n, k, config, expr)
     schedule.apply()
-    return schedule.sch.mod["main"].with_attr("global_symbol", name), schedule.imports
+    return schedule.sch.mod["main"].with_attr("global_symbol", name)
 
 
 def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce"):
@@ -183,7 +184,6 @@ class _Schedule:
         self.sch, self.spec, self.n, self.k, self.cfg, self.expr = sch, spec, n, k, config, expr
         self.ttype = get(spec.weight_dtype)
         self.per_word = 32 // self.ttype.bits
-        self.imports = ""
 
     def apply(self) -> None:
         sch, cfg = self.sch, self.cfg
@@ -227,10 +227,10 @@ class _Schedule:
     def _load_x(self, partial, k_step) -> None:
         """The thread's x values of a k-step (rows x words·C consecutive k) into registers, 16 bytes at a time."""
         sch = self.sch
-        cache = sch.cache_read(partial, _read_index(sch, partial, "x"), "local")
+        cache = sch.cache_read(partial, read_index(sch, partial, "x"), "local")
         sch.compute_at(cache, k_step)
-        size = _BYTES[self.spec.activation_dtype]
-        _, vector = sch.split(sch.get_loops(cache)[-1], [None, _widest(16 // size, self.cfg.words * self.per_word)])
+        size = ITEM_BYTES[self.spec.activation_dtype]
+        _, vector = sch.split(sch.get_loops(cache)[-1], [None, vector_lanes(16 // size, self.cfg.words * self.per_word)])
         sch.vectorize(vector)
 
     def _per_thread(self, partial, k_step) -> None:
@@ -239,7 +239,7 @@ class _Schedule:
         wdec = sch.get_sblock("wdec")
         sch.compute_at(wdec, k_step)
         sch.set_scope(wdec, 0, "local")
-        register = sch.cache_read(wdec, _read_index(sch, wdec, "qweight"), "local")
+        register = sch.cache_read(wdec, read_index(sch, wdec, "qweight"), "local")
         sch.compute_at(register, k_step)
         if cfg.words > 1:
             sch.vectorize(sch.get_loops(register)[-1])
@@ -247,19 +247,6 @@ class _Schedule:
             word = sch.get_loops(wdec)[-1]
             _, lanes = sch.split(word, [None, self.per_word])
             sch.tensorize(lanes, decode_intrinsic(self.expr.decoder))
-            self.imports = library([self.expr.decoder])
-            sch.annotate(k_step, "pragma_import_c", self.imports)
+            sch.annotate(k_step, "pragma_import_c", library([self.expr.decoder]))
         else:
             log.info("bitkern: CUDA GEMV decodes %s with plain TIR (decode='tir')", self.ttype.name)
-
-
-def _widest(wanted: int, extent: int) -> int:
-    lanes = wanted
-    while lanes > 1 and extent % lanes:
-        lanes //= 2
-    return lanes
-
-
-def _read_index(sch, block, prefix: str) -> int:
-    reads = sch.get(block).reads
-    return next(i for i, region in enumerate(reads) if region.source.name.startswith(prefix))

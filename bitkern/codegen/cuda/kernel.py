@@ -152,12 +152,12 @@ def kernel_functions(spec: Matmul, n: int, k: int, template: str, config, arch: 
     if template == "gemm":
         if not isinstance(config, gemm.GemmConfig):
             raise TypeError(f"config must be a GemmConfig for template 'gemm', got {type(config).__name__}")
-        func, _ = gemm.build(spec, n, k, config, arch)
+        func = gemm.build(spec, n, k, config, arch)
         return {f"{prefix}gemm": func}
     if template == "gemv":
         if not isinstance(config, gemv.GemvConfig):
             raise TypeError(f"config must be a GemvConfig for template 'gemv', got {type(config).__name__}")
-        func, _ = gemv.build(spec, n, k, config)
+        func = gemv.build(spec, n, k, config)
         funcs = {f"{prefix}gemv": func}
         if config.split_k > 1:
             funcs[f"{prefix}gemv_reduce"] = gemv.build_reduce(spec, n, config)
