@@ -56,7 +56,8 @@ FP8_GEMM_CASES = {  # float8_e4m3 mma: sm_89 and newer
 }
 GEMV_CASES = {
     "gemv_uint4_gptq_f16": (_float("uint4", zero_mode="gptq"), 4096, 4096, GemvConfig()),
-    "gemv_int4_bf16_rows4": (_float("int4", "bfloat16", bias=True), 256, 512, GemvConfig(rows=4, k_threads=16, words=2)),
+    "gemv_int4_bf16_rows4": (_float("int4", "bfloat16", bias=True), 256, 512,
+                             GemvConfig(rows=4, k_threads=16, words=2)),
     "gemv_nf4_f16": (_float("nf4", group=64), 96, 256, GemvConfig(k_threads=8)),
     "gemv_int4_int8": (Matmul("int4", "int8", accumulate_dtype="int32", group_size=-1, output_dtype="float16"), 256,
                        512, GemvConfig(k_threads=16)),
@@ -248,3 +249,22 @@ def test_saved_kernel_loads_without_tvm(tmp_path):
                             env={**os.environ, "PYTHONPATH": repository})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "2"
+
+
+def test_bfloat16_intrinsics_are_the_float16_ones_with_the_type_substituted():
+    """The bfloat16 ldmatrix / mma intrinsics come from TVM's float16 ones through a script round trip.
+    Retyping the float16 ones to float16 gives them back, up to the static type of ldmatrix's shared
+    pointer argument (the code generator takes the element type from its type_annotation argument)."""
+    from tvm.s_tir import TensorIntrin
+    from tvm_ffi import get_first_structural_mismatch
+
+    from bitkern.codegen.cuda.intrin import mma_intrinsics, retyped
+
+    f16, bf16 = mma_intrinsics("float16"), mma_intrinsics("bfloat16")
+    for f16_name, bf16_name in ((f16.load_a, bf16.load_a), (f16.load_b, bf16.load_b), (f16.compute, bf16.compute)):
+        original, variant = TensorIntrin.get(f16_name), TensorIntrin.get(bf16_name)
+        for func, bf16_func in ((original.desc, variant.desc), (original.impl, variant.impl)):
+            mismatch = get_first_structural_mismatch(retyped(func, "float16"), func)
+            assert mismatch is None or str(mismatch[0]).endswith("value.args[5].ty.element_type.dtype"), mismatch
+            text = bf16_func.script()
+            assert "bfloat16" in text and '"float16"' not in text and '"fp16"' not in text

@@ -19,7 +19,8 @@ TVM = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "flo
        torch.float8_e4m3fn: "float8_e4m3fn", torch.uint8: "uint8", "float16": "float16", "bfloat16": "bfloat16",
        "float32": "float32", "uint8": "uint8"}
 C_TYPES = {"float16": "uint16_t", "bfloat16": "uint16_t", "float32": "float", "uint8": "uint8_t"}
-USER_E3M0 = ttype.register(ttype.floating("bk_test_e3m0", 3, 0, description="a 4-bit float with no fast path: table decode"))
+USER_E3M0 = ttype.register(ttype.floating("bk_test_e3m0", 3, 0,
+                                          description="a 4-bit float with no fast path: table decode"))
 
 
 def _float_decoders():

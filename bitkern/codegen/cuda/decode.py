@@ -1,7 +1,7 @@
 """LOP3 decode device functions: one 32-bit word of codes in, its C = 32 / bits weights out.
 
 Each `Decoder` emits a C++ function that the CUDA templates call through a tensor intrinsic
-(`intrin.register_decoder`); the same source compiles on the host (g++), where the PTX instructions are
+(`intrin.decode_intrinsic`); the same source compiles on the host (g++), where the PTX instructions are
 replaced by exact C emulations, so tests check every code bit-exactly against `TType.decode`.
 
 What it computes (and what the TIR description of the intrinsic says, see `expr.dequant`): for float
@@ -9,11 +9,12 @@ outputs, out = round_out((v - z) · s) with v the code's value, z the integer or
 (zero modes) and s the scale in float32 (element-wise scales, MX's 2^e, NVFP4's e4m3 · tensor scale);
 for int8 / float8_e4m3 outputs (integer and fp8 matmuls, scaled after the product) out = v or v - z.
 How: integer codes become 16-bit float pairs by OR-ing them into the mantissa of a magic number with one
-`lop3.b32` per pair, then one fma removes the magic and the zero point exactly; fp4_e2m1 and fp8 codes are
-placed into float16 bit patterns and rescaled by a power of two (exact, subnormals included); other types
-(codebooks such as nf4, user-defined floats) read a float32 table of their values in constant memory.  The scale multiplies the exact pair in
-16-bit arithmetic when that rounds exactly like the float32 formula (scale stored in the output type,
-integer zero point, values exact in it), else the pair goes through float32.
+`lop3.b32` per pair, then one fma removes the magic and the zero point exactly; fp4_e2m1 and fp8 codes
+are placed into float16 bit patterns and rescaled by a power of two (exact, subnormals included); other
+types (codebooks such as nf4, user-defined floats) read a float32 table of their values in constant
+memory.  The scale multiplies the exact pair in 16-bit arithmetic when that rounds exactly like the
+float32 formula (scale stored in the output type, integer zero point, values exact in it), else the
+pair goes through float32.
 Pair i of a word holds the codes at positions i and i + C/2, which the "lop3" layout fills with
 elements 2i and 2i + 1 (see `layout.py`), so outputs come out in natural order.
 """

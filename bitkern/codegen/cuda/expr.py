@@ -167,8 +167,8 @@ def cuda_matmul_expr(spec: Matmul, n: int, k: int, row_block: int) -> CudaExpr:
     xk = te.compute((m_pad, k_pad), padded_x, name="xk")
     acc_dtype = ACCUMULATE[spec.activation_dtype]
     reduce_k = te.reduce_axis((0, k_pad), name="k")
-    acc = te.compute((m_pad, n_pad), lambda r, i: te.sum(xk[r, reduce_k].astype(acc_dtype) * wdec[i, reduce_k].astype(acc_dtype),
-                                                      axis=reduce_k), name="acc")
+    acc = te.compute((m_pad, n_pad), lambda r, i: te.sum(
+        xk[r, reduce_k].astype(acc_dtype) * wdec[i, reduce_k].astype(acc_dtype), axis=reduce_k), name="acc")
 
     def epilogue(r, i):
         value = acc[r, i].astype("float32")

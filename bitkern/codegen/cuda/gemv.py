@@ -3,10 +3,11 @@
 Per thread and k-step: one vectorized load of `words` 32-bit words of codes (words=4: 128 bits), the
 LOP3 decode of each word into registers (scale and zero applied), products with x (loaded 16 bytes at a
 time for rows=1) accumulated in float32 (int32 for int8 activations) for every row; then a warp-shuffle
-reduction across the threads of the warp and the epilogue (per-channel scale, bias, cast).  Rows are processed `rows` at a time
-(blockIdx.y covers M / rows blocks), so one kernel serves any M and is fastest for M <= rows.
-Split-K (`split_k` > 1) cuts K into slices computed by different blocks: the kernel then writes float32
-partial sums [split_k, M, N] and `build_reduce` makes the kernel that sums them and applies the epilogue.
+reduction across the threads of the warp and the epilogue (per-channel scale, bias, cast).  Rows are
+processed `rows` at a time (blockIdx.y covers M / rows blocks), so one kernel serves any M and is
+fastest for M <= rows.  Split-K (`split_k` > 1) cuts K into slices computed by different blocks: the
+kernel then writes float32 partial sums and `build_reduce` makes the kernel that sums them and applies
+the epilogue.
 """
 
 from __future__ import annotations
@@ -230,7 +231,8 @@ class _Schedule:
         cache = sch.cache_read(partial, read_index(sch, partial, "x"), "local")
         sch.compute_at(cache, k_step)
         size = ITEM_BYTES[self.spec.activation_dtype]
-        _, vector = sch.split(sch.get_loops(cache)[-1], [None, vector_lanes(16 // size, self.cfg.words * self.per_word)])
+        lanes = vector_lanes(16 // size, self.cfg.words * self.per_word)
+        _, vector = sch.split(sch.get_loops(cache)[-1], [None, lanes])
         sch.vectorize(vector)
 
     def _per_thread(self, partial, k_step) -> None:

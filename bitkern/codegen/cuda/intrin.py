@@ -32,17 +32,17 @@ class MmaIntrinsics:
     init: str
     store: str
     k_step: int
-    accumulate: str
 
 
 _F16 = MmaIntrinsics("mma_ldmatrix_f16_a_dyn", "mma_ldmatrix_f16_b_trans_dyn", "mma_f16f16f32_trans_b",
-                     "mma_fill_16x16_f32", "mma_store_16x16_f32_shared_dyn_simple_", 16, "float32")
-_BF16 = MmaIntrinsics("bitkern_ldmatrix_bf16_a_dyn", "bitkern_ldmatrix_bf16_b_trans_dyn", "bitkern_mma_bf16bf16f32_trans_b",
-                      "mma_fill_16x16_f32", "mma_store_16x16_f32_shared_dyn_simple_", 16, "float32")
+                     "mma_fill_16x16_f32", "mma_store_16x16_f32_shared_dyn_simple_", 16)
+_BF16 = MmaIntrinsics("bitkern_ldmatrix_bf16_a_dyn", "bitkern_ldmatrix_bf16_b_trans_dyn",
+                      "bitkern_mma_bf16bf16f32_trans_b", "mma_fill_16x16_f32",
+                      "mma_store_16x16_f32_shared_dyn_simple_", 16)
 _I8 = MmaIntrinsics("bitkern_ldmatrix_i8_a_dyn", "bitkern_ldmatrix_i8_b_trans_dyn", "mma_i8i8i32_trans_b",
-                    "mma_fill_16x16_i32", "bitkern_mma_store_16x16_i32_shared_dyn_simple", 32, "int32")
+                    "mma_fill_16x16_i32", "bitkern_mma_store_16x16_i32_shared_dyn_simple", 32)
 _E4M3 = MmaIntrinsics("bitkern_ldmatrix_e4m3_a_dyn", "bitkern_ldmatrix_e4m3_b_trans_dyn", "mma_e4m3e4m3f32_trans_b",
-                      "mma_fill_16x16_f32", "mma_store_16x16_f32_shared_dyn_simple_", 32, "float32")
+                      "mma_fill_16x16_f32", "mma_store_16x16_f32_shared_dyn_simple_", 32)
 _GROUPS = {"float16": _F16, "bfloat16": _BF16, "int8": _I8, "float8_e4m3": _E4M3}
 MMA_DTYPES = tuple(_GROUPS)
 
@@ -101,16 +101,24 @@ def _register_with_tvm_builders() -> None:
 
 def bfloat16_variant(f16_name: str):
     """(desc, impl) of a registered float16 intrinsic with bfloat16 elements ("fp16" -> "bf16" in mma)."""
-    import tvm
     from tvm.s_tir import TensorIntrin
 
     intrinsic = TensorIntrin.get(f16_name)
+    return retyped(intrinsic.desc, "bfloat16"), retyped(intrinsic.impl, "bfloat16")
 
-    def swap(func):
-        text = func.script().replace('"float16"', '"bfloat16"').replace('"fp16"', '"bf16"')
-        return tvm.script.from_source(text)
 
-    return swap(intrinsic.desc), swap(intrinsic.impl)
+def retyped(func, dtype: str):
+    """A float16 intrinsic function with its float16 elements in `dtype`, through a TVMScript round trip
+    (the printer leaves out ldmatrix's result type, which is written back)."""
+    import re
+
+    import tvm
+
+    text = func.script()
+    text = re.sub(r"^(\s*T\.ptx_legacy\.ldmatrix\(.*)\)$", r'\1, dtype="float16")', text, flags=re.M)
+    abbreviation = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+    text = text.replace('"float16"', f'"{dtype}"').replace('"fp16"', f'"{abbreviation}"')
+    return tvm.script.from_source(text)
 
 
 @functools.lru_cache(maxsize=None)
