@@ -153,7 +153,8 @@ def test_resources_match_the_compiled_kernels(compiled):
         launch = launches[name][0]
         estimate = resources(spec, k, config)
         epilogue = config.block_m * config.block_n * 4 if template == "gemm" else 0
-        assert estimate.shared_bytes - epilogue <= launch.shared_bytes <= estimate.shared_bytes, name
+        shared = launch.shared_bytes + launch.static_shared_bytes
+        assert estimate.shared_bytes - epilogue <= shared <= estimate.shared_bytes, name
         assert estimate.threads == evaluate(launch.block[0], 1) * evaluate(launch.block[1], 1) * \
             evaluate(launch.block[2], 1), name
         actual = binary.registers[launch.name]
@@ -201,6 +202,8 @@ def test_build_errors_name_the_problem():
         build_kernel(spec, 64, 256, "gemm", GemmConfig(), "sm_75", (1, 16))
     with pytest.raises(ValueError, match="block_n=128 does not divide the padded N=64"):
         build_kernel(spec, 64, 256, "gemm", GemmConfig(), "sm_80", (1, 16))
+    with pytest.raises(ValueError, match=r"the decoded tile \(69632 bytes\) is static shared memory"):
+        build_kernel(spec, 256, 512, "gemm", GemmConfig(block_n=256, block_k=128), "sm_90", (1, 16))
     with pytest.raises(ValueError, match="float8_e4m3 mma on sm_80"):
         build_kernel(Matmul("int4", "float8_e4m3", group_size=-1, output_dtype="float16"), 128, 256, "gemm",
                      GemmConfig(), "sm_80", (1, 16))

@@ -24,22 +24,25 @@ _THREAD_TAGS = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "thread
 @dataclass(frozen=True)
 class Launch:
     """How to launch one kernel: `params` are argument names (tensors by their expression name, "M"),
-    `grid` and `block` are integer expressions of M (see `evaluate`), `shared_bytes` dynamic shared memory."""
+    `grid` and `block` are integer expressions of M (see `evaluate`), `shared_bytes` the dynamic shared
+    memory to launch with, `static_shared_bytes` the shared memory the kernel declares itself."""
 
     name: str
     params: tuple[str, ...]
     grid: tuple
     block: tuple
     shared_bytes: int
+    static_shared_bytes: int
 
     def to_json(self) -> dict:
         return {"name": self.name, "params": list(self.params), "grid": list(self.grid), "block": list(self.block),
-                "shared_bytes": self.shared_bytes}
+                "shared_bytes": self.shared_bytes, "static_shared_bytes": self.static_shared_bytes}
 
     @classmethod
     def from_json(cls, data: dict) -> "Launch":
         return cls(data["name"], tuple(data["params"]), tuple(_tuple(g) for g in data["grid"]),
-                   tuple(_tuple(b) for b in data["block"]), int(data["shared_bytes"]))
+                   tuple(_tuple(b) for b in data["block"]), int(data["shared_bytes"]),
+                   int(data["static_shared_bytes"]))
 
 
 @dataclass(frozen=True)
@@ -101,15 +104,18 @@ def _launch(name: str, func) -> Launch:
             params.append("M")
         else:
             raise RuntimeError(f"kernel {name} takes an unexpected parameter {param_name!r}")
-    extents, shared = {}, [0]
+    extents, shared = {}, {"shared.dyn": 0, "shared": 0}
 
     def visit(node):
         kind = type(node).__name__
         if kind == "AttrStmt" and node.attr_key == "thread_extent":
             tag = node.node.thread_tag
             extents.setdefault(tag, _expression(node.value))
-        if kind == "AllocBuffer" and node.buffer.scope() == "shared.dyn":
-            shared[0] += int(node.buffer.shape[0]) * _bytes(str(node.buffer.dtype))
+        if kind == "AllocBuffer" and node.buffer.scope() in shared:
+            size = 1
+            for extent in node.buffer.shape:
+                size *= int(extent)
+            shared[node.buffer.scope()] += size * _bytes(str(node.buffer.dtype))
         for field in ("seq", "body", "then_case", "else_case"):
             child = getattr(node, field, None)
             if child is None:
@@ -120,7 +126,7 @@ def _launch(name: str, func) -> Launch:
     visit(func.body)
     grid = tuple(extents.get(tag, 1) for tag in _THREAD_TAGS[:3])
     block = tuple(extents.get(tag, 1) for tag in _THREAD_TAGS[3:])
-    return Launch(name, tuple(params), grid, block, shared[0])
+    return Launch(name, tuple(params), grid, block, shared["shared.dyn"], shared["shared"])
 
 
 def _bytes(dtype: str) -> int:

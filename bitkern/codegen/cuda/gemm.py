@@ -3,7 +3,9 @@
 Per thread block (block_m x block_n outputs, warps of warp_m x warp_n), per k-step of block_k:
   cp.async   x tile and packed-weight tile, global -> shared, `stages`-deep pipeline;
   decode     each thread loads one word of codes from shared into a register, the LOP3 decode function
-             turns it into C = 32/bits weights (scale and zero applied), stored to a padded shared tile;
+             turns it into C = 32/bits weights (scale and zero applied), stored to a padded shared tile
+             (static shared memory: its barriers are then not shared with the pipeline's dynamic
+             buffers, so the decode loop runs without any);
   ldmatrix   shared -> registers for x and the decoded weights (rows padded by 16 bytes: conflict-free);
   mma.sync   m16n8k16 (float16 / bfloat16) or m16n8k32 (int8, float8_e4m3), float32 / int32 accumulators;
   epilogue   accumulators -> shared -> global with the per-channel scale (int8 / fp8), bias and the cast.
@@ -30,6 +32,7 @@ log = logging.getLogger("bitkern")
 DECODES = ("lop3", "tir")
 WARP = 32
 MAX_THREADS = 1024
+STATIC_SHARED_LIMIT = 48 * 1024
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")
 
 
@@ -122,6 +125,11 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
     per_word = 32 // ttype.bits
     if config.block_k < per_word or WARP % (config.block_k // per_word):
         return f"block_k={config.block_k} with {per_word} codes per word (one word per thread per row)"
+    size = ITEM_BYTES[activation]
+    decoded_tile = config.block_n * (config.block_k + 16 // size) * size
+    if decoded_tile > STATIC_SHARED_LIMIT:
+        return (f"block_n={config.block_n} x block_k={config.block_k}: the decoded tile ({decoded_tile} bytes) is "
+                f"static shared memory, at most {STATIC_SHARED_LIMIT} bytes")
     words = config.block_n * (config.block_k // per_word)
     if words % config.threads:
         return (f"block_n={config.block_n} x block_k={config.block_k} holds {words} words of codes, not a multiple "
@@ -136,9 +144,10 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
 def resources(spec: Matmul, k: int, config: GemmConfig) -> Resources:
     """Shared memory, threads and an estimate of the registers per thread of the kernel for `config`.
 
-    Shared memory (an upper bound): the pipeline (x tile and packed weight tile per stage), the decoded
-    weight tile (rows of both padded by 16 bytes) and the epilogue's float32 accumulator tile, which TVM
-    places in the pipeline's memory when one of its buffers is large enough.  Registers: the
+    Shared memory (an upper bound, static and dynamic together): the pipeline (x tile and packed weight
+    tile per stage), the decoded weight tile (rows of both padded by 16 bytes) and the epilogue's float32
+    accumulator tile, which TVM places in the pipeline's memory when one of its buffers is large enough.
+    Registers: the
     accumulators, two sets of ldmatrix fragments and the decode's temporaries; ptxas' count after the
     build is in `CudaKernel.binary.registers`."""
     ttype = get(spec.weight_dtype)
@@ -231,7 +240,7 @@ class _Schedule:
         sch, cfg, spec = self.sch, self.cfg, self.spec
         per_word = 32 // self.ttype.bits
         size = ITEM_BYTES[spec.activation_dtype]
-        tile = sch.cache_read(self.outer, 1, "shared.dyn")
+        tile = sch.cache_read(self.outer, 1, "shared")  # static: its barriers then ignore the dynamic buffers
         sch.compute_at(tile, self.k0)
         rows, cols = sch.get_loops(tile)[-2:]
         word, lanes = sch.split(cols, [None, per_word])

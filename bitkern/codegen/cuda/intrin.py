@@ -27,21 +27,21 @@ class MmaIntrinsics:
     """Names of the registered intrinsics of one mma input type; k_step is the mma's K (16 or 32)."""
 
     load_a: str
-    load_b: str
+    load_b: str  # from static shared memory (the decoded weight tile)
     compute: str
     init: str
     store: str
     k_step: int
 
 
-_F16 = MmaIntrinsics("mma_ldmatrix_f16_a_dyn", "mma_ldmatrix_f16_b_trans_dyn", "mma_f16f16f32_trans_b",
+_F16 = MmaIntrinsics("mma_ldmatrix_f16_a_dyn", "mma_ldmatrix_f16_b_trans", "mma_f16f16f32_trans_b",
                      "mma_fill_16x16_f32", "mma_store_16x16_f32_shared_dyn_simple_", 16)
-_BF16 = MmaIntrinsics("bitkern_ldmatrix_bf16_a_dyn", "bitkern_ldmatrix_bf16_b_trans_dyn",
+_BF16 = MmaIntrinsics("bitkern_ldmatrix_bf16_a_dyn", "bitkern_ldmatrix_bf16_b_trans",
                       "bitkern_mma_bf16bf16f32_trans_b", "mma_fill_16x16_f32",
                       "mma_store_16x16_f32_shared_dyn_simple_", 16)
-_I8 = MmaIntrinsics("bitkern_ldmatrix_i8_a_dyn", "bitkern_ldmatrix_i8_b_trans_dyn", "mma_i8i8i32_trans_b",
+_I8 = MmaIntrinsics("bitkern_ldmatrix_i8_a_dyn", "mma_ldmatrix_i8_b_trans", "mma_i8i8i32_trans_b",
                     "mma_fill_16x16_i32", "bitkern_mma_store_16x16_i32_shared_dyn_simple", 32)
-_E4M3 = MmaIntrinsics("bitkern_ldmatrix_e4m3_a_dyn", "bitkern_ldmatrix_e4m3_b_trans_dyn", "mma_e4m3e4m3f32_trans_b",
+_E4M3 = MmaIntrinsics("bitkern_ldmatrix_e4m3_a_dyn", "mma_ldmatrix_e4m3_b_trans", "mma_e4m3e4m3f32_trans_b",
                       "mma_fill_16x16_f32", "mma_store_16x16_f32_shared_dyn_simple_", 32)
 _GROUPS = {"float16": _F16, "bfloat16": _BF16, "int8": _I8, "float8_e4m3": _E4M3}
 MMA_DTYPES = tuple(_GROUPS)
@@ -93,9 +93,7 @@ def _register_with_tvm_builders() -> None:
                                 (_F16.compute, _BF16.compute)):
         TensorIntrin.register(bf16_name, *bfloat16_variant(f16_name))
     TensorIntrin.register(_I8.load_a, *cuda.get_ldmatrix_intrin(32, "int8", "A", False, "shared.dyn"))
-    TensorIntrin.register(_I8.load_b, *cuda.get_ldmatrix_intrin(32, "int8", "B", True, "shared.dyn"))
     TensorIntrin.register(_E4M3.load_a, *cuda.get_ldmatrix_intrin(32, "float8_e4m3fn", "A", False, "shared.dyn"))
-    TensorIntrin.register(_E4M3.load_b, *cuda.get_ldmatrix_intrin(32, "float8_e4m3fn", "B", True, "shared.dyn"))
     TensorIntrin.register(_I8.store, *cuda.get_mma_store_intrin("int32", 8, "shared.dyn", False))
 
 

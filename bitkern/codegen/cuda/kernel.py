@@ -80,7 +80,8 @@ class CudaKernel:
                     arguments.append(("pointer", tensors[name].data_ptr()))
             grid = [evaluate(g, m) for g in launch.grid]
             block = [evaluate(b, m) for b in launch.block]
-            module.launch(launch.name, grid, block, launch.shared_bytes, stream, arguments)
+            module.launch(launch.name, grid, block, launch.shared_bytes, stream, arguments,
+                          launch.static_shared_bytes)
         return y
 
     def save(self, directory: str) -> None:

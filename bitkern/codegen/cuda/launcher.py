@@ -67,23 +67,26 @@ class Module:
         if current.value != self._context.value:
             _check(self.lib, self.lib.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
-    def function(self, name: str, shared_bytes: int) -> ctypes.c_void_p:
-        """The kernel `name`, allowed `shared_bytes` of dynamic shared memory."""
+    def function(self, name: str, shared_bytes: int, static_shared_bytes: int = 0) -> ctypes.c_void_p:
+        """The kernel `name`, allowed `shared_bytes` of dynamic shared memory (beyond the default 48 KB per
+        block, counting the kernel's static shared memory, the attribute must be raised)."""
         function = self._functions.get(name)
         if function is None:
             function = ctypes.c_void_p()
             _check(self.lib, self.lib.cuModuleGetFunction(ctypes.byref(function), self.handle, name.encode()),
                    f"cuModuleGetFunction({name})")
-            if shared_bytes > _DEFAULT_SHARED_LIMIT:
+            if shared_bytes + static_shared_bytes > _DEFAULT_SHARED_LIMIT:
                 _check(self.lib, self.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, shared_bytes),
                        f"cuFuncSetAttribute({name}, max dynamic shared memory = {shared_bytes})")
             self._functions[name] = function
         return function
 
-    def launch(self, name: str, grid, block, shared_bytes: int, stream: int, arguments) -> None:
-        """Launch kernel `name`; `arguments` are (kind, value) pairs, kind "pointer", "int32" or "float32"."""
+    def launch(self, name: str, grid, block, shared_bytes: int, stream: int, arguments,
+               static_shared_bytes: int = 0) -> None:
+        """Launch kernel `name` with `shared_bytes` of dynamic shared memory; `arguments` are (kind, value)
+        pairs, kind "pointer", "int32" or "float32"."""
         self._activate()
-        function = self.function(name, shared_bytes)
+        function = self.function(name, shared_bytes, static_shared_bytes)
         holders = [_ARGUMENT_TYPES[kind](value) for kind, value in arguments]
         params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
         _check(self.lib, self.lib.cuLaunchKernel(function, *[ctypes.c_uint(int(g)) for g in grid],
