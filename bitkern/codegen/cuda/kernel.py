@@ -27,6 +27,7 @@ from .layout import Lop3Weight, padded_shape
 log = logging.getLogger("bitkern")
 
 TEMPLATES = ("gemm", "gemv")
+_ALIGNMENT = 16  # bytes: cp.async and 128-bit loads
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -69,6 +70,10 @@ class CudaKernel:
             partial = torch.empty(self.config.split_k, rows, padded_shape(self.n, self.k)[0], dtype=torch.float32,
                                   device=device)
             tensors["acc"] = tensors["partial"] = partial
+        for name, tensor in tensors.items():
+            if not tensor.is_contiguous() or tensor.data_ptr() % _ALIGNMENT:
+                raise ValueError(f"{name} must be contiguous and {_ALIGNMENT}-byte aligned for the kernel's vector "
+                                 f"loads; pass {name}.contiguous() or a copy (.clone())")
         module = self._module(device)
         stream = torch.cuda.current_stream(device).cuda_stream
         for launch in self.launches:
