@@ -21,6 +21,8 @@ TVM = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "flo
 C_TYPES = {"float16": "uint16_t", "bfloat16": "uint16_t", "float32": "float", "uint8": "uint8_t"}
 USER_E3M0 = ttype.register(ttype.floating("bk_test_e3m0", 3, 0,
                                           description="a 4-bit float with no fast path: table decode"))
+USER_IEEE8 = ttype.register(ttype.floating("bk_test_ieee8", 4, 3, specials="ieee",
+                                          description="an 8-bit IEEE-style float (inf and NaN): table decode"))
 
 
 def _float_decoders():
@@ -28,7 +30,7 @@ def _float_decoders():
     for dtype in ("float16", "bfloat16", "float32"):
         scale = "float16" if dtype == "float32" else dtype
         for name in ("int4", "int2", "int1", "int8", "uint4", "uint2", "uint1", "uint8", "nf4", "fp4_e2m1",
-                     "float8_e4m3", "float8_e5m2", USER_E3M0.name):
+                     "float8_e4m3", "float8_e5m2", USER_E3M0.name, USER_IEEE8.name):
             out.append(Decoder(name, dtype, "none", scale))
         for name in ("uint4", "uint2", "uint1", "uint8"):
             out += [Decoder(name, dtype, mode, scale) for mode in ("gptq", "hqq")]

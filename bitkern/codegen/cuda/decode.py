@@ -319,7 +319,8 @@ class Decoder:
         guard = self.name.upper()
         body = "\n".join("  " + line for line in _Body(self).lines())
         table = ""
-        if self.method == "table" or (self.method == "exact" and self.ttype.kind not in (INT, UINT)):
+        identity = self.ttype.kind == FLOAT and self.ttype.float_format == get("float8_e4m3").float_format
+        if self.method == "table" or (self.method == "exact" and self.ttype.kind not in (INT, UINT) and not identity):
             values = ", ".join(_float(float(v)) for v in self.ttype.values.tolist())
             table = (f"#ifndef {self.table.upper()}\n#define {self.table.upper()}\n"
                      f"BK_TABLE {self.table}[{self.ttype.num_codes}] = {{{values}}};\n#endif\n")
@@ -526,7 +527,12 @@ class _Body:
 
 
 def _float(value: float) -> str:
-    return repr(float(value)) + "f" if value == value else "NAN"
+    """A C float literal (NAN and INFINITY from math.h for the non-finite values)."""
+    if value != value:
+        return "NAN"
+    if value in (float("inf"), float("-inf")):
+        return "INFINITY" if value > 0 else "-INFINITY"
+    return repr(float(value)) + "f"
 
 
 def _bits_of(value: float, kind: str) -> int:
