@@ -36,6 +36,8 @@ GEMM_CASES = {  # name: (spec, N, K, config)
     "int1_f16": (_float("int1", group=-1), 128, 384, GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32,
                                                                block_k=64)),
     "int8_f16": (_float("int8"), 128, 512, GemmConfig(block_k=128, stages=2)),
+    "int1_group16_tir_f16": (_float("int1", group=16), 128, 256, GemmConfig(block_n=64, warp_n=32, block_k=64,
+                                                                            decode="tir")),
     "nf4_f16": (_float("nf4", group=64), 96, 200, GemmConfig(block_m=32, block_n=32, warp_n=32)),
     "fp4_bf16": (_float("fp4_e2m1", "bfloat16"), 256, 512, GemmConfig()),
     "e4m3_f16": (_float("float8_e4m3"), 128, 256, GemmConfig(block_k=128, block_n=64, warp_n=32)),
@@ -66,6 +68,7 @@ GEMV_CASES = {
     "gemv_mxfp4_bf16": (Matmul("mxfp4", "bfloat16", group_size=32), 128, 1024, GemvConfig(k_threads=8)),
     "gemv_splitk_uint4_f16": (_float("uint4", zero_mode="gptq", bias=True), 4096, 4096,
                               GemvConfig(split_k=4, k_threads=8, rows=2)),
+    "gemv_int2_group8_tir_f16": (_float("int2", group=8), 128, 512, GemvConfig(k_threads=8, words=1, decode="tir")),
 }
 ARCHS = ("sm_80", "sm_90")
 
@@ -128,7 +131,7 @@ def test_gemm_ptx_has_mma_ldmatrix_cp_async_and_lop3(compiled, name):
     decoder = decoder_for(spec)
     if spec.weight_dtype in INTEGER and spec.activation_dtype in ("float16", "bfloat16"):
         assert decoder.uses_lop3  # every integer weight decodes to 16-bit floats with LOP3
-    assert ("lop3.b32" in ptx) == decoder.uses_lop3
+    assert ("lop3.b32" in ptx) == (decoder.uses_lop3 and cases[name][4].decode == "lop3")
 
 
 @pytest.mark.parametrize("name", list(GEMV_CASES))
@@ -140,7 +143,7 @@ def test_gemv_ptx_has_lop3_shuffles_and_wide_loads(compiled, name):
     width = {4: "v4", 2: "v2"}.get(config.words)
     if width:
         assert re.search(rf"ld\.global\.nc\.{width}\.(u32|b32|s32)", ptx), "no vectorized weight load"
-    assert ("lop3.b32" in ptx) == decoder_for(spec).uses_lop3
+    assert ("lop3.b32" in ptx) == (decoder_for(spec).uses_lop3 and config.decode == "lop3")
     if config.split_k > 1:
         assert [launch.name for launch in launches[name]] == [f"{name}_gemv_kernel", f"{name}_gemv_reduce_kernel"]
 

@@ -23,7 +23,7 @@ from ...ops.matmul import Matmul
 from ...ttype import get
 from .decode import FLOAT_OUTPUTS, library
 from .expr import cuda_matmul_expr
-from .intrin import MMA_DTYPES, decode_intrinsic, mma_intrinsics
+from .intrin import MMA_DTYPES, decode_intrinsic, mma_intrinsics, mma_k
 from .layout import K_GRAIN, check_type, layout_group, padded_shape
 from .sched import ITEM_BYTES, loops_under, read_index, vector_lanes
 
@@ -120,8 +120,8 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
         return f"block_n={config.block_n} does not divide the padded N={n_pad}"
     if k_pad % config.block_k:
         return f"block_k={config.block_k} does not divide the padded K={k_pad}"
-    if config.block_k % mma_intrinsics(activation).k_step:
-        return f"block_k={config.block_k} is not a multiple of the mma's k={mma_intrinsics(activation).k_step}"
+    if config.block_k % mma_k(activation):
+        return f"block_k={config.block_k} is not a multiple of the mma's k={mma_k(activation)}"
     per_word = 32 // ttype.bits
     if config.block_k < per_word or WARP % (config.block_k // per_word):
         return f"block_k={config.block_k} with {per_word} codes per word (one word per thread per row)"

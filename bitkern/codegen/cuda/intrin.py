@@ -47,6 +47,13 @@ _GROUPS = {"float16": _F16, "bfloat16": _BF16, "int8": _I8, "float8_e4m3": _E4M3
 MMA_DTYPES = tuple(_GROUPS)
 
 
+def mma_k(dtype: str) -> int:
+    """K of the mma for inputs of `dtype` (16 for 16-bit types, 32 for 8-bit ones), without loading TVM."""
+    if dtype not in _GROUPS:
+        raise ValueError(f"no mma for inputs of {dtype}; accepted: {list(MMA_DTYPES)}")
+    return _GROUPS[dtype].k_step
+
+
 def mma_intrinsics(dtype: str) -> MmaIntrinsics:
     """The intrinsic group for mma inputs of `dtype` (registering bitkern's variants on first use)."""
     if dtype not in _GROUPS:
