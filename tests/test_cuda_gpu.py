@@ -6,6 +6,8 @@ Run on a GPU machine:  python -m pytest tests/test_cuda_gpu.py -q
 Memory checking:       compute-sanitizer --tool memcheck python -m pytest tests/test_cuda_gpu.py -q -k edge
 """
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -44,8 +46,10 @@ GEMV_CONFIGS = [GemvConfig(), GemvConfig(rows=4, k_threads=16, words=2), GemvCon
 
 
 def _kernel(spec, n, k, template, arch, m_range=(1, 1 << 30), prefer=None):
-    """The first configuration of the template that fits the shape (a stand-in for the tuner)."""
-    candidates = ([prefer] if prefer else []) + (GEMM_CONFIGS if template == "gemm" else GEMV_CONFIGS)
+    """The first configuration of the template that fits the shape (a stand-in for the tuner); the LOP3
+    decode first, the plain-TIR one for group sizes it cannot serve."""
+    configs = ([prefer] if prefer else []) + (GEMM_CONFIGS if template == "gemm" else GEMV_CONFIGS)
+    candidates = configs + [dataclasses.replace(config, decode="tir") for config in configs]
     for config in candidates:
         reason = gemm.unsupported_reason(spec, n, k, config, arch) if template == "gemm" else \
             gemv.unsupported_reason(spec, n, k, config)
@@ -119,6 +123,11 @@ def test_float8_activations(name):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8_e4m3 mma needs sm_89 or newer")
     _run("gemm", name, 256, 512, 33, "float8_e4m3", group=-1, output="bfloat16")
+
+
+@pytest.mark.parametrize("template", ["gemm", "gemv"])
+def test_plain_tir_decode_for_small_groups(template):
+    _run(template, "int1", 128, 256, 5, "float16", group=16)
 
 
 def test_float32_activations_in_the_gemv():
