@@ -13,6 +13,7 @@ the epilogue.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from ...ops.expr import TVM_DTYPES
@@ -231,7 +232,8 @@ class _Schedule:
         cache = sch.cache_read(partial, read_index(sch, partial, "x"), "local")
         sch.compute_at(cache, k_step)
         size = ITEM_BYTES[self.spec.activation_dtype]
-        lanes = vector_lanes(16 // size, self.cfg.words * self.per_word)
+        # lanes divide K too, so that every row of x starts on a vector boundary
+        lanes = vector_lanes(16 // size, math.gcd(self.cfg.words * self.per_word, self.k))
         _, vector = sch.split(sch.get_loops(cache)[-1], [None, lanes])
         sch.vectorize(vector)
 
