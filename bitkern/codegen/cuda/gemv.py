@@ -1,0 +1,256 @@
+"""Decode GEMV template for few rows: each warp computes a few outputs, its threads split K.
+
+Per thread and k-step: one vectorized load of `words` 32-bit words of codes (words=4: 128 bits), the
+LOP3 decode of each word into registers (scale and zero applied), products with x (loaded 16 bytes at a
+time for rows=1) accumulated in float32 (int32 for int8 activations) for every row; then a warp-shuffle
+reduction across the threads of the warp and the epilogue (per-channel scale, bias, cast).  Rows are
+processed `rows` at a time (blockIdx.y covers M / rows blocks), so one kernel serves any M and is
+fastest for M <= rows.  Split-K (`split_k` > 1) cuts K into slices computed by different blocks: the
+kernel then writes float32 partial sums and `build_reduce` makes the kernel that sums them and applies
+the epilogue.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from ...ops.expr import TVM_DTYPES
+from ...ops.matmul import Matmul
+from ...ttype import get
+from .decode import library
+from .expr import ACCUMULATE, MAX_ROWS, cuda_matmul_expr
+from .gemm import Resources
+from .intrin import decode_intrinsic
+from .layout import check_type, layout_group, padded_shape
+from .sched import ITEM_BYTES, read_index, vector_lanes
+
+log = logging.getLogger("bitkern")
+
+WARP = 32
+ACTIVATIONS = ("float16", "bfloat16", "float32", "int8")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Configuration of the GEMV template (chosen by the tuner).
+
+    rows: rows of x per block (the kernel serves any M, in blocks of `rows`); warps: output columns per
+    block (one per warp); k_threads: threads of a warp along K (the rest of the warp's 32 lanes take
+    further columns); words: 32-bit words each thread loads per step (4 = 128-bit loads); split_k: K
+    slices computed by separate blocks (1 = none); decode: "lop3" or "tir" (see `GemmConfig`).
+    """
+
+    rows: int = 1
+    warps: int = 4
+    k_threads: int = 32
+    words: int = 4
+    split_k: int = 1
+    decode: str = "lop3"
+
+    def __post_init__(self):
+        for field in ("rows", "warps", "k_threads", "words", "split_k"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field}={value!r} must be a positive int")
+        if self.k_threads not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"k_threads={self.k_threads} must be a power of two up to {WARP}")
+        if self.words not in (1, 2, 4):
+            raise ValueError(f"words={self.words} is not supported; accepted: 1, 2, 4 (4 = 128-bit loads)")
+        if self.warps * WARP > 1024:
+            raise ValueError(f"warps={self.warps} exceed 1024 threads per block")
+        if self.decode not in ("lop3", "tir"):
+            raise ValueError(f"decode={self.decode!r} is not known; accepted: ['lop3', 'tir']")
+
+    @property
+    def columns_per_warp(self) -> int:
+        return WARP // self.k_threads
+
+    @property
+    def columns(self) -> int:
+        """Output columns (weight rows) one block computes."""
+        return self.warps * self.columns_per_warp
+
+
+def unsupported_reason(spec: Matmul, n: int, k: int, config: GemvConfig) -> str | None:
+    """Why the template cannot build `spec` for a [N, K] weight with `config`, or None."""
+    ttype = get(spec.weight_dtype)
+    try:
+        check_type(ttype)
+    except ValueError as error:
+        return str(error)
+    if spec.activation_dtype not in ACTIVATIONS:
+        return f"activation_dtype={spec.activation_dtype} (the GEMV takes {list(ACTIVATIONS)})"
+    if spec.accumulate_dtype != ACCUMULATE[spec.activation_dtype]:
+        return f"accumulate_dtype={spec.accumulate_dtype} (it accumulates in {ACCUMULATE[spec.activation_dtype]})"
+    if spec.activation_dtype == "int8":
+        if (k if spec.group_size == -1 else spec.group_size) != k:
+            return f"group_size={spec.group_size} with int8 activations (per-channel scales only, group_size=-1)"
+        if spec.zero_mode == "hqq":
+            return "zero_mode=hqq with int8 activations"
+    n_pad, k_pad = padded_shape(n, k)
+    per_word = 32 // ttype.bits
+    step = config.k_threads * config.words * per_word * config.split_k
+    if k_pad % step:
+        return (f"k_threads={config.k_threads} x words={config.words} x {per_word} codes x split_k="
+                f"{config.split_k} = {step} does not divide the padded K={k_pad}")
+    if n_pad % config.columns:
+        return f"{config.columns} columns per block do not divide the padded N={n_pad}"
+    if config.split_k > 1 and spec.activation_dtype == "int8":
+        return "split_k with int8 activations"
+    if config.decode == "lop3" and layout_group(k if spec.group_size == -1 else spec.group_size, k) % per_word:
+        return f"decode='lop3' with group_size={spec.group_size} (a word of {per_word} codes needs one scale)"
+    return None
+
+
+def resources(spec: Matmul, k: int, config: GemvConfig) -> Resources:
+    """Threads, shared memory (none: x is read through the cache, the reduction uses warp shuffles) and a
+    register estimate (ptxas' count after the build is in `CudaKernel.binary.registers`)."""
+    ttype = get(spec.weight_dtype)
+    x_cache = config.words * (32 // ttype.bits) * ITEM_BYTES[spec.activation_dtype] // 8 if config.rows == 1 else 0
+    registers = 32 + 2 * config.rows + 2 * config.words + x_cache
+    return Resources(0, config.warps * WARP, registers)
+
+
+def build(spec: Matmul, n: int, k: int, config: GemvConfig, name: str = "main"):
+    """The scheduled PrimFunc (the decode functions' C source attached with pragma_import_c).  Arguments
+    as `expr.cuda_matmul_expr`; with
+    split_k > 1 the last argument is instead the float32 partial sums [split_k, M, N_pad]."""
+    from tvm import s_tir, te
+
+    reason = unsupported_reason(spec, n, k, config)
+    if reason:
+        raise ValueError(f"the GEMV template does not support {reason}")
+    expr = cuda_matmul_expr(spec, n, k, config.rows)
+    if config.split_k > 1:
+        partial = _partial_sums(expr, config.split_k)
+        func = te.create_prim_func([*expr.inputs, partial])
+    else:
+        func = te.create_prim_func([*expr.inputs, expr.output])
+    schedule = _Schedule(s_tir.Schedule(func.with_attr("global_symbol", name)), spec, n, k, config, expr)
+    schedule.apply()
+    return schedule.sch.mod["main"].with_attr("global_symbol", name)
+
+
+def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce"):
+    """The kernel summing split-K partial sums [split_k, M rounded up to `rows`, N_pad] into y [M, N] with
+    the epilogue; arguments: partial, bias (bias specs), y."""
+    from tvm import s_tir, te, tirx
+
+    n_pad, _ = padded_shape(n, 1)
+    m = te.var("M")
+    rows = (tirx.min(m, MAX_ROWS) + (config.rows - 1)) // config.rows * config.rows
+    partial = te.placeholder((config.split_k, rows, n_pad), "float32", name="partial")
+    bias = te.placeholder((n,), "float32", name="bias") if spec.bias else None
+    s = te.reduce_axis((0, config.split_k), name="s")
+    total = te.compute((m, n), lambda r, i: te.sum(partial[s, r, i], axis=s), name="total")
+
+    def epilogue(r, i):
+        value = total[r, i]
+        if bias is not None:
+            value = value + bias[i]
+        return value.astype(TVM_DTYPES[spec.output_dtype])
+
+    y = te.compute((m, n), epilogue, name="y")
+    inputs = [partial] + ([bias] if bias is not None else [])
+    sch = s_tir.Schedule(te.create_prim_func([*inputs, y]).with_attr("global_symbol", name))
+    rows, cols = sch.get_loops(sch.get_sblock("y"))
+    sch.compute_at(sch.get_sblock("total"), cols)
+    sch.set_scope(sch.get_sblock("total"), 0, "local")
+    fused = sch.fuse(rows, cols)
+    block, thread = sch.split(fused, [None, 256])
+    sch.bind(block, "blockIdx.x")
+    sch.bind(thread, "threadIdx.x")
+    return sch.mod["main"].with_attr("global_symbol", name)
+
+
+def _partial_sums(expr, split_k: int):
+    """part[s, m, n] = Σ_{k in slice s} x[m, k] · W[n, k] in float32."""
+    from tvm import te
+
+    xk = expr.acc.op.input_tensors[0]
+    wdec = expr.wdec
+    m_pad, k_pad = xk.shape
+    n_pad = wdec.shape[0]
+    piece = int(k_pad) // split_k
+    kk = te.reduce_axis((0, piece), name="k")
+    return te.compute((split_k, m_pad, n_pad), lambda s, r, i: te.sum(
+        xk[r, s * piece + kk].astype("float32") * wdec[i, s * piece + kk].astype("float32"), axis=kk), name="acc")
+
+
+class _Schedule:
+    """The schedule primitives of the template, step by step."""
+
+    def __init__(self, sch, spec: Matmul, n: int, k: int, config: GemvConfig, expr):
+        self.sch, self.spec, self.n, self.k, self.cfg, self.expr = sch, spec, n, k, config, expr
+        self.ttype = get(spec.weight_dtype)
+        self.per_word = 32 // self.ttype.bits
+
+    def apply(self) -> None:
+        sch, cfg = self.sch, self.cfg
+        acc = sch.get_sblock("acc")
+        loops = sch.get_loops(acc)
+        piece = loops[0] if cfg.split_k > 1 else None
+        m, n, k = loops[-3:]
+        m_block, m_row = sch.split(m, [None, cfg.rows])
+        n_block, n_warp, n_lane = sch.split(n, [None, cfg.warps, cfg.columns_per_warp])
+        k_step, k_lane, k_word, k_code = sch.split(k, [None, cfg.k_threads, cfg.words, self.per_word])
+        outer = [n_block, m_block] + ([piece] if piece is not None else [])
+        order = outer + [n_warp, n_lane, k_lane, k_step, k_word, k_code, m_row]
+        sch.reorder(*order)
+        partial = sch.rfactor(k_lane, 0)
+        loops = sch.get_loops(partial)
+        for loop, thread in zip(loops, ["blockIdx.x", "blockIdx.y", "blockIdx.z"][:len(outer)]):
+            sch.bind(loop, thread)
+        column = loops[len(outer) + 1]
+        sch.bind(loops[len(outer)], "threadIdx.z")
+        sch.bind(column, "threadIdx.y")
+        sch.bind(loops[len(outer) + 2], "threadIdx.x")
+        k_step = loops[len(outer) + 3]
+        self._per_thread(partial, k_step)
+        sch.compute_inline(sch.get_sblock("xk"))
+        if cfg.rows == 1:  # with more rows the clamped row index makes the cached region's size symbolic
+            self._load_x(partial, k_step)
+        sch.reverse_compute_at(acc, column)
+        # the write-back block's loops follow its iterators, (k_lane, row); the cross-thread sum over k_lane
+        # (warp shuffles) needs it innermost
+        reduction = sch.get_loops(acc)[-2 if cfg.rows > 1 else -1]
+        if int(sch.get(reduction).extent) != cfg.k_threads:
+            raise RuntimeError(f"unexpected loop nest in the GEMV write-back block: {sch.get(acc)}")
+        if cfg.rows > 1:
+            sch.reorder(sch.get_loops(acc)[-1], reduction)
+        sch.bind(reduction, "threadIdx.x")
+        sch.set_scope(partial, 0, "local")
+        if cfg.split_k == 1:
+            sch.reverse_compute_at(sch.get_sblock("y"), column)
+            sch.set_scope(acc, 0, "local")
+
+    def _load_x(self, partial, k_step) -> None:
+        """The thread's x values of a k-step (rows x words·C consecutive k) into registers, 16 bytes at a time."""
+        sch = self.sch
+        cache = sch.cache_read(partial, read_index(sch, partial, "x"), "local")
+        sch.compute_at(cache, k_step)
+        size = ITEM_BYTES[self.spec.activation_dtype]
+        # lanes divide K too, so that every row of x starts on a vector boundary
+        lanes = vector_lanes(16 // size, math.gcd(self.cfg.words * self.per_word, self.k))
+        _, vector = sch.split(sch.get_loops(cache)[-1], [None, lanes])
+        sch.vectorize(vector)
+
+    def _per_thread(self, partial, k_step) -> None:
+        """Per k-step of a thread: one vectorized load of the packed words, LOP3 decode of each word."""
+        sch, cfg = self.sch, self.cfg
+        wdec = sch.get_sblock("wdec")
+        sch.compute_at(wdec, k_step)
+        sch.set_scope(wdec, 0, "local")
+        register = sch.cache_read(wdec, read_index(sch, wdec, "qweight"), "local")
+        sch.compute_at(register, k_step)
+        if cfg.words > 1:
+            sch.vectorize(sch.get_loops(register)[-1])
+        if cfg.decode == "lop3":
+            word = sch.get_loops(wdec)[-1]
+            _, lanes = sch.split(word, [None, self.per_word])
+            sch.tensorize(lanes, decode_intrinsic(self.expr.decoder))
+            sch.annotate(k_step, "pragma_import_c", library([self.expr.decoder]))
+        else:
+            log.info("bitkern: CUDA GEMV decodes %s with plain TIR (decode='tir')", self.ttype.name)
