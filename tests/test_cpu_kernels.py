@@ -181,3 +181,24 @@ def test_call_errors_name_the_argument():
     assert isinstance(packed, PackedWeight)
     with pytest.raises(TypeError, match="QuantizedWeight"):
         pack(torch.zeros(4, 4))
+
+
+def _misaligned(tensor):
+    """A copy of `tensor` that starts 8 bytes past a 64-byte boundary."""
+    raw = torch.empty(tensor.numel() * tensor.element_size() + 72, dtype=torch.uint8)
+    start = (64 - raw.data_ptr() % 64) % 64 + 8
+    view = raw[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+    view.copy_(tensor)
+    return view
+
+
+@pytest.mark.parametrize("name, activation", [("int4", "bfloat16"), ("nf4", "float32"), ("int8", "float32"),
+                                              ("int1", "bfloat16")])
+def test_unaligned_tensors_are_accepted(name, activation):
+    spec, q, x, b = _case(name, 64, 256, 3, activation, bias=True)
+    packed = pack(q)
+    unaligned = PackedWeight(packed.layout, packed.ttype, packed.shape, packed.group_size, packed.zero_mode,
+                             _misaligned(packed.qweight), _misaligned(packed.scales))
+    assert unaligned.qweight.data_ptr() % 64 == 8
+    y = spec(_misaligned(x), unaligned, _misaligned(b))
+    assert_matches_reference(spec, q, x, b, y)

@@ -212,7 +212,7 @@ class DiskStore:
 def _kernel_from(directory: Path, manifest: dict):
     """Rebuild the callable kernel of an entry (runtime only: no TVM compiler)."""
     from ..codegen.cpu.configs import config_from_dict
-    from ..codegen.cpu.kernel import CpuKernel
+    from ..codegen.cpu.kernel import CpuKernel, aligned
     from ..codegen.cpu.runtime import enable_amx
     from .runtime import load_function
 
@@ -222,7 +222,7 @@ def _kernel_from(directory: Path, manifest: dict):
         from safetensors.torch import load_file
 
         loaded = load_file(str(directory / CONSTANTS))
-        constants = [loaded[f"c{i}"] for i in range(len(loaded))]
+        constants = [aligned(loaded[f"c{i}"]) for i in range(len(loaded))]  # file offsets are not aligned
     if manifest["template"] == "amx":
         enable_amx()
     function = load_function(str(directory / LIBRARY))

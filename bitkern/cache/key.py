@@ -33,8 +33,7 @@ class KernelKey:
     target: str
 
     def to_dict(self) -> dict:
-        spec = {name: value for name, value in dataclasses.asdict(self.spec).items() if not name.startswith("_")}
-        return {"spec": spec, "n": self.n, "k": self.k, "bucket": list(self.bucket),
+        return {"spec": dataclasses.asdict(self.spec), "n": self.n, "k": self.k, "bucket": list(self.bucket),
                 "layout": self.layout, "target": self.target}
 
     @classmethod

@@ -7,7 +7,7 @@ result every kernel is tested against.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,9 +43,8 @@ class Matmul:
     bias: bool = False
     layout: str = "nt"
     scale_dtype: str = "float16"
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
-    def __hash__(self) -> int:  # specs key every kernel lookup: hash them once
+    def __hash__(self) -> int:  # specs key every kernel lookup: hashed once, in __post_init__
         return self._hash
 
     def __post_init__(self):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,8 @@ from ...ops.matmul import Matmul
 from .layout import PackedWeight
 
 TEMPLATES = ("amx", "lut", "generic")
+ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned vector loads
+log = logging.getLogger("bitkern")
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -44,10 +47,18 @@ class CpuKernel:
         if bias is not None:
             args.append(bias if bias.dtype == torch.float32 and bias.is_contiguous() else
                         bias.to(torch.float32).contiguous())
-        args.append(self._as_arg(y))
-        self.function(*args)
+        self.function(*[aligned(a) for a in args], self._as_arg(y))
         return y
 
     def _as_arg(self, tensor: torch.Tensor) -> torch.Tensor:
         """The hand-written templates take bfloat16 data as int16 bits."""
         return tensor.view(torch.int16) if self.template != "generic" and tensor.dtype == torch.bfloat16 else tensor
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy of it that starts on a 64-byte boundary (views that start mid-line would fault
+    the kernels' aligned loads; packed weights and torch's own allocations are already aligned)."""
+    if tensor.data_ptr() % ALIGNMENT == 0:
+        return tensor
+    log.debug("bitkern: copying a %s tensor that is not %d-byte aligned", tuple(tensor.shape), ALIGNMENT)
+    return tensor.clone()

@@ -91,3 +91,4 @@ def horizontal_sum(values):
         half = lanes(values) // 2
         values = tirx.Shuffle([values], list(range(half))) + tirx.Shuffle([values], list(range(half, 2 * half)))
     return values
+
