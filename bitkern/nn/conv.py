@@ -70,7 +70,8 @@ class Conv2d(QuantizedModule):
         patches = F.unfold(x, self.kernel_size, self.dilation, padding, self.stride)  # [B, Cin·kh·kw, L]
         weight = self._weight_args()
         y = torch.ops.bitkern.linear(patches.transpose(1, 2), *weight[:4], self.bias, *weight[4:], output_dtype)
-        return y.transpose(1, 2).reshape(batch, self.out_channels, height, width)
+        # [B, L, Cout] -> NCHW, laid out contiguously as F.conv2d returns it for NCHW input
+        return y.transpose(1, 2).reshape(batch, self.out_channels, height, width).contiguous()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Conv2d:
         """An nn.Conv2d holding the dequantized weight (in `dtype`) and this layer's bias."""

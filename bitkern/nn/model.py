@@ -25,8 +25,8 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
     """Replace every nn.Linear and nn.Conv2d of `model` by a bitkern.Linear / bitkern.Conv2d in `dtype`.
 
     skip: module names to leave in float (a name covers its submodules), or a predicate
-    `skip(name, module) -> bool`.  The Linear layers inside nn.MultiheadAttention stay float (it reads
-    their weights directly), and this is logged.  Layers whose input size `group_size` does not divide are
+    `skip(name, module) -> bool`.  Only modules of exactly these classes are replaced: subclasses (such as
+    nn.MultiheadAttention's out_proj, whose weight its owner reads directly) stay float, and this is logged.  Layers whose input size `group_size` does not divide are
     reported together, before anything is replaced.  Weights on the meta device give empty layers to load
     a checkpoint into.  Returns `model` (or the new module when `model` itself is a Linear/Conv2d).
     """
@@ -34,12 +34,13 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
     skipped = _skip_predicate(model, skip)
     targets = []
     for name, module in model.named_modules():
-        if type(module) in _QUANTIZED and not skipped(name, module):
-            parent = _parent(model, name)
-            if isinstance(parent, nn.MultiheadAttention):
-                log.info("bitkern: %s stays float: nn.MultiheadAttention reads its weight directly", name)
-                continue
+        if not isinstance(module, tuple(_QUANTIZED)) or skipped(name, module):
+            continue
+        if type(module) in _QUANTIZED:
             targets.append((name, module))
+        else:
+            log.info("bitkern: %s stays float: %s is a subclass of nn.Linear/nn.Conv2d, whose weight its owner "
+                     "may read directly (as nn.MultiheadAttention does)", name or "(model)", type(module).__name__)
     options = {"dtype": dtype, "group_size": group_size, "zero_mode": zero_mode, "compute_dtype": compute_dtype,
                "scale_dtype": scale_dtype}
     _check_group_size(targets, weight_type, group_size)
@@ -91,17 +92,13 @@ def _check_group_size(targets, weight_type, group_size) -> None:
                 raise
             misfits.append(f"{name or '(model)'} (in_features {_in_features(module)})")
     if misfits:
-        raise ValueError(f"group_size={default_group_size(weight_type, group_size)} does not divide the input size of {len(misfits)} layers: "
+        raise ValueError(f"group_size={default_group_size(weight_type, group_size)} does not divide the input size of these layers: "
                          f"{', '.join(misfits)}; pick a group size that divides them, or -1 (per channel), or pass "
                          f"them in skip=[...]")
 
 
 def _in_features(module: nn.Module) -> int:
     return module.weight[0].numel()
-
-
-def _parent(model: nn.Module, name: str) -> nn.Module | None:
-    return model.get_submodule(name.rpartition(".")[0]) if name else None
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
