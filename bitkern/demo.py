@@ -118,6 +118,7 @@ def _print(rows, dim, heads, hidden, tokens, compute_dtype, device) -> None:
         error = f"{r['error']:.2e}"
         print(f"{r['dtype']:<10}{r['group'] or '-':>6}{r['weight_bytes'] / 2**20:>7.1f} MiB"
               f"{base['weight_bytes'] / r['weight_bytes']:>8.2f}x{error:>10}"
-              + "".join(f"{r[k]:>8.2f} ms{base[k] / r[k]:>8.2f}{half[k] / r[k]:>8.2f}" for k in ("ms_1", f"ms_{tokens}")))
+              + "".join(f"{r[k]:>8.2f} ms{base[k] / r[k]:>8.2f}{half[k] / r[k]:>8.2f}"
+                        for k in ("ms_1", f"ms_{tokens}")))
     print("error: relative L2 error of the block's update (output - input) vs float32; x fp32 / x bf16: speed-up "
           "over the float32 / bfloat16 block (above 1: faster); weights: the Linear layers' storage.")

@@ -90,3 +90,13 @@ def test_conv2d_bad_input():
     layer = bitkern.Conv2d(8, 16, 3, dtype="int4", group_size=72)
     with pytest.raises(ValueError, match=r"x has shape \(1, 4, 5, 5\); this Conv2d takes \[batch, 8, height, width\]"):
         layer(torch.randn(1, 4, 5, 5))
+
+
+def test_constructor_initialises_like_nn_conv2d():
+    torch.manual_seed(0)
+    layer = bitkern.Conv2d(16, 8, 3, padding=1, dtype="int8", group_size=144)
+    torch.manual_seed(0)
+    source = nn.Conv2d(16, 8, 3, padding=1)
+    assert not layer.qweight.is_meta
+    assert_matches(layer.dequantize_weight(), source.weight.detach(), 1e-2)
+    assert torch.equal(layer.bias, source.bias)

@@ -184,10 +184,12 @@ def test_state_dict_round_trip_into_a_meta_layer():
 
 
 def test_state_dict_in_the_portable_layout_is_re_laid_out_on_load():
-    """A state whose layout differs from what this device's kernels read (here: the portable one) loads."""
+    """A state whose layout differs from what this device's kernels read (here: the portable one, with
+    its scales as float16 tensors rather than their bits) loads, and nothing is converted numerically."""
     layer = bitkern.Linear.from_float(_float_linear(), "nf4", group_size=64)
     portable = layer.quantized_weight()
-    state = {"bias": layer.bias, "qweight": portable.qweight, "scales": portable.scales.view(torch.int16),
+    assert portable.scales.dtype == torch.float16
+    state = {"bias": layer.bias, "qweight": portable.qweight, "scales": portable.scales,
              "_extra_state": {**layer.state_dict()["_extra_state"], "layout": "rowmajor"}}
     fresh = bitkern.Linear(IN, OUT, dtype="nf4", group_size=64)
     fresh.load_state_dict(state)

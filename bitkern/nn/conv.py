@@ -35,7 +35,8 @@ class Conv2d(QuantizedModule):
         self.kernel_size, self.stride, self.dilation = source.kernel_size, source.stride, source.dilation
         self.padding = source.padding
         self._configure(tuple(source.weight.shape), dtype, group_size, zero_mode, scale_dtype, compute_dtype)
-        if torch.device(device or torch.get_default_device()).type != "meta":
+        device = torch.get_default_device() if device is None else torch.device(device)
+        if device.type != "meta":
             source = source.to_empty(device=device)
             source.reset_parameters()
         self._set_weight(source.weight)

@@ -10,7 +10,8 @@ from .storage import QuantizedModule, check_positive
 
 class Linear(QuantizedModule):
     """y = x · dequant(W)ᵀ + b, where W [out_features, in_features] is stored in `dtype` (see
-    `bitkern.ttype.names()`) with one scale per `group_size` inputs (-1: per output channel).
+    `bitkern.ttype.names()`) with one scale per `group_size` inputs: a divisor of in_features, -1 for per
+    output channel, None for 128 (or the fixed block of block-scaled types: mxfp4 32, nvfp4 16).
 
     zero_mode: None gives the type's default ("gptq" for unsigned integers, else "none").
     compute_dtype: the activation type the kernel multiplies in (float32, float16, bfloat16; bfloat16 is

@@ -26,8 +26,8 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
 
     skip: module names to leave in float (a name covers its submodules), or a predicate
     `skip(name, module) -> bool`.  Only modules of exactly these classes are replaced: subclasses (such as
-    nn.MultiheadAttention's out_proj, whose weight its owner reads directly) stay float, and this is logged.  Layers whose input size `group_size` does not divide are
-    reported together, before anything is replaced.  Weights on the meta device give empty layers to load
+    nn.MultiheadAttention's out_proj, whose weight its owner reads directly) stay float, and this is logged.
+    Layers whose input size `group_size` does not divide are reported together, before anything is replaced.  Weights on the meta device give empty layers to load
     a checkpoint into.  Returns `model` (or the new module when `model` itself is a Linear/Conv2d).
     """
     weight_type = ttype.get(check_weight_dtype(dtype))
@@ -92,8 +92,8 @@ def _check_group_size(targets, weight_type, group_size) -> None:
                 raise
             misfits.append(f"{name or '(model)'} (in_features {_in_features(module)})")
     if misfits:
-        raise ValueError(f"group_size={default_group_size(weight_type, group_size)} does not divide the input size of these layers: "
-                         f"{', '.join(misfits)}; pick a group size that divides them, or -1 (per channel), or pass "
+        raise ValueError(f"group_size={default_group_size(weight_type, group_size)} does not divide the input size "
+                         f"of these layers: {', '.join(misfits)}; pick a group size that divides them, or -1 (per channel), or pass "
                          f"them in skip=[...]")
 
 

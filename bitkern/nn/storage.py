@@ -225,6 +225,9 @@ class QuantizedModule(nn.Module):
                               error_msgs):
         """Check the settings before any tensor is copied, and bring the incoming weight to the layout the
         kernels for this module's device read (a module on meta takes the incoming layout as it is)."""
+        for name in WEIGHT_BUFFERS:  # float metadata given as floats is taken as its bits, never converted
+            if isinstance(state_dict.get(prefix + name), torch.Tensor):
+                state_dict[prefix + name] = _raw_bits(state_dict[prefix + name])
         state = state_dict.get(prefix + "_extra_state")
         if state is not None and all(prefix + name in state_dict for name in ("qweight", "scales")):
             self._check_settings(state)
