@@ -25,12 +25,13 @@ _weight_bytes: dict = {}
 
 @pytest.fixture(scope="module")
 def models():
-    """Float32, bfloat16 and quantized copies of one block.  gate and up have the same shape, so each
-    quantized block quantizes gate once and stores a copy as up: the kernels time the same either way."""
+    """Float32, bfloat16 and quantized copies of one block.  up holds a copy of gate's weights (in its own
+    memory), so each quantized block quantizes one [11008, 4096] weight for both; timings are unchanged."""
     torch.manual_seed(0)
     block = SwiGLU(DIM, HIDDEN).eval().requires_grad_(False)
-    for linear in (block.gate, block.up, block.down):
+    for linear in (block.gate, block.down):
         torch.nn.init.normal_(linear.weight, std=0.02)
+    block.up.weight.copy_(block.gate.weight)
     built = {"float32": block, "bfloat16": copy.deepcopy(block).to(torch.bfloat16)}
     for name in QUANTIZED:
         quantized = SwiGLU.__new__(SwiGLU)
@@ -49,15 +50,19 @@ def models():
 def ratio_table(request):
     """After the module: each model's speed-up over the float blocks, per batch."""
     yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None or not _medians:
+    if not _medians:
         return
-    reporter.write_line("")
-    reporter.write_line(f"Llama MLP {DIM} -> {HIDDEN} -> {DIM} (SwiGLU) on {torch.get_num_threads()} threads: "
-                        "speed-up over float (median time ratio)")
-    header = "| model | weights | " + " | ".join(f"batch {b}: ms | vs fp32 | vs bf16" for b in BATCHES) + " |"
-    reporter.write_line(header)
-    reporter.write_line("|" + "---|" * (2 + 3 * len(BATCHES)))
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+        for line in _table():
+            reporter.write_line(line)
+
+
+def _table() -> list[str]:
+    lines = ["", f"Llama MLP {DIM} -> {HIDDEN} -> {DIM} (SwiGLU), {torch.get_num_threads()} threads: median time "
+                 f"and speed-up over the float blocks (above 1: faster)",
+             "| model | weights | " + " | ".join(f"batch {b}: ms | vs fp32 | vs bf16" for b in BATCHES) + " |",
+             "|" + "---|" * (2 + 3 * len(BATCHES))]
     for name in MODELS:
         cells = [name, f"{_weight_bytes[name] / 2**20:.0f} MiB"]
         for batch in BATCHES:
@@ -67,7 +72,8 @@ def ratio_table(request):
                 continue
             cells += [f"{median * 1e3:.2f}", f"{_medians[('float32', batch)] / median:.2f}x",
                       f"{_medians[('bfloat16', batch)] / median:.2f}x"]
-        reporter.write_line("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -81,7 +87,9 @@ def test_mlp_block(benchmark, models, name, batch):
         y = model(x)  # compiles the kernels for this batch before timing
         assert y.dtype == dtype
         relative = float((y.float() - expected).norm() / expected.norm())
-        assert relative < 0.15, f"{name}: relative error {relative:.3g} against the float32 block"
+        # a sanity check (accuracy is tested in tests/): 4-bit round-to-nearest of N(0, 0.02²) weights is
+        # ~10% off per weight, and the block multiplies two projections
+        assert relative < 0.25, f"{name}: relative error {relative:.3g} against the float32 block"
         benchmark.group = f"batch {batch}"
         benchmark.extra_info["relative_error_vs_fp32"] = relative
         benchmark(model, x)

@@ -34,6 +34,20 @@ def test_conv2d_is_f_conv2d_on_the_dequantized_weight(geometry):
     assert_matches(layer(x[0]), reference[0], 1e-5)  # unbatched input
 
 
+def test_conv2d_input_gradient_is_f_conv2d_s():
+    torch.manual_seed(0)
+    layer = bitkern.Conv2d(32, 16, 3, stride=2, padding=1, dtype="nf4", group_size=96)
+    x = torch.randn(2, 32, 9, 9, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = layer(x)
+    reference = F.conv2d(x_ref, layer.dequantize_weight(), layer.bias.detach(), 2, 1)
+    grad = torch.randn_like(reference)
+    y.backward(grad)
+    reference.backward(grad)
+    assert_matches(x.grad, x_ref.grad, 1e-5)
+    assert_matches(layer.bias.grad, grad.sum((0, 2, 3)), 1e-6)
+
+
 class BasicBlock(nn.Module):
     """ResNet's basic block with a projection shortcut: conv3x3(stride 2)-BN-ReLU-conv3x3-BN + conv1x1-BN."""
 

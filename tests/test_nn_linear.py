@@ -54,6 +54,17 @@ def test_compute_dtype_and_output_dtype(input_dtype, compute_dtype, tolerance):
     assert_matches(layer(x), reference, tolerance)
 
 
+def test_compute_dtype_can_be_switched_after_construction():
+    layer = bitkern.Linear.from_float(_float_linear(), "int4", group_size=64)
+    x = torch.randn(4, IN)
+    layer.compute_dtype = "bfloat16"
+    assert layer.compute_dtype is torch.bfloat16
+    reference = F.linear(x.bfloat16().double(), layer.dequantize_weight(torch.float64), layer.bias.double())
+    assert_matches(layer(x), reference.float(), 2**-7)
+    with pytest.raises(ValueError, match="compute_dtype='int8' is not supported; accepted: float32, float16"):
+        layer.compute_dtype = "int8"
+
+
 def test_constructor_initialises_like_nn_linear():
     torch.manual_seed(3)
     layer = bitkern.Linear(IN, OUT, dtype="int8", group_size=128)

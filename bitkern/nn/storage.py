@@ -97,8 +97,17 @@ class QuantizedModule(nn.Module):
         self.zero_mode = default_zero_mode(weight_type) if zero_mode is None else zero_mode
         check_zero_mode(weight_type, self.zero_mode)
         self.scale_dtype = check_float_dtype("scale_dtype", scale_dtype, SCALE_DTYPES)
-        self.compute_dtype = check_float_dtype("compute_dtype", compute_dtype, FLOAT_DTYPES, allow_none=True)
+        self.compute_dtype = compute_dtype
         self.layout = PORTABLE_LAYOUT
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype x is multiplied in (None: x's own); settable, e.g. to switch a loaded model to bfloat16."""
+        return self._compute_dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, dtype) -> None:
+        self._compute_dtype = check_float_dtype("compute_dtype", dtype, FLOAT_DTYPES, allow_none=True)
 
     @property
     def gemm_shape(self) -> tuple[int, int]:
