@@ -4,6 +4,7 @@ output error, weight memory and speed against the float block on the current dev
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 
@@ -122,3 +123,6 @@ def _print(rows, dim, heads, hidden, tokens, compute_dtype, device) -> None:
                         for k in ("ms_1", f"ms_{tokens}")))
     print("error: relative L2 error of the block's update (output - input) vs float32; x fp32 / x bf16: speed-up "
           "over the float32 / bfloat16 block (above 1: faster); weights: the Linear layers' storage.")
+    if device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        print("note: torch's OpenMP threads spin between ops and slow the TVM kernels that follow them; on few "
+              "cores start Python with OMP_WAIT_POLICY=PASSIVE for the quantized blocks' real speed.")

@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import ttype
 from ..codegen import PackedWeight, layout_for, pack, to_layout
+from ..codegen.cpu.layout import LAYOUTS
 from ..ttype import QuantizedWeight, packed_length
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
@@ -226,9 +227,8 @@ class QuantizedModule(nn.Module):
                 raise ValueError(f"the state was saved with {key}={state.get(key)!r}, but this module has "
                                  f"{key}={mine[key]!r}; build the module with the state's settings (or load "
                                  f"with bitkern.load into a float model, which reads them from the file)")
-        layouts = ("tile16", PORTABLE_LAYOUT)
-        if state.get("layout") not in layouts:
-            raise ValueError(f"the state's layout={state.get('layout')!r} is not known; accepted: {list(layouts)}")
+        if state.get("layout") not in LAYOUTS:
+            raise ValueError(f"the state's layout={state.get('layout')!r} is not known; accepted: {list(LAYOUTS)}")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
