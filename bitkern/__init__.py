@@ -10,7 +10,10 @@ os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 from . import ops, ttype  # noqa: E402  (the thread count must be set before TVM loads)
 from .codegen import PackedWeight, pack  # noqa: E402
 from .ttype import QuantizedWeight, quantize  # noqa: E402
+from . import nn  # noqa: E402
+from .nn import Conv2d, Linear, dequantize_model, load, quantize_model, save  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["PackedWeight", "QuantizedWeight", "__version__", "ops", "pack", "quantize", "ttype"]
+__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load", "nn",
+           "ops", "pack", "quantize", "quantize_model", "save", "ttype"]

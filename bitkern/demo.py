@@ -1,52 +1,128 @@
-"""`python -m bitkern demo`: quantize a layer-sized weight with several types and report what it costs."""
+"""`python -m bitkern demo`: a Llama-style transformer block in float, quantized with a few types; a table of
+output error, weight memory and speed against the float block on the current device."""
 
 from __future__ import annotations
 
+import copy
+import os
+import statistics
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from .ops import Matmul
-from .ttype import get, quantize
+from .nn import quantize_model
+from .nn.storage import QuantizedModule
 
-DEFAULT_TYPES = ("int8", "uint4", "int4", "nf4", "fp4_e2m1", "mxfp4", "nvfp4", "mxfp8", "uint3", "uint2")
+DEFAULT_TYPES = ("int8", "int4", "nf4", "mxfp4")
 
 
-def run(out_features: int = 4096, in_features: int = 4096, dtypes=DEFAULT_TYPES, group_size: int = 128,
-        seed: int = 0, device: str | None = None) -> list[dict]:
-    """Quantize one random [out, in] weight per type; return and print error, size and a matmul check."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    generator = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(device)
-    x = torch.randn(1, in_features, generator=generator).to(device)
-    reference = x.double() @ weight.double().T
-    fp16_bytes = weight.numel() * 2
-    rows = []
-    for name in dtypes:
-        start = time.perf_counter()
-        block_type = get(name).block_size > 1
-        q = quantize(weight, name, group_size=None if block_type else group_size)
-        seconds = time.perf_counter() - start
-        y = Matmul.for_weight(q, "float32").reference(x, q)
-        rows.append({
-            "dtype": name, "group": q.group_size, "zero_mode": q.zero_mode,
-            "bits_per_weight": 8 * q.nbytes / weight.numel(),
-            "saved_vs_fp16": 1 - q.nbytes / fp16_bytes,
-            "weight_rel_rms": float((q.dequantize() - weight).pow(2).mean().sqrt() / weight.pow(2).mean().sqrt()),
-            "output_rel_err": float((y.double() - reference).norm() / reference.norm()),
-            "quantize_s": seconds,
-        })
-    _print(rows, out_features, in_features, device)
+class SwiGLU(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) · up(x)), no biases."""
+
+    def __init__(self, dim: int = 4096, hidden: int = 11008):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm decoder block: RMSNorm, causal multi-head self-attention, RMSNorm, SwiGLU MLP."""
+
+    def __init__(self, dim: int = 1024, heads: int = 16, hidden: int = 2816):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"heads={heads} must divide dim={dim}")
+        self.heads = heads
+        self.attention_norm = nn.RMSNorm(dim)
+        self.query, self.key, self.value, self.output = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.mlp = SwiGLU(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (proj(h).reshape(batch, tokens, self.heads, -1).transpose(1, 2)
+                   for proj in (self.query, self.key, self.value))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.output(attention.transpose(1, 2).reshape(batch, tokens, dim))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def run(dtypes=DEFAULT_TYPES, dim: int = 1024, heads: int = 16, hidden: int = 2816, tokens: int = 64,
+        group_size: int | None = None, compute_dtype: torch.dtype = torch.bfloat16, device: str | None = None,
+        seed: int = 0, seconds: float = 0.5) -> list[dict]:
+    """Quantize one float block per type; return and print error, weight memory and speed vs float.
+
+    Speed is timed for one token (decoding) and for `tokens` tokens (a prompt), each for about `seconds`.
+    """
+    if tokens < 2:
+        raise ValueError(f"tokens={tokens} must be at least 2 (one token is timed on its own)")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(seed)
+    block = TransformerBlock(dim, heads, hidden).to(device).eval()
+    inputs = {n: torch.randn(1, n, dim, device=device) for n in (1, tokens)}
+    with torch.no_grad():
+        x = inputs[tokens]
+        update = block(x) - x
+        error = (lambda model, inputs: float((model(inputs[tokens]).float() - x - update).norm() / update.norm()))
+        rows = [_row("float32", None, block, _weight_bytes(block), 0.0, inputs, seconds)]
+        half, half_inputs = copy.deepcopy(block).to(torch.bfloat16), {n: t.bfloat16() for n, t in inputs.items()}
+        rows.append(_row("bfloat16", None, half, _weight_bytes(half), error(half, half_inputs), half_inputs, seconds))
+        for name in dtypes:
+            quantized = quantize_model(copy.deepcopy(block), name, group_size=group_size, compute_dtype=compute_dtype)
+            layer = next(m for m in quantized.modules() if isinstance(m, QuantizedModule))
+            rows.append(_row(name, layer.group_size, quantized, _weight_bytes(quantized), error(quantized, inputs),
+                             inputs, seconds))
+    _print(rows, dim, heads, hidden, tokens, compute_dtype, device)
     return rows
 
 
-def _print(rows: list[dict], n: int, k: int, device: str) -> None:
-    print(f"bitkern demo: weight [{n}, {k}] ~ N(0, 0.02²) on {device}; fp16 size {n * k * 2 / 2**20:.1f} MiB")
-    print(f"{'dtype':<10}{'group':>6}{'zero':>6}{'bits/w':>8}{'saved':>8}{'weight err':>12}"
-          f"{'y err (M=1)':>13}{'quantize':>10}")
+def _row(name, group, model, weight_bytes, error, inputs, seconds) -> dict:
+    return {"dtype": name, "group": group, "weight_bytes": weight_bytes, "error": error,
+            **{f"ms_{n}": 1e3 * _median_seconds(model, x, seconds) for n, x in inputs.items()}}
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    """Bytes of the Linear weights: the float ones, or the quantized ones' codes and scales."""
+    return sum(m.nbytes if isinstance(m, QuantizedModule) else m.weight.numel() * m.weight.element_size()
+               for m in model.modules() if isinstance(m, (nn.Linear, QuantizedModule)))
+
+
+def _median_seconds(model, x, seconds: float) -> float:
+    model(x)  # the first call compiles the kernels for these shapes
+    times = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 100):
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(x)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _print(rows, dim, heads, hidden, tokens, compute_dtype, device) -> None:
+    base, half = rows[0], rows[1]
+    print(f"bitkern demo: transformer block dim={dim} heads={heads} SwiGLU hidden={hidden} on {device}; "
+          f"quantized layers compute in {str(compute_dtype).removeprefix('torch.')}")
+    print(f"{'dtype':<10}{'group':>6}{'weights':>11}{'vs fp32':>9}{'error':>10}"
+          f"{'1 token':>11}{'x fp32':>8}{'x bf16':>8}{f'{tokens} tokens':>12}{'x fp32':>8}{'x bf16':>8}")
     for r in rows:
-        print(f"{r['dtype']:<10}{r['group']:>6}{r['zero_mode']:>6}{r['bits_per_weight']:>8.3f}"
-              f"{r['saved_vs_fp16']:>8.1%}{r['weight_rel_rms']:>12.2e}{r['output_rel_err']:>13.2e}"
-              f"{r['quantize_s']:>9.2f}s")
-    print("weight err: relative RMS of dequantized vs float weight; y err: relative error of x·Wᵀ (reference "
-          "matmul, float64) vs the float layer.")
+        error = f"{r['error']:.2e}"
+        print(f"{r['dtype']:<10}{r['group'] or '-':>6}{r['weight_bytes'] / 2**20:>7.1f} MiB"
+              f"{base['weight_bytes'] / r['weight_bytes']:>8.2f}x{error:>10}"
+              + "".join(f"{r[k]:>8.2f} ms{base[k] / r[k]:>8.2f}{half[k] / r[k]:>8.2f}"
+                        for k in ("ms_1", f"ms_{tokens}")))
+    print("error: relative L2 error of the block's update (output - input) vs float32; x fp32 / x bf16: speed-up "
+          "over the float32 / bfloat16 block (above 1: faster); weights: the Linear layers' storage.")
+    if device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        print("note: torch's OpenMP threads spin between ops and slow the TVM kernels that follow them; on few "
+              "cores start Python with OMP_WAIT_POLICY=PASSIVE for the quantized blocks' real speed.")

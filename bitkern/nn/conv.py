@@ -1,0 +1,103 @@
+"""`bitkern.Conv2d`: a 2-D convolution (NCHW) whose weight is stored in a low-precision type.
+
+It runs as a GEMM on bitkern's Matmul kernels: the input's patches (`F.unfold`, the im2col matrix,
+[B·Hout·Wout, Cin·kh·kw]) times the weight reshaped to [Cout, Cin·kh·kw], so the quantization groups run
+along Cin·kh·kw in PyTorch's weight order (channel, then kernel row, then kernel column).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .storage import QuantizedModule, check_positive
+
+
+class Conv2d(QuantizedModule):
+    """nn.Conv2d (groups=1, padding_mode="zeros") with its weight in `dtype`; the other weight arguments
+    are those of `bitkern.Linear`, with in_features = in_channels · kernel height · kernel width."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", dtype="nf4", group_size=None,
+                 zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16):
+        super().__init__()
+        check_positive("in_channels", in_channels)
+        check_positive("out_channels", out_channels)
+        if groups != 1:
+            raise ValueError(f"groups={groups!r} is not supported; accepted: 1")
+        if padding_mode != "zeros":
+            raise ValueError(f"padding_mode={padding_mode!r} is not supported; accepted: 'zeros'")
+        # nn.Conv2d validates and normalises the geometry (and initialises the weight).
+        source = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, bias=bias,
+                           device="meta")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.dilation = source.kernel_size, source.stride, source.dilation
+        self.padding = source.padding
+        self._configure(tuple(source.weight.shape), dtype, group_size, zero_mode, scale_dtype, compute_dtype)
+        device = torch.get_default_device() if device is None else torch.device(device)
+        if device.type != "meta":
+            source = source.to_empty(device=device)
+            source.reset_parameters()
+        self._set_weight(source.weight)
+        self.register_parameter("bias", None if source.bias is None else nn.Parameter(source.bias.detach()))
+
+    @classmethod
+    def from_float(cls, module: nn.Conv2d, dtype="nf4", group_size=None, zero_mode: str | None = None,
+                   compute_dtype=None, scale_dtype=torch.float16) -> "Conv2d":
+        """Quantize an nn.Conv2d (its weight's device and values; the bias is copied as it is)."""
+        if not isinstance(module, nn.Conv2d):
+            raise TypeError(f"module must be a torch.nn.Conv2d, got {type(module).__name__}")
+        layer = cls(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+                    module.dilation, module.groups, module.bias is not None, module.padding_mode, dtype, group_size,
+                    zero_mode, compute_dtype, device="meta", scale_dtype=scale_dtype)
+        layer._set_weight(module.weight)
+        if module.bias is not None:
+            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and (x.dim() not in (3, 4) or x.shape[-3] != self.in_channels):
+            raise ValueError(f"x has shape {tuple(x.shape)}; this Conv2d takes [batch, {self.in_channels}, height, "
+                             f"width] (or unbatched [{self.in_channels}, height, width])")
+        if x.dim() == 3:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        x, output_dtype = self._compute_input(x)
+        padding = self.padding
+        if isinstance(padding, str):
+            x, padding = _pad_same(x, self.kernel_size, self.dilation) if padding == "same" else (x, (0, 0))
+        batch, height, width = x.shape[0], *_output_size(x.shape[-2:], self.kernel_size, self.stride, padding,
+                                                         self.dilation)
+        patches = F.unfold(x, self.kernel_size, self.dilation, padding, self.stride)  # [B, Cin·kh·kw, L]
+        weight = self._weight_args()
+        y = torch.ops.bitkern.linear(patches.transpose(1, 2), *weight[:4], self.bias, *weight[4:], output_dtype)
+        # [B, L, Cout] -> NCHW, laid out contiguously as F.conv2d returns it for NCHW input
+        return y.transpose(1, 2).reshape(batch, self.out_channels, height, width).contiguous()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Conv2d:
+        """An nn.Conv2d holding the dequantized weight (in `dtype`) and this layer's bias."""
+        module = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+                           self.dilation, bias=self.bias is not None, device="meta", dtype=dtype)
+        module.weight = nn.Parameter(self.dequantize_weight(dtype))
+        if self.bias is not None:
+            module.bias = nn.Parameter(self.bias.detach().to(dtype).clone(), requires_grad=self.bias.requires_grad)
+        return module
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, bias={self.bias is not None}, "
+                f"{self._weight_repr()}")
+
+
+def _pad_same(x: torch.Tensor, kernel_size, dilation):
+    """x padded as nn.Conv2d's padding="same" does (the odd pixel of an even total goes right/bottom)."""
+    pads = []
+    for k, d in zip(reversed(kernel_size), reversed(dilation)):
+        total = d * (k - 1)
+        pads += [total // 2, total - total // 2]
+    return F.pad(x, pads), (0, 0)
+
+
+def _output_size(size, kernel_size, stride, padding, dilation) -> tuple[int, int]:
+    return tuple((s + 2 * p - d * (k - 1) - 1) // st + 1
+                 for s, k, st, p, d in zip(size, kernel_size, stride, padding, dilation))

@@ -1,0 +1,104 @@
+"""bitkern's kernels as torch custom ops (torch.library), so torch.compile traces them without graph breaks.
+
+`torch.ops.bitkern.linear` runs y = x · dequant(W)ᵀ + b through `bitkern.ops.Matmul`; its fake
+implementation gives the output's shape and dtype, and its autograd formula sends gradients to x and
+the bias only (the quantized weight is frozen).  `torch.ops.bitkern.dequantize` gives the float weight.
+
+A weight crosses the op boundary as its tensors plus a format, all plain op arguments:
+qweight, scales, zeros, tensor_scale (raw bits: float metadata travels as same-width integers, see
+`bitkern.nn.storage`) and weight_dtype, out_features, in_features, group_size, zero_mode,
+scale_dtype, layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..codegen import PackedWeight
+from ..ops import Matmul
+from ..ttype import get
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def packed_weight(qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], tensor_scale: Optional[Tensor],
+                  weight_dtype: str, out_features: int, in_features: int, group_size: int, zero_mode: str,
+                  scale_dtype: torch.dtype, layout: str) -> PackedWeight:
+    """The PackedWeight that the op arguments describe (float metadata viewed back from its raw bits)."""
+    return PackedWeight(layout, get(weight_dtype), (out_features, in_features), group_size, zero_mode, qweight,
+                        float_view(scales, scale_dtype), float_view(zeros, scale_dtype),
+                        float_view(tensor_scale, torch.float32))
+
+
+def float_view(bits: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """The float tensor stored as same-width integer bits; uint8 codes (and None) stay as they are."""
+    if bits is None or bits.dtype == torch.uint8:
+        return bits
+    return bits.view(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(weight_dtype: str, activation: torch.dtype, output: torch.dtype, group_size: int, zero_mode: str,
+          bias: bool, scale_dtype: torch.dtype) -> Matmul:
+    block = get(weight_dtype).block_size > 1
+    return Matmul(weight_dtype, activation, output_dtype=output, group_size=group_size, zero_mode=zero_mode,
+                  bias=bias, scale_dtype=torch.float16 if block else scale_dtype)
+
+
+@torch.library.custom_op("bitkern::linear", mutates_args=())
+def linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], tensor_scale: Optional[Tensor],
+           bias: Optional[Tensor], weight_dtype: str, out_features: int, in_features: int, group_size: int,
+           zero_mode: str, scale_dtype: torch.dtype, layout: str, output_dtype: torch.dtype) -> Tensor:
+    """y[..., N] = x[..., K] · dequant(W)ᵀ (+ bias), computed in x's dtype, returned in `output_dtype`."""
+    weight = packed_weight(qweight, scales, zeros, tensor_scale, weight_dtype, out_features, in_features,
+                           group_size, zero_mode, scale_dtype, layout)
+    spec = _spec(weight_dtype, x.dtype, output_dtype, group_size, zero_mode, bias is not None, scale_dtype)
+    return spec(x, weight, bias)
+
+
+@linear.register_fake
+def _linear_fake(x, qweight, scales, zeros, tensor_scale, bias, weight_dtype, out_features, in_features, group_size,
+                 zero_mode, scale_dtype, layout, output_dtype):
+    return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
+
+
+@torch.library.custom_op("bitkern::dequantize", mutates_args=())
+def dequantize(qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], tensor_scale: Optional[Tensor],
+               weight_dtype: str, out_features: int, in_features: int, group_size: int, zero_mode: str,
+               scale_dtype: torch.dtype, layout: str, dtype: torch.dtype) -> Tensor:
+    """The float [N, K] weight, in `dtype`."""
+    weight = packed_weight(qweight, scales, zeros, tensor_scale, weight_dtype, out_features, in_features,
+                           group_size, zero_mode, scale_dtype, layout)
+    return weight.to_portable().dequantize(dtype)
+
+
+@dequantize.register_fake
+def _dequantize_fake(qweight, scales, zeros, tensor_scale, weight_dtype, out_features, in_features, group_size,
+                     zero_mode, scale_dtype, layout, dtype):
+    return qweight.new_empty((out_features, in_features), dtype=dtype)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, qweight, scales, zeros, tensor_scale, bias, *weight_format, _ = inputs
+    ctx.save_for_backward(qweight, scales, zeros, tensor_scale)
+    ctx.weight_format = weight_format
+    ctx.x_dtype = x.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _linear_backward(ctx, grad):
+    """dx = dy · dequant(W) (float32 sums), dbias = Σ dy; the weight tensors get none (frozen)."""
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        weight = torch.ops.bitkern.dequantize(*ctx.saved_tensors, *ctx.weight_format, torch.float32)
+        grad_x = (grad.float() @ weight).to(ctx.x_dtype)
+    if ctx.needs_input_grad[5]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(ctx.bias_dtype)
+    return (grad_x, None, None, None, None, grad_bias) + (None,) * 8
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)

