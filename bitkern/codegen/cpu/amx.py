@@ -27,7 +27,8 @@ from ...ttype.types import INT, UINT
 from .configs import TILE_REGISTERS, AmxConfig
 from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
 from .tir import (LANES, STORAGE, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
-                  splat, stride, tile, tile_pointer, u32)
+                  prefetch_words_ahead, splat, stride, tile, tile_pointer,
+                  u32)
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
 SMALL_M_ROWS = AMX_TILE_ROWS
@@ -201,7 +202,9 @@ class _Builder:
     def _prologue(self, rows) -> None:
         s = self.s
         full_chunks = s.k // 32  # chunks of 16 pairs that lie inside K
-        with T.parallel(0, rows) as row:
+        # A few rows are less work than waking the thread pool: one parallel region per call then.
+        rows_loop = T.serial if self.cfg.small_m else T.parallel
+        with rows_loop(0, rows) as row:
             with T.If(row < self.m):
                 with T.Then():
                     with T.serial(0, full_chunks) as chunk:
@@ -321,9 +324,7 @@ class _Builder:
         s, cfg = self.s, self.cfg
         with T.serial(0, s.words_per_step) as w:
             word_index = (stage * s.stage_steps + i) * s.words_per_step + w
-            ahead = tirx.min(word_index + cfg.prefetch, s.words - 1)
-            intrinsic("llvm.prefetch.p0", tirx.address_of(load(self.qweight, tiles[c], ahead, 0)),
-                      tirx.const(0, "int32"), tirx.const(3, "int32"), tirx.const(1, "int32"))
+            prefetch_words_ahead(self.qweight, tiles[c], word_index, cfg.prefetch, s.words, s.n_tiles, cfg.n_tiles)
             word = tirx.reinterpret("uint32x16", load(self.qweight, tiles[c], word_index, ramp(0)))
             for j in range(s.rows_per_word):
                 shifted = word if j == 0 else tirx.shift_right(word, u32(j * s.bits))

@@ -21,7 +21,7 @@ from ...ttype import codes_per_word, get
 from .amx import PLANES
 from .configs import LutConfig
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
-from .tir import LANES, STORAGE, bf16_bits, bf16_to_float, horizontal_sum, load, ramp, splat
+from .tir import LANES, STORAGE, bf16_bits, bf16_to_float, horizontal_sum, load, prefetch_words_ahead, ramp, splat
 
 MAX_ROWS = 4
 NIBBLES_PER_WORD = 8
@@ -128,7 +128,7 @@ class _Builder:
         lane = tirx.Ramp(0, 1, LANES)
         selected = [load(self.values, tirx.bitwise_and(tirx.shift_right(lane, splat(i * self.bits, "int32")),
                                                         splat(mask, "int32"))) for i in range(self.codes_per_nibble)]
-        with T.parallel(0, self.m * self.words) as task:
+        with T.serial(0, self.m * self.words) as task:  # tens of microseconds: cheaper than a parallel launch
             row, word = tirx.floordiv(task, self.words), tirx.floormod(task, self.words)
             for nibble in range(NIBBLES_PER_WORD):
                 total = None
@@ -183,10 +183,8 @@ class _Builder:
 
     def _lookup_word(self, gacc, tile_index, half, word_index) -> None:
         """gacc[row, half] += Σ_j T[row, 8·word + j][nibble j of each lane's word]."""
-        ahead = tirx.min(word_index + self.cfg.prefetch, self.words - 1)
-        T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0",
-                                         tirx.address_of(load(self.qweight, tile_index, ahead, 0)),
-                                         tirx.const(0, "int32"), tirx.const(3, "int32"), tirx.const(1, "int32")))
+        prefetch_words_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, self.words, self.n_tiles,
+                             1)
         word = load(self.qweight, tile_index, word_index, ramp(0))
         indices = [word if j == 0 else tirx.reinterpret("int32x16", tirx.shift_right(
             tirx.reinterpret("uint32x16", word), tirx.Broadcast(tirx.const(4 * j, "uint32"), LANES)))
