@@ -222,8 +222,8 @@ def test_prebuild_input_errors(tmp_path):
     config.write_text(json.dumps({"hidden_size": 256}))
     with pytest.raises(ValueError, match=r"lacks \['intermediate_size', 'num_attention_heads'\]"):
         shapes_from_config(config)
-    with pytest.raises(NotImplementedError, match="cannot compile CUDA kernels yet"):
-        prebuild(parse_shapes("64:64"), target="sm_90", store=DiskStore(tmp_path))
+    with pytest.raises(ValueError, match=r"arch='sm_75' is not a known CUDA target"):
+        prebuild(parse_shapes("64:64"), target="sm_75", store=DiskStore(tmp_path))
 
 
 def test_command_line(tmp_path):
@@ -241,3 +241,28 @@ def test_command_line(tmp_path):
     assert "imported 2 kernels" in cli("cache", "import", str(tmp_path / "b.tar.gz")).stdout
     bad = cli("prebuild", "--shapes", "64x128")
     assert bad.returncode == 2 and "must be out_features:in_features" in bad.stderr
+
+
+@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_cuda_prebuild_cross_compiles_and_loads_without_the_compiler(tmp_path, arch):
+    store = DiskStore(tmp_path)
+    report = prebuild(parse_shapes("256:512"), "int4", 128, arch, (1, 64), activation_dtype="float16", store=store,
+                      progress=False)
+    assert report.kernels == 2 and report.built == 2
+    for entry in store.entries():
+        assert entry["key"]["target"] == f"cuda-{arch}" and entry["template"] in ("gemm", "gemv")
+        files = set(entry["files"])
+        assert {"kernel.cu", "kernel.cubin", "kernel.ptx", "kernel.json"} <= files
+        assert "mma" in open(os.path.join(entry["directory"], "kernel.ptx")).read() or entry["template"] == "gemv"
+    assert all(reason is None for _, reason in store.verify())
+    result = _run(f"""
+        import sys
+        from bitkern.cache import DiskStore, KernelKey
+        from bitkern.ops import Matmul
+        key = KernelKey(Matmul("int4", "float16"), 256, 512, (1, 4), "lop3", "cuda-{arch}")
+        kernel = DiskStore().load(key)
+        print(type(kernel).__name__, kernel.arch, "tvm.tirx" in sys.modules)
+    """, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["CudaKernel", arch, "False"]

@@ -80,12 +80,9 @@ def test_moves_to_meta_and_back_keep_the_weight_format():
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-no_cuda_kernels = pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                    reason="bitkern has no CUDA kernels yet: remove this mark when they land")
 
 
 @cuda
-@no_cuda_kernels
 def test_cuda_move_runs_the_same_layer():
     layer, _ = _op_arguments()
     x = torch.randn(2, 128)
@@ -94,7 +91,6 @@ def test_cuda_move_runs_the_same_layer():
 
 
 @cuda
-@no_cuda_kernels
 def test_cuda_graph_capture_and_replay():
     model = _quantized_block(compute_dtype=None).cuda()
     x = torch.randn(1, 4, DIM, device="cuda")

@@ -144,3 +144,49 @@ def test_m_buckets_cover_every_m():
         m_bucket(0)
     with pytest.raises(ValueError, match="top_k=9 is out of range"):
         tune(Matmul("int4"), 64, 64, (1, 4), "tile16", host_cpu(), top_k=9)
+
+
+CUDA_SPECS = [Matmul("int4", "float16"), Matmul("nf4", "bfloat16"), Matmul("uint4", "float16", zero_mode="gptq"),
+              Matmul("int8", "int8", "int32", group_size=-1), Matmul("int2", "bfloat16", group_size=64)]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("bucket", [(1, 4), (17, 128), (129, 2**31 - 1)])
+def test_cuda_candidates_respect_the_architecture_limits(arch, bucket):
+    from bitkern.codegen.cuda import resources
+    from bitkern.tuner.space import enumerate_cuda_candidates
+
+    gpu = cuda_device(arch)
+    for spec in CUDA_SPECS:
+        _, candidates = enumerate_cuda_candidates(spec, 4096, 4096, bucket, gpu)
+        assert candidates, spec
+        assert any(c.template == "gemm" for c in candidates)
+        assert any(c.template == "gemv" for c in candidates) == (bucket[1] <= 4)
+        for candidate in candidates:
+            used = resources(spec, 4096, candidate.config)
+            assert used.shared_bytes <= gpu.shared_bytes_per_block
+            assert used.threads <= gpu.max_threads_per_block
+            assert used.registers <= gpu.registers_per_thread
+            assert used.registers * used.threads <= gpu.registers_per_sm
+
+
+def test_cuda_limits_remove_what_a_smaller_architecture_cannot_hold():
+    from bitkern.codegen.cuda import resources
+    from bitkern.tuner.space import enumerate_cuda_candidates, fits
+
+    spec = Matmul("int4", "float16")
+    big = {c.config for c in enumerate_cuda_candidates(spec, 4096, 4096, (129, 2**31 - 1), cuda_device("sm_90"))[1]}
+    small = {c.config for c in enumerate_cuda_candidates(spec, 4096, 4096, (129, 2**31 - 1), cuda_device("sm_86"))[1]}
+    dropped = big - small
+    assert dropped and small < big
+    assert all(fits(resources(spec, 4096, config), cuda_device("sm_86")) for config in dropped)
+
+
+@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc is not installed")
+def test_cross_compiling_for_an_absent_gpu_picks_by_the_model():
+    tuned = tune(Matmul("int4", "float16"), 1024, 1024, (1, 4), "lop3", cuda_device("sm_80"))
+    record = tuned.record
+    assert not record.profiled and "not present" in " ".join(record.notes)
+    assert tuned.kernel.arch == "sm_80"
+    assert tuned.kernel.template == "gemv" or "mma" in tuned.kernel.binary.ptx
+    assert record.choice.template == tuned.kernel.template and record.choice.config == tuned.kernel.config

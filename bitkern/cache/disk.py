@@ -1,8 +1,10 @@
 """The on-disk kernel store: one directory per compiled kernel, written atomically, verified when loaded.
 
-Layout: <root>/bitkern-<v>_tvm-<v>_ffi-<v>/<target>/<key digest>/ holding kernel.so (the compiled
-module), constants.safetensors (decode tables, if any) and manifest.json (the key, the versions, the
-template and its configuration, the tuning record, a sha256 of every file).  An entry is written into a
+Layout: <root>/bitkern-<v>_tvm-<v>_ffi-<v>/<target>/<key digest>/ holding the compiled kernel — for CPU
+targets kernel.so (the module) and constants.safetensors (decode tables, if any); for CUDA targets
+kernel.cubin, kernel.ptx, the generated kernel.cu source (for inspection) and kernel.json (launches) —
+and manifest.json (the key, the versions, the template and its configuration, the tuning record, a
+sha256 of every file).  An entry is written into a
 hidden temporary directory and renamed into place, so a writer killed midway leaves nothing that loads;
 a file whose checksum does not match is reported, removed and rebuilt; entries of other bitkern, TVM or
 tvm-ffi versions live under another directory and are never read.
@@ -97,9 +99,13 @@ class DiskStore:
         temporary = final.parent / f".{key.digest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         temporary.mkdir()
         try:
-            kernel.module.export_library(str(temporary / LIBRARY))
-            if kernel.constants:
-                save_file({f"c{i}": c.contiguous() for i, c in enumerate(kernel.constants)}, str(temporary / CONSTANTS))
+            if key.target.startswith("cuda-"):
+                kernel.save(str(temporary))  # cubin, PTX, the .cu source and the launch description
+            else:
+                kernel.module.export_library(str(temporary / LIBRARY))
+                if kernel.constants:
+                    save_file({f"c{i}": c.contiguous() for i, c in enumerate(kernel.constants)},
+                              str(temporary / CONSTANTS))
             files = {path.name: _sha256(path) for path in sorted(temporary.iterdir())}
             manifest = {"key": key.to_dict(), "versions": versions(), "template": kernel.template,
                         "config": _config_dict(kernel), "m_range": list(kernel.m_range), "files": files,
@@ -210,13 +216,23 @@ class DiskStore:
 
 
 def _kernel_from(directory: Path, manifest: dict):
-    """Rebuild the callable kernel of an entry (runtime only: no TVM compiler)."""
+    """Rebuild the callable kernel of an entry (runtime only: no TVM compiler, no nvcc)."""
+    key = KernelKey.from_dict(manifest["key"])
+    if key.target.startswith("cuda-"):
+        from ..codegen.cuda import load_kernel
+
+        kernel = load_kernel(str(directory))
+        kernel.record = manifest.get("record")
+        return kernel
+    return _cpu_kernel_from(directory, manifest, key)
+
+
+def _cpu_kernel_from(directory: Path, manifest: dict, key: KernelKey):
     from ..codegen.cpu.configs import config_from_dict
     from ..codegen.cpu.kernel import CpuKernel, aligned
     from ..codegen.cpu.runtime import enable_amx
     from .runtime import load_function
 
-    key = KernelKey.from_dict(manifest["key"])
     constants = []
     if (directory / CONSTANTS).exists():
         from safetensors.torch import load_file
@@ -234,20 +250,20 @@ def _kernel_from(directory: Path, manifest: dict):
 
 
 def _config_dict(kernel) -> dict:
-    from ..codegen.cpu.configs import config_to_dict
+    import dataclasses
 
-    return config_to_dict(kernel.template, kernel.config)
+    return dataclasses.asdict(kernel.config)
 
 
 def _record_dict(record) -> dict | None:
     """The tuning record in JSON: its one-line summary and every trial."""
     if record is None or isinstance(record, dict):
         return record
-    from ..codegen.cpu.configs import config_to_dict
+    import dataclasses
 
     return {"summary": record.summary(), "profiled": record.profiled, "seconds": record.seconds,
             "notes": list(record.notes), "chosen": record.chosen,
-            "trials": [{"template": t.template, "config": config_to_dict(t.template, t.config),
+            "trials": [{"template": t.template, "config": dataclasses.asdict(t.config),
                         "modeled_s": t.modeled_s, "measured_s": t.measured_s} for t in record.trials]}
 
 

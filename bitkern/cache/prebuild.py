@@ -86,8 +86,13 @@ def prebuild(shapes: list[LinearShape], dtype: str = "int4", group_size: int = 1
 
     ttype = get(dtype)
     device = device_for(target)
-    if device.kind != "cpu":
-        raise NotImplementedError(f"target={target!r}: bitkern cannot compile CUDA kernels yet; accepted: 'cpu'")
+    if device.kind == "cuda":
+        from ..codegen.cuda.layout import LAYOUT, check_type
+
+        check_type(ttype)
+        layout = LAYOUT
+    else:
+        layout = layout_for(ttype)
     store = store or DiskStore()
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     group = ttype.block_size if ttype.block_size > 1 else group_size
@@ -98,6 +103,6 @@ def prebuild(shapes: list[LinearShape], dtype: str = "int4", group_size: int = 1
     for shape, bucket in tqdm(jobs, desc=f"prebuild {dtype} for {target}", disable=not progress):
         spec = Matmul(ttype.name, activation_dtype, group_size=group, zero_mode=zero_mode, scale_dtype=scale_dtype)
         spec.check_shape(shape.out_features, shape.in_features)
-        kernel_for(spec, shape.out_features, shape.in_features, bucket[0], layout_for(ttype), device, store)
+        kernel_for(spec, shape.out_features, shape.in_features, bucket[0], layout, device, store)
     built = len({entry["directory"] for entry in store.entries()} - before)
     return PrebuildReport(len(jobs), built, time.perf_counter() - start, target)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..codegen import PackedWeight
+from ..codegen import PackedWeight, packed_class
 from ..ops import Matmul
 from ..ttype import get
 
@@ -29,9 +29,9 @@ def packed_weight(qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], tens
                   weight_dtype: str, out_features: int, in_features: int, group_size: int, zero_mode: str,
                   scale_dtype: torch.dtype, layout: str) -> PackedWeight:
     """The PackedWeight that the op arguments describe (float metadata viewed back from its raw bits)."""
-    return PackedWeight(layout, get(weight_dtype), (out_features, in_features), group_size, zero_mode, qweight,
-                        float_view(scales, scale_dtype), float_view(zeros, scale_dtype),
-                        float_view(tensor_scale, torch.float32))
+    return packed_class(layout)(layout, get(weight_dtype), (out_features, in_features), group_size, zero_mode,
+                                qweight, float_view(scales, scale_dtype), float_view(zeros, scale_dtype),
+                                float_view(tensor_scale, torch.float32))
 
 
 def float_view(bits: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from .. import ttype
-from ..codegen import PackedWeight, layout_for, pack, to_layout
-from ..codegen.cpu.layout import LAYOUTS
+from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, to_layout
+from ..codegen.cpu.layout import LAYOUTS as CPU_LAYOUTS
 from ..ttype import QuantizedWeight, packed_length
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
@@ -76,9 +76,12 @@ def default_group_size(weight_type, group_size):
     return group_size
 
 
+LAYOUTS = (*CPU_LAYOUTS, CUDA_LAYOUT)
+
+
 def kernel_layout(weight_dtype: str, device: torch.device) -> str | None:
-    """The layout the kernels for `device` read, or None where bitkern has no kernels to ask (not a CPU)."""
-    return layout_for(ttype.get(weight_dtype)) if device.type == "cpu" else None
+    """The layout the kernels for `device` read, or None where bitkern has no kernels to ask (meta)."""
+    return layout_for(ttype.get(weight_dtype), device.type) if device.type in ("cpu", "cuda") else None
 
 
 class QuantizedModule(nn.Module):
@@ -142,6 +145,17 @@ class QuantizedModule(nn.Module):
             torch.empty(groups, dtype=scale, device=device),
             None if zero is None else torch.empty(groups, dtype=zero, device=device),
             torch.empty((), dtype=torch.float32, device=device) if weight_type.tensor_scale else None)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Moves and casts apply to the buffers as they are; a move to another kind of device then re-lays
+        the weight into the layout that device's kernels read (tile16 on CPUs, lop3 on CUDA GPUs)."""
+        result = super()._apply(fn, recurse)
+        target = kernel_layout(self.weight_dtype, self.qweight.device)
+        if target is not None and target != self.layout and not self.qweight.is_meta:
+            log.info("bitkern: re-laying %s weight from %s to %s for %s", self.weight_dtype, self.layout, target,
+                     self.qweight.device)
+            self._store(to_layout(self.packed_weight().to_portable(), target))
+        return result
 
     def _store(self, weight: PackedWeight) -> None:
         self.layout = weight.layout

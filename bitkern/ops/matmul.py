@@ -90,13 +90,11 @@ class Matmul:
             raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                             f"got {type(weight).__name__}")
         self.check_inputs(x, weight, bias)
-        if x.device.type != "cpu":
-            raise NotImplementedError(f"bitkern has no kernels for {x.device.type} tensors yet")
         n, k = weight.shape
         rows = x.reshape(-1, k).contiguous()
         if rows.shape[0] == 0:
             return torch.empty(*x.shape[:-1], n, dtype=_TORCH_DTYPES[self.output_dtype], device=x.device)
-        kernel = kernel_for(self, n, k, rows.shape[0], weight.layout)
+        kernel = kernel_for(self, n, k, rows.shape[0], weight.layout, _device_of(x))
         return kernel(rows, weight, bias).reshape(*x.shape[:-1], n)
 
     def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> None:
@@ -148,6 +146,17 @@ class Matmul:
         scale_dtype = _dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         return cls(weight.ttype.name, activation_dtype, group_size=weight.group_size, zero_mode=weight.zero_mode,
                    bias=bias, scale_dtype=scale_dtype, **options)
+
+
+def _device_of(x: torch.Tensor):
+    """The tuner's description of the device x lives on (None: the host CPU)."""
+    if x.device.type == "cpu":
+        return None
+    if x.device.type == "cuda":
+        from ..tuner.device import cuda_device
+
+        return cuda_device()
+    raise NotImplementedError(f"bitkern has kernels for cpu and cuda tensors, not {x.device.type}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -115,3 +115,50 @@ def _generic_cycles(config, spec, n, k, m, device):
     decode = n * k * 6 / lanes
     products = n * k * m * 2 / lanes / 2
     return decode + products, max(1, n // lanes), {"decode_cycles": decode}
+
+
+# -- CUDA -------------------------------------------------------------------------------------------------
+MMA_EFFICIENCY = 0.6  # fraction of peak tensor throughput a hand-scheduled mma pipeline sustains
+DECODE_FLOPS_PER_WEIGHT = 4  # LOP3 + fma per decoded element, on the CUDA cores
+WAVE_LATENCY_S = 3e-6  # a block's fixed cost (pipeline fill, epilogue) per wave
+
+
+def estimate_cuda(template: str, config, spec: Matmul, n: int, k: int, m: int, device) -> Estimate:
+    """Modeled time on an NVIDIA GPU: HBM traffic at the device bandwidth, mma work at its tensor
+    throughput, both per wave of resident blocks (occupancy from shared memory, threads and registers;
+    a last partial wave costs a whole one)."""
+    from ..codegen.cuda import resources
+    from ..codegen.cuda.layout import padded_shape
+
+    ttype = get(spec.weight_dtype)
+    n_pad, k_pad = padded_shape(n, k)
+    activation_bytes = 1 if spec.activation_dtype in ("int8", "float8_e4m3") else 2 if \
+        spec.activation_dtype != "float32" else 4
+    weight_bytes = n_pad * k_pad * ttype.bits / 8 + n_pad * (k_pad // max(16, abs(spec.group_size))) * 2
+    used = resources(spec, k, config)
+    per_sm = min(device.blocks_per_sm, device.threads_per_sm // max(1, used.threads),
+                 device.registers_per_sm // max(1, used.threads * used.registers),
+                 device.shared_bytes_per_sm // max(1, used.shared_bytes) if used.shared_bytes else device.blocks_per_sm)
+    per_sm = max(1, per_sm)
+    if template == "gemm":
+        m_blocks = -(-m // config.block_m)
+        blocks = m_blocks * (n_pad // config.block_n)
+        dram = weight_bytes * min(m_blocks, 1 + (weight_bytes > device.l2_bytes) * (m_blocks - 1)) + \
+            m * k_pad * activation_bytes * (n_pad // config.block_n) / max(1, (device.l2_bytes > m * k_pad * 2) * 8) + \
+            m * n_pad * 4
+        flops = 2 * m_blocks * config.block_m * n_pad * k_pad  # padded rows are computed too
+        compute = flops / (device.tensor_flops * MMA_EFFICIENCY) + n_pad * k_pad * m_blocks * \
+            DECODE_FLOPS_PER_WEIGHT / (device.tensor_flops / 16)
+    else:
+        row_blocks = -(-m // config.rows)
+        blocks = row_blocks * (n_pad // config.columns) * config.split_k
+        dram = weight_bytes * row_blocks + m * k_pad * activation_bytes + m * n_pad * 4 * config.split_k
+        compute = 2 * m * n_pad * k_pad / (device.tensor_flops / 16) + n_pad * k_pad * row_blocks * \
+            DECODE_FLOPS_PER_WEIGHT / (device.tensor_flops / 16)
+    waves = -(-blocks // (device.sm_count * per_sm))
+    # Few blocks cannot keep HBM busy: bandwidth scales with the SMs that have work.
+    busy = min(1.0, blocks / device.sm_count)
+    memory = dram / (device.memory_bandwidth() * busy)
+    seconds = max(compute, memory) + waves * WAVE_LATENCY_S
+    return Estimate(seconds, {"compute_s": compute, "dram_s": memory, "dram_bytes": dram, "blocks": blocks,
+                              "waves": waves, "blocks_per_sm": per_sm})

@@ -183,6 +183,10 @@ class CudaDevice:
     max_threads_per_block: int
     l2_bytes: int
     mma: dict
+    memory_bytes_per_s: float = 1.5e12  # HBM bandwidth of the reference part
+    tensor_flops: float = 3.0e14  # dense fp16/bf16 mma throughput of the reference part
+    threads_per_sm: int = 2048
+    blocks_per_sm: int = 32
     has_cp_async: bool = True
 
     @property
@@ -198,24 +202,29 @@ class CudaDevice:
 
         return tvm.target.Target({"kind": "cuda", "arch": self.arch})
 
+    def memory_bandwidth(self) -> float:
+        return self.memory_bytes_per_s
+
 
 _F16_MMA = {"float16": MmaShape(16, 8, 16), "bfloat16": MmaShape(16, 8, 16), "int8": MmaShape(16, 8, 32)}
 _FP8_MMA = {**_F16_MMA, "float8_e4m3": MmaShape(16, 8, 32)}
 
-# Per-architecture limits from NVIDIA's CUDA C++ Programming Guide (compute capabilities table); SM counts
-# of the reference data-center parts (A100, A10, L40S, H100 SXM); a present GPU reports its own.
+# Per-architecture limits from NVIDIA's CUDA C++ Programming Guide (compute capabilities table); SM counts,
+# HBM bandwidth and dense fp16 tensor throughput of the reference data-center parts (A100 40GB, A10, L40S,
+# H100 SXM datasheets); a present GPU reports its own SM count and memory limits.
 CUDA_ARCHS = {
     "sm_80": CudaDevice("A100", "sm_80", 108, 32, 32, 4, 163 << 10, 164 << 10, 16, 255, 65536, 1024, 40 << 20,
-                        _F16_MMA),
+                        _F16_MMA, 1.555e12, 3.12e14),
     "sm_86": CudaDevice("A10", "sm_86", 72, 32, 32, 4, 99 << 10, 100 << 10, 16, 255, 65536, 1024, 6 << 20,
-                        _F16_MMA),
+                        _F16_MMA, 6.0e11, 1.25e14, threads_per_sm=1536, blocks_per_sm=16),
     "sm_89": CudaDevice("L40S", "sm_89", 142, 32, 32, 4, 99 << 10, 100 << 10, 16, 255, 65536, 1024, 96 << 20,
-                        _FP8_MMA),
+                        _FP8_MMA, 8.64e11, 3.62e14, threads_per_sm=1536, blocks_per_sm=24),
     "sm_90": CudaDevice("H100", "sm_90", 132, 32, 32, 4, 227 << 10, 228 << 10, 16, 255, 65536, 1024, 50 << 20,
-                        _FP8_MMA),
+                        _FP8_MMA, 3.35e12, 9.89e14),
 }
 
 
+@functools.lru_cache(maxsize=None)
 def cuda_device(arch: str | None = None) -> CudaDevice:
     """The description of `arch` ("sm_80", "sm_86", "sm_89", "sm_90"), or of the present GPU."""
     if arch is not None:
@@ -235,7 +244,8 @@ def cuda_device(arch: str | None = None) -> CudaDevice:
                       getattr(props, "shared_memory_per_multiprocessor", base.shared_bytes_per_sm),
                       base.ldmatrix_bytes, base.registers_per_thread,
                       getattr(props, "regs_per_multiprocessor", base.registers_per_sm),
-                      base.max_threads_per_block, getattr(props, "L2_cache_size", base.l2_bytes), base.mma)
+                      base.max_threads_per_block, getattr(props, "L2_cache_size", base.l2_bytes), base.mma,
+                      base.memory_bytes_per_s, base.tensor_flops, base.threads_per_sm, base.blocks_per_sm)
 
 
 def device_for(target: str):

@@ -96,3 +96,50 @@ def _clone(packed):
 
     return type(packed)(packed.layout, packed.ttype, packed.shape, packed.group_size, packed.zero_mode,
                         copy(packed.qweight), copy(packed.scales), copy(packed.zeros), copy(packed.tensor_scale))
+
+
+def build_all_cuda(candidates, spec: Matmul, n: int, k: int, bucket, device) -> list:
+    """Compile every candidate for the CUDA arch (nvcc runs in parallel subprocesses: a thread each)."""
+    from ..codegen.cuda import build_kernel
+
+    def build(candidate):
+        return build_kernel(spec, n, k, candidate.template, candidate.config, device.arch, bucket)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(build, candidates))
+
+
+def cuda_inputs(spec: Matmul, n: int, k: int, m: int):
+    """Inputs on the current GPU: x, a rotation of packed weights (random codes) beyond the L2, bias."""
+    from ..codegen.cuda import pack
+
+    generator = torch.Generator().manual_seed(0)
+    block = get(spec.weight_dtype).block_size > 1
+    quantized = quantize(torch.randn(n, k, generator=generator) * 0.02, spec.weight_dtype,
+                         group_size=None if block else spec.group_size, zero_mode=spec.zero_mode,
+                         scale_dtype=getattr(torch, spec.scale_dtype))
+    packed = pack(quantized.to("cuda"))
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    copies = [packed] + [_clone(packed) for _ in range(max(1, 4 * l2 // max(1, packed.nbytes)))]
+    x = torch.randn(m, k, generator=generator).to("cuda")
+    x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
+        x.to(_TORCH.get(spec.activation_dtype, torch.float16))
+    bias = torch.randn(n, generator=generator).to("cuda") if spec.bias else None
+    return x, copies, bias
+
+
+def time_cuda_kernel(kernel, x, copies, bias, calls: int = 50) -> float:
+    """Median seconds per call measured with CUDA events, rotating through the weight copies."""
+    for weight in copies[:2]:
+        kernel(x, weight, bias)
+    torch.cuda.synchronize()
+    samples = []
+    for i in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel(x, copies[i % len(copies)], bias)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    samples.sort()
+    return samples[len(samples) // 2]

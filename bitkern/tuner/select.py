@@ -12,10 +12,10 @@ from tqdm import tqdm
 
 from ..ops.matmul import Matmul
 from .buckets import TUNED_M
-from .cost import estimate
-from .profile import build_all, inputs, time_kernel
+from .cost import estimate, estimate_cuda
+from .profile import build_all, build_all_cuda, cuda_inputs, inputs, time_cuda_kernel, time_kernel
 from .record import Trial, TuningRecord
-from .space import enumerate_candidates, templates_for
+from .space import enumerate_candidates, enumerate_cuda_candidates, templates_for
 
 log = logging.getLogger("bitkern")
 
@@ -37,23 +37,25 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
     if not 1 <= top_k <= 8:
         raise ValueError(f"top_k={top_k} is out of range; accepted: 1..8")
     start = time.perf_counter()
-    hint, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
+    spec.check_shape(n, k)
+    backend = _CudaBackend(spec, n, k, bucket, device) if device.kind == "cuda" else \
+        _CpuBackend(spec, n, k, bucket, layout, device)
+    hint, candidates = backend.enumerate()
+    if not candidates:
+        raise ValueError(f"no kernel configuration builds {spec} for a [{n}, {k}] weight on {device.key}")
     tuned_m = TUNED_M.get(bucket, bucket[0])
     record = TuningRecord(spec, n, k, bucket, tuned_m, device.key, hint)
-    record.trials = [Trial(c.template, c.config, estimate(c.template, c.config, spec, n, k, tuned_m, device).seconds)
-                     for c in candidates]
-    for template, reason in templates_for(spec, k, bucket, layout, device).items():
-        if reason is not None:
-            record.notes.append(f"{template} template not used: {reason}")
+    record.trials = [Trial(c.template, c.config, backend.estimate(c, tuned_m).seconds) for c in candidates]
+    record.notes += backend.notes()
     order = _ranked(record.trials)
     present = is_present(device)
     if profile and present:
         shortlist = _shortlist(record.trials, order, top_k)
-        kernels = build_all([candidates[i] for i in shortlist], spec, n, k, layout, bucket, device)
-        x, copies, bias = inputs(spec, n, k, tuned_m, layout, device)
+        kernels = backend.build([candidates[i] for i in shortlist])
+        x, copies, bias = backend.inputs(tuned_m)
         for i, kernel in tqdm(list(zip(shortlist, kernels)), desc=f"tuning {spec.weight_dtype} {n}x{k}",
                               leave=False, disable=None):
-            record.trials[i].measured_s = time_kernel(kernel, x, copies, bias)
+            record.trials[i].measured_s = backend.time(kernel, x, copies, bias)
         fastest = min(record.trials[i].measured_s for i in shortlist)
         ties = [i for i in shortlist if record.trials[i].measured_s <= fastest * (1 + TIE)]
         record.chosen = min(ties, key=order.index)
@@ -63,10 +65,7 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
         record.chosen = order[0]
         record.notes.append("chosen by the cost model alone: the target device is not present"
                             if not present else "chosen by the cost model alone (profiling off)")
-        chosen = record.choice
-        from ..codegen.cpu.build import build_kernel
-
-        kernel = build_kernel(spec, n, k, chosen.template, chosen.config, layout, bucket, device)
+        kernel = backend.build([candidates[order[0]]])[0]
     record.seconds = time.perf_counter() - start
     log.info("bitkern: tuned %s", record.summary())
     log.debug("bitkern: tuning record\n%s", record)
@@ -119,3 +118,56 @@ def is_present(device) -> bool:
         return False
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return device.arch == f"sm_{props.major}{props.minor}"
+
+
+class _CpuBackend:
+    """Candidates, model, builds and timing on an x86 CPU."""
+
+    def __init__(self, spec, n, k, bucket, layout, device):
+        self.spec, self.n, self.k, self.bucket, self.layout, self.device = spec, n, k, bucket, layout, device
+
+    def enumerate(self):
+        return enumerate_candidates(self.spec, self.n, self.k, self.bucket, self.layout, self.device)
+
+    def estimate(self, candidate, m):
+        return estimate(candidate.template, candidate.config, self.spec, self.n, self.k, m, self.device)
+
+    def notes(self):
+        return [f"{template} template not used: {reason}" for template, reason in
+                templates_for(self.spec, self.k, self.bucket, self.layout, self.device).items() if reason]
+
+    def build(self, candidates):
+        return build_all(candidates, self.spec, self.n, self.k, self.layout, self.bucket, self.device)
+
+    def inputs(self, m):
+        return inputs(self.spec, self.n, self.k, m, self.layout, self.device)
+
+    @staticmethod
+    def time(kernel, x, copies, bias):
+        return time_kernel(kernel, x, copies, bias)
+
+
+class _CudaBackend:
+    """Candidates, model, nvcc builds and CUDA-event timing for an NVIDIA architecture."""
+
+    def __init__(self, spec, n, k, bucket, device):
+        self.spec, self.n, self.k, self.bucket, self.device = spec, n, k, bucket, device
+
+    def enumerate(self):
+        return enumerate_cuda_candidates(self.spec, self.n, self.k, self.bucket, self.device)
+
+    def estimate(self, candidate, m):
+        return estimate_cuda(candidate.template, candidate.config, self.spec, self.n, self.k, m, self.device)
+
+    def notes(self):
+        return []
+
+    def build(self, candidates):
+        return build_all_cuda(candidates, self.spec, self.n, self.k, self.bucket, self.device)
+
+    def inputs(self, m):
+        return cuda_inputs(self.spec, self.n, self.k, m)
+
+    @staticmethod
+    def time(kernel, x, copies, bias):
+        return time_cuda_kernel(kernel, x, copies, bias)

@@ -102,3 +102,70 @@ def _lut(spec: Matmul, k: int, device) -> list[Candidate]:
             break
         found += [Candidate("lut", LutConfig(n_tiles, prefetch)) for prefetch in PREFETCH_WORDS]
     return found
+
+
+# -- CUDA -------------------------------------------------------------------------------------------------
+CUDA_SMALL_M = 4  # rows a GEMV candidate competes for
+
+
+def fits(resources, device) -> str | None:
+    """Why a kernel using `resources` per block cannot run on `device`, or None."""
+    if resources.shared_bytes > device.shared_bytes_per_block:
+        return f"{resources.shared_bytes} bytes of shared memory > {device.shared_bytes_per_block}"
+    if resources.threads > device.max_threads_per_block:
+        return f"{resources.threads} threads > {device.max_threads_per_block}"
+    if resources.registers > device.registers_per_thread:
+        return f"{resources.registers} registers per thread > {device.registers_per_thread}"
+    if resources.registers * resources.threads > device.registers_per_sm:
+        return f"{resources.registers * resources.threads} registers per block > {device.registers_per_sm}"
+    return None
+
+
+def enumerate_cuda_candidates(spec: Matmul, n: int, k: int, bucket: tuple[int, int], device):
+    """The hint and every GEMM (and, for few rows, GEMV) configuration that builds for `spec` and fits the
+    architecture's shared memory, thread and register limits."""
+    from ..codegen.cuda import GemmConfig, GemvConfig, gemm, gemv, resources
+    from .hints import cuda_hint
+
+    hint = cuda_hint(spec, device)
+    found = []
+    for warp_m in (16, 32, 64):
+        for warp_n in (16, 32, 64):
+            for rows_of_warps, cols_of_warps in ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2)):
+                for block_k in (32, 64, 128):
+                    for stages in (2, 3, 4):
+                        for decode in ("lop3", "tir"):
+                            try:
+                                config = GemmConfig(warp_m * rows_of_warps, warp_n * cols_of_warps, block_k, warp_m,
+                                                    warp_n, stages, decode)
+                            except ValueError:
+                                continue
+                            if config.block_m % hint.m or config.block_n % hint.n:
+                                continue
+                            if gemm.unsupported_reason(spec, n, k, config, device.arch) is None and \
+                                    fits(resources(spec, k, config), device) is None:
+                                found.append(Candidate("gemm", config))
+    if bucket[1] <= CUDA_SMALL_M:
+        for rows in (1, 2, 4):
+            for warps in (2, 4, 8):
+                for k_threads in (8, 16, 32):
+                    for words in (2, 4):
+                        for split_k in (1, 2, 4):
+                            for decode in ("lop3", "tir"):
+                                config = GemvConfig(rows, warps, k_threads, words, split_k, decode)
+                                if gemv.unsupported_reason(spec, n, k, config) is None and \
+                                        fits(resources(spec, k, config), device) is None:
+                                    found.append(Candidate("gemv", config))
+    return hint, _prefer_lop3(found)
+
+
+def _prefer_lop3(candidates: list) -> list:
+    """The plain-TIR decode only where the LOP3 decode cannot serve (it is the slower, general path)."""
+    lop3 = {(c.template, _without_decode(c.config)) for c in candidates if c.config.decode == "lop3"}
+    return [c for c in candidates if c.config.decode == "lop3" or (c.template, _without_decode(c.config)) not in lop3]
+
+
+def _without_decode(config):
+    import dataclasses
+
+    return dataclasses.replace(config, decode="lop3")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .layout import AMX_TILE_ROWS
 
@@ -59,15 +59,8 @@ class GenericConfig:
 CONFIGS = {"amx": AmxConfig, "lut": LutConfig, "generic": GenericConfig}
 
 
-def config_to_dict(template: str, config) -> dict:
-    """A JSON-able description of a template's configuration."""
-    if not isinstance(config, CONFIGS.get(template, ())):
-        raise TypeError(f"config {config!r} is not a configuration of template {template!r}")
-    return asdict(config)
-
-
 def config_from_dict(template: str, fields: dict):
-    """The configuration `config_to_dict` described."""
+    """A template's configuration from its fields (as the cache's manifests store them)."""
     if template not in CONFIGS:
         raise ValueError(f"template={template!r} is not known; accepted: {sorted(CONFIGS)}")
     return CONFIGS[template](**fields)
