@@ -20,7 +20,7 @@ from conftest import recorded, rotation
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
 ROWS = [1, 16, 128]
 GROUP = 128
-BITKERN_TYPES = ["int4", "nf4", "int2", "int1"]
+BITKERN_TYPES = ["int4", "nf4", "int8", "int2", "int1"]
 PEERS = ["torch_fp32", "torch_bf16", "torch_int4", "torch_int8"]
 
 

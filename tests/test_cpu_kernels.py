@@ -138,6 +138,38 @@ def test_amx_and_generic_templates_agree():
     assert_matches_reference(spec, q, x, None, generic_kernel(x, packed))
 
 
+def _spread(candidates):
+    """The smallest and largest-tile candidate of each (template, decode, tile shape) family."""
+    families = {}
+    for c in candidates:
+        key = (c.template, getattr(c.config, "decode", None), getattr(c.config, "m_tiles", None))
+        families.setdefault(key, []).append(c)
+    return [c for family in families.values() for c in {family[0].config: family[0], family[-1].config: family[-1]}.values()]
+
+
+@pytest.mark.parametrize("name, activation, zero_mode, group, m, bucket", [
+    ("int4", "bfloat16", None, 128, 3, (1, 4)), ("nf4", "float32", None, 64, 11, (5, 16)),
+    ("int8", "bfloat16", None, 128, 3, (1, 4)), ("uint8", "bfloat16", "hqq", 64, 40, (17, 128)),
+    ("uint2", "float16", "gptq", 128, 40, (17, 128)), ("int1", "bfloat16", None, -1, 130, (129, 1 << 30))])
+def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, zero_mode, group, m, bucket):
+    """The tuner may pick any candidate, so each family of the space (templates, decodes, small/large-M
+    tiles, 8-bit nibble planes) must be correct, not only the one the model ranks first."""
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.tuner.space import enumerate_candidates
+
+    cpu = host_cpu()
+    if not cpu.has_amx_bf16:
+        pytest.skip("this CPU has no AMX")
+    spec, q, x, b = _case(name, 96, 256, m, activation, group=group, zero_mode=zero_mode, bias=True)
+    packed = pack(q)
+    hint, candidates = enumerate_candidates(spec, 96, 256, bucket, packed.layout, cpu)
+    chosen = _spread([c for c in candidates if c.template != "generic"])
+    assert {c.template for c in chosen} >= {"amx"}
+    for candidate in chosen:
+        kernel = build_kernel(spec, 96, 256, candidate.template, candidate.config, packed.layout, bucket, cpu)
+        assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
+
+
 def test_kernels_are_built_once_per_bucket():
     spec, q, x, _ = _case("uint4", 64, 256, 1)
     packed = pack(q)

@@ -84,6 +84,7 @@ def _amx_cycles(config, spec, n, k, m, device):
         chunks = -(-rows // config.m_chunk)
         blocks = rows // block
         tdp = TDP_CYCLES_FULL
+    b_tiles *= 2 if get(spec.weight_dtype).bits == 8 else 1  # 8-bit codes: a B tile per nibble
     decode = b_tiles * chunks * DECODE_CYCLES[config.decode]
     distance = config.stage_steps * config.n_tiles
     decode += b_tiles * chunks * STALL_CYCLES * max(0, PIPELINE_TILES - distance) / PIPELINE_TILES

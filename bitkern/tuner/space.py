@@ -71,16 +71,17 @@ def _doublings(start: int, limit: int) -> list[int]:
 
 def _amx(spec: Matmul, k: int, bucket: tuple[int, int], device, hint: Hint) -> list[Candidate]:
     decodes = amx.decode_strategies(spec)
+    planes = amx.nibbles(spec)  # 8-bit codes: a B and a C tile per nibble
     tile_bytes = 16 * 64  # a decoded bf16 B tile, a float32 C tile
     found = []
     small = bucket[1] <= SMALL_M
     for m_tiles in (1,) if small else (1, 2):
         for n_tiles in range(1, TILE_REGISTERS):
-            if m_tiles * n_tiles + m_tiles + 1 > TILE_REGISTERS:
+            if m_tiles * n_tiles * planes + m_tiles + 1 > TILE_REGISTERS:
                 break
             for stage in _doublings(1, 8):
                 # L1 holds two decoded stages, the stored C tiles and the task's accumulators.
-                footprint = 2 * stage * n_tiles * tile_bytes + m_tiles * n_tiles * tile_bytes
+                footprint = (2 * stage * n_tiles + m_tiles * n_tiles) * planes * tile_bytes
                 chunks = [SMALL_M] if small else [c for c in _doublings(hint.m * m_tiles, 256)]
                 for chunk in chunks:
                     if footprint + chunk * n_tiles * 64 > device.l1_bytes:

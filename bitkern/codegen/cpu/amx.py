@@ -31,6 +31,7 @@ from .tir import (LANES, STORAGE, bf16_bits, bf16_to_float, bf16_value, horizont
                   u32)
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
+AMX_BITS = (*TILE16_BITS, 8)
 SMALL_M_ROWS = AMX_TILE_ROWS
 _BF16_128 = 0x4300  # bfloat16 128.0: OR-ing a code u < 128 into its mantissa gives 128 + u exactly
 
@@ -39,8 +40,10 @@ def unsupported_reason(spec: Matmul, k: int) -> str | None:
     """Why the AMX template cannot run `spec` with reduction length k, or None if it can."""
     ttype = get(spec.weight_dtype)
     group = k if spec.group_size == -1 else spec.group_size
-    if ttype.bits not in TILE16_BITS:
-        return f"{ttype.bits}-bit codes (it decodes {TILE16_BITS}-bit codes)"
+    if ttype.bits not in AMX_BITS:
+        return f"{ttype.bits}-bit codes (it decodes {AMX_BITS}-bit codes)"
+    if ttype.bits == 8 and ttype.kind not in (INT, UINT):
+        return f"8-bit {ttype.kind} codes (8-bit codes decode as two nibbles of an integer)"
     if spec.activation_dtype not in PLANES:
         return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"
     depth = _step_depth(group, k)
@@ -48,14 +51,25 @@ def unsupported_reason(spec: Matmul, k: int) -> str | None:
         return f"group_size={group} with in_features={k} (it needs a multiple of 32, 16, or per-channel)"
     if depth * ttype.bits < 32:
         return f"group_size={group}, shorter than one 32-bit word of {ttype.bits}-bit codes"
+    if not decode_strategies(spec):
+        return f"{ttype.bits}-bit codes with {spec.activation_dtype} activations (their affine decode keeps " \
+               f"bf16's accuracy only)"
     return None
+
+
+def nibbles(spec: Matmul) -> int:
+    """B tiles per 16 weight columns and 32-deep step: 8-bit codes are multiplied as two 4-bit nibbles."""
+    return 2 if get(spec.weight_dtype).bits == 8 else 1
 
 
 def decode_strategies(spec: Matmul) -> tuple[str, ...]:
     """Decode strategies that apply to the spec.  "affine" folds a 128 offset out of float32 sums, which
     costs up to ~2^-16 relative accuracy: below bf16 activations' own rounding, so it is offered for them
-    only."""
-    affine = get(spec.weight_dtype).kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
+    only; 8-bit codes (two nibbles) have no table decode."""
+    ttype = get(spec.weight_dtype)
+    affine = ttype.kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
+    if ttype.bits == 8:
+        return ("affine",) if affine else ()
     return ("affine", "lut") if affine else ("lut",)
 
 
@@ -93,12 +107,13 @@ def _step_depth(group: int, k: int) -> int | None:
 
 @dataclass(frozen=True)
 class _Decode:
-    """How a B tile element d relates to the weight value v: v = alpha·d + offset."""
+    """How the B tile elements d relate to the weight value v: v = Σ_nibble alpha[nibble]·d + offset.
+    xor: bits flipped in each code (per nibble: low, high) to make two's complement offset binary."""
 
     strategy: str
     bits: int
-    xor: int = 0
-    alpha: float = 1.0
+    xor: tuple = (0,)
+    alpha: tuple = (1.0,)
     offset: float = 0.0
 
 
@@ -106,12 +121,15 @@ def _decode_for(spec: Matmul, strategy: str) -> _Decode:
     ttype = get(spec.weight_dtype)
     if strategy == "lut":
         return _Decode("lut", ttype.bits)
+    if ttype.bits == 8:  # code = 16·h + l: v = 16·(d_hi - 128 - 8·signed) + (d_lo - 128)
+        flip = 8 if ttype.kind == INT else 0
+        return _Decode("affine", 8, xor=(0, flip), alpha=(1.0, 16.0), offset=-128.0 - 16.0 * (128 + flip))
     if ttype.kind == UINT:  # d = 128 + code
         return _Decode("affine", ttype.bits, offset=-128.0)
     if ttype.bits == 1:  # ±1: v = 2·code - 1 = 2d - 257
-        return _Decode("affine", 1, alpha=2.0, offset=-257.0)
+        return _Decode("affine", 1, alpha=(2.0,), offset=-257.0)
     half = 1 << (ttype.bits - 1)  # two's complement: u = code ^ half = v + half, d = 128 + u
-    return _Decode("affine", ttype.bits, xor=half, offset=-128.0 - half)
+    return _Decode("affine", ttype.bits, xor=(half,), offset=-128.0 - half)
 
 
 class _Shape:
@@ -156,9 +174,14 @@ class _Builder:
         self.ttype = get(spec.weight_dtype)
         self.m = tirx.Var("M", "int32")
         mt, nc = config.m_tiles, config.n_tiles
-        self.c_tiles = [[i * nc + c for c in range(nc)] for i in range(mt)]
-        self.a_tiles = [mt * nc + i for i in range(mt)]
-        self.b_tiles = list(range(mt * nc + mt, TILE_REGISTERS))
+        self.nibbles = nibbles(spec)
+        nb = self.nibbles
+        # C tiles: [m tile][n tile][nibble]; then the A tiles; the rest is a ring for B tiles.
+        self.c_tiles = [[[(i * nc + c) * nb + p for p in range(nb)] for c in range(nc)] for i in range(mt)]
+        self.a_tiles = [mt * nc * nb + i for i in range(mt)]
+        self.b_tiles = list(range(mt * nc * nb + mt, TILE_REGISTERS))
+        if not self.b_tiles:
+            raise ValueError(f"m_tiles={mt} x n_tiles={nc} x {nb} nibble planes leave no AMX tile register for B")
 
     def build(self, name: str):
         with IRBuilder() as builder:
@@ -275,13 +298,15 @@ class _Builder:
         block_rows = AMX_TILE_ROWS * cfg.m_tiles
         chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
         m_blocks = 1 if cfg.small_m else tirx.min(cfg.m_chunk // block_rows, tirx.floordiv(rows - row0, block_rows))
-        gbuf = T.alloc_buffer((2, s.stage_steps, cfg.n_tiles, s.depth // 2, LANES), "int32", scope="local",
+        gbuf = T.alloc_buffer((2, s.stage_steps, cfg.n_tiles, self.nibbles, s.depth // 2, LANES), "int32", scope="local",
                               align=64)
-        cbuf = T.alloc_buffer((cfg.m_tiles, cfg.n_tiles, AMX_TILE_ROWS, LANES), "float32", scope="local", align=64)
+        cbuf = T.alloc_buffer((cfg.m_tiles, cfg.n_tiles, self.nibbles, AMX_TILE_ROWS, LANES), "float32",
+                              scope="local", align=64)
         yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
         stash = None
         if s.group_steps > s.stage_steps and not cfg.small_m:  # C tiles leave registers between stages
-            stash = T.alloc_buffer((cfg.m_chunk // block_rows, cfg.m_tiles, cfg.n_tiles, AMX_TILE_ROWS, LANES),
+            stash = T.alloc_buffer((cfg.m_chunk // block_rows, cfg.m_tiles, cfg.n_tiles, self.nibbles, AMX_TILE_ROWS,
+                                    LANES),
                                    "float32", scope="local", align=64)
         self._configure_tiles(tile_rows)
         with T.serial(0, chunk_rows) as r:
@@ -304,7 +329,7 @@ class _Builder:
         config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
         for i in range(64):
             T.buffer_store(config, tirx.const(1 if i == 0 else 0, "uint8"), [i])
-        shapes = [(t, tile_rows, 64) for row in self.c_tiles for t in row]
+        shapes = [(t, tile_rows, 64) for row in self.c_tiles for planes in row for t in planes]
         shapes += [(t, tile_rows, 2 * self.s.depth) for t in self.a_tiles]
         shapes += [(t, self.s.depth // 2, 64) for t in self.b_tiles]
         for t, rows, width in shapes:
@@ -328,20 +353,25 @@ class _Builder:
             word = tirx.reinterpret("uint32x16", load(self.qweight, tiles[c], word_index, ramp(0)))
             for j in range(s.rows_per_word):
                 shifted = word if j == 0 else tirx.shift_right(word, u32(j * s.bits))
-                T.buffer_store(gbuf, self._decode_word(shifted), [slot, i, c, w * s.rows_per_word + j, ramp(0)])
+                for nibble in range(self.nibbles):
+                    T.buffer_store(gbuf, self._decode_word(shifted, nibble),
+                                   [slot, i, c, nibble, w * s.rows_per_word + j, ramp(0)])
 
-    def _decode_word(self, shifted):
-        """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word shifted by j·bits."""
+    def _decode_word(self, shifted, nibble: int = 0):
+        """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word shifted by j·bits (of 8-bit codes: the
+        low or high nibble)."""
         dec = self.dec
         if dec.strategy == "lut":
             table = tirx.reinterpret("int16x32", load(self.lut, ramp(0)))
             picked = tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.permvar.hi.512", table,
                                                 tirx.reinterpret("int16x32", shifted))
             return tirx.reinterpret("int32x16", picked)
-        mask = (1 << dec.bits) - 1
+        mask = (1 << min(dec.bits, 4)) - 1
+        if nibble:
+            shifted = tirx.shift_right(shifted, u32(4))
         code = tirx.bitwise_and(shifted, u32(mask | (mask << 16)))
-        if dec.xor:
-            code = tirx.bitwise_xor(code, u32(dec.xor | (dec.xor << 16)))
+        if dec.xor[nibble]:
+            code = tirx.bitwise_xor(code, u32(dec.xor[nibble] | (dec.xor[nibble] << 16)))
         return tirx.reinterpret("int32x16", tirx.bitwise_or(code, u32(_BF16_128 | (_BF16_128 << 16))))
 
     def _stage(self, gbuf, cbuf, yacc, stash, tiles, stage, row0, mb, tile_rows, upcoming=None) -> None:
@@ -362,11 +392,13 @@ class _Builder:
                                           AMX_TILE_ROWS, s.pairs, "r")
                     intrinsic("llvm.x86.tileloadd64", tile(a_tile), source, stride(s.pairs * 4))
                 for c in range(cfg.n_tiles):
-                    b_tile = self.b_tiles[c % len(self.b_tiles)]
-                    source = tile_pointer(gbuf, (slot, i, c, 0, 0), s.depth // 2, LANES, "r")
-                    intrinsic("llvm.x86.tileloadd64", tile(b_tile), source, stride(64))
-                    for m_i, a_tile in enumerate(self.a_tiles):
-                        intrinsic("llvm.x86.tdpbf16ps", tile(self.c_tiles[m_i][c]), tile(a_tile), tile(b_tile))
+                    for nibble in range(self.nibbles):
+                        b_tile = self.b_tiles[(c * self.nibbles + nibble) % len(self.b_tiles)]
+                        source = tile_pointer(gbuf, (slot, i, c, nibble, 0, 0), s.depth // 2, LANES, "r")
+                        intrinsic("llvm.x86.tileloadd64", tile(b_tile), source, stride(64))
+                        for m_i, a_tile in enumerate(self.a_tiles):
+                            intrinsic("llvm.x86.tdpbf16ps", tile(self.c_tiles[m_i][c][nibble]), tile(a_tile),
+                                      tile(b_tile))
                     if upcoming is not None and plane == s.planes - 1:
                         self._decode_tile(gbuf, tiles, *upcoming, i, c)
             group = tirx.floordiv(step, s.group_steps)
@@ -384,24 +416,27 @@ class _Builder:
         per_group = s.group_steps // s.stage_steps
         return tirx.floormod(stage, per_group) == (0 if start else per_group - 1)
 
+    def _all_c(self):
+        """(m tile, n tile, nibble, register) of every C tile."""
+        return [(m_i, c, p, t) for m_i, row in enumerate(self.c_tiles) for c, planes in enumerate(row)
+                for p, t in enumerate(planes)]
+
     def _zero_c(self) -> None:
-        for row in self.c_tiles:
-            for t in row:
-                intrinsic("llvm.x86.tilezero", tile(t))
+        for _, _, _, t in self._all_c():
+            intrinsic("llvm.x86.tilezero", tile(t))
 
     def _move_c(self, stash, mb, op: str) -> None:
-        for m_i, row in enumerate(self.c_tiles):
-            for c, t in enumerate(row):
-                access = "r" if op == "llvm.x86.tileloadd64" else "w"
-                intrinsic(op, tile(t), tile_pointer(stash, (mb, m_i, c, 0, 0), AMX_TILE_ROWS, LANES, access), stride(64))
+        access = "r" if op == "llvm.x86.tileloadd64" else "w"
+        for m_i, c, p, t in self._all_c():
+            intrinsic(op, tile(t), tile_pointer(stash, (mb, m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, access),
+                      stride(64))
 
     def _finish_group(self, cbuf, yacc, tiles, group, row0, local_row, tile_rows) -> None:
-        """Store C and apply y += scale · (alpha·C + beta·XS) to the block's rows."""
+        """Store C and apply y += scale · (Σ_nibble alpha·C + beta·XS) to the block's rows."""
         s, cfg, dec = self.s, self.cfg, self.dec
-        for m_i, row in enumerate(self.c_tiles):
-            for c, t in enumerate(row):
-                target = tile_pointer(cbuf, (m_i, c, 0, 0), AMX_TILE_ROWS, LANES, "w")
-                intrinsic("llvm.x86.tilestored64", tile(t), target, stride(64))
+        for m_i, c, p, t in self._all_c():
+            target = tile_pointer(cbuf, (m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, "w")
+            intrinsic("llvm.x86.tilestored64", tile(t), target, stride(64))
         scale_group = 0 if s.per_channel else group
         needs_sums = dec.offset != 0.0 or self.zeros is not None
         for c in range(cfg.n_tiles):
@@ -412,9 +447,11 @@ class _Builder:
             for m_i in range(cfg.m_tiles):
                 with T.serial(0, tile_rows) as r:
                     local = local_row + m_i * AMX_TILE_ROWS + r
-                    value = load(cbuf, m_i, c, r, ramp(0))
-                    if dec.alpha != 1.0:
-                        value = value * splat(dec.alpha, "float32")
+                    value = None
+                    for p, alpha in enumerate(dec.alpha[:self.nibbles]):
+                        term = load(cbuf, m_i, c, p, r, ramp(0))
+                        term = term if alpha == 1.0 else term * splat(alpha, "float32")
+                        value = term if value is None else value + term
                     if needs_sums:
                         value = value + beta * tirx.Broadcast(load(self.xs, row0 + local, group), LANES)
                     T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
