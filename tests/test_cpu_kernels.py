@@ -31,14 +31,17 @@ def assert_matches_reference(spec, qweight, x, bias, y):
     """|y - ref| <= c·Σ_k|x|·(|w| + offset·s) + eps_out·|ref|.
 
     The kernels sum in float32; integer weights with bf16 activations may be decoded as 128 + u with the
-    128·s offset folded out of the sums afterwards, so the summed magnitudes include it.  c is 2^-8 for
+    128·s offset folded out of the sums afterwards, and zero points are folded out the same way, so the
+    summed magnitudes include them.  c is 2^-8 for
     types whose values bf16 rounds (nf4), else 1e-5; eps_out is the output type's rounding."""
     assert y.dtype == TORCH[spec.output_dtype] and y.shape == (*x.shape[:-1], qweight.shape[0])
     reference = spec.exact(x, qweight, bias)
     summed = qweight.dequantize(torch.float64).abs()
+    scale = qweight.scale_values().double().repeat_interleave(qweight.group_size, 1)
     if qweight.ttype.kind in ("int", "uint") and spec.activation_dtype == "bfloat16":
-        scale = qweight.scale_values().double().repeat_interleave(qweight.group_size, 1)
         summed = summed + 136 * scale
+    if qweight.zeros is not None:  # z·s·Σx is subtracted from s·Σx·q: both sums are rounded
+        summed = summed + 2 * qweight.zeros.double().abs().repeat_interleave(qweight.group_size, 1) * scale
     magnitude = x.double().abs() @ summed.T
     c = 1e-5 if "bfloat16" in qweight.ttype.compute_types else 2.0**-8
     bound = c * magnitude + OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
@@ -57,10 +60,10 @@ WEIGHT_TYPES = ["int8", "uint8", "int4", "uint4", "int3", "uint3", "int2", "uint
 
 
 @pytest.mark.parametrize("name", WEIGHT_TYPES)
-@pytest.mark.parametrize("m", [1, 33])
-def test_every_weight_type(name, m):
+@pytest.mark.parametrize("activation, m", [("bfloat16", 1), ("bfloat16", 33), ("float16", 5), ("float32", 2)])
+def test_every_weight_type_with_every_activation_type(name, activation, m):
     block = ttype.get(name).block_size > 1
-    _run(*_case(name, 96, 256, m, group=None if block else 128)[:3])
+    _run(*_case(name, 96, 256, m, activation, group=None if block else 128)[:3])
 
 
 @pytest.mark.parametrize("name", ["int4", "int3"])
@@ -98,13 +101,40 @@ def test_int8_activations(name):
     _run(*_case(name, 64, 256, 4, "int8", zero_mode="gptq" if name == "uint4" else None)[:3])
 
 
-@settings(max_examples=8, deadline=None)
-@given(name=st.sampled_from(["int4", "uint2", "nf4", "int3", "int1"]), n=st.integers(1, 70), k_words=st.integers(1, 12),
-       m=st.integers(1, 40), seed=st.integers(0, 1000))
-def test_fuzzed_shapes(name, n, k_words, m, seed):
-    k = 8 * k_words  # per-channel scales: any K
-    spec, q, x, b = _case(name, n, k, m, group=-1, bias=seed % 2 == 0, seed=seed)
-    _run(spec, q, x, b)
+FUZZED_TYPES = [t for t in WEIGHT_TYPES if ttype.get(t).block_size == 1]
+UNSIGNED = [t for t in FUZZED_TYPES if ttype.get(t).kind == "uint"]
+
+
+@st.composite
+def fuzzed_cases(draw):
+    """A weight type, activation/output types, zero mode, group size and odd shape (N, K, M down to 1)."""
+    name = draw(st.sampled_from(FUZZED_TYPES))
+    zero_mode = draw(st.sampled_from(["gptq", "awq", "hqq"])) if name in UNSIGNED else None
+    group = draw(st.sampled_from([-1, -1, 8, 16, 32, 64, 128]))
+    k = draw(st.integers(1, 300))
+    if group != -1:
+        k = group * -(-k // group)
+    n = draw(st.integers(1, 97))
+    m = draw(st.one_of(st.integers(1, 4), st.sampled_from([2, 3, 5, 7, 13, 17, 31, 131]), st.integers(1, 150)))
+    activation = draw(st.sampled_from(["bfloat16", "bfloat16", "float16", "float32"]))
+    output = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
+    return name, n, k, m, activation, output, group, zero_mode, draw(st.booleans()), draw(st.integers(0, 1000))
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=fuzzed_cases())
+def test_fuzzed_shapes_and_types(case):
+    """200 random (type, zero mode, group, N, K, M, activation, output, bias) cases: one kernel build each."""
+    name, n, k, m, activation, output, group, zero_mode, bias, seed = case
+    _run(*_case(name, n, k, m, activation, output, group=group, zero_mode=zero_mode, bias=bias, seed=seed))
+
+
+@pytest.mark.parametrize("name, m", [("int4", 1), ("nf4", 9), ("uint2", 40), ("int1", 200), ("int3", 3), ("int8", 2)])
+def test_results_are_bitwise_deterministic(name, m):
+    spec, q, x, b = _case(name, 160, 512, m, bias=True)
+    packed = pack(q)
+    first = spec(x, packed, b)
+    assert all(torch.equal(first, spec(x, packed, b)) for _ in range(5))
 
 
 def test_batched_input_and_empty_rows():
@@ -168,6 +198,21 @@ def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, 
     for candidate in chosen:
         kernel = build_kernel(spec, 96, 256, candidate.template, candidate.config, packed.layout, bucket, cpu)
         assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
+
+
+@pytest.mark.parametrize("name, k, group, zero_mode, activation", [
+    ("uint2", 16, -1, "gptq", "float16"), ("uint1", 16, -1, "awq", "bfloat16"), ("uint4", 48, 8, "hqq", "float32"),
+    ("uint4", 40, 8, "gptq", "bfloat16"), ("int2", 16, -1, None, "float32")])
+def test_lookup_template_sums_x_over_each_group_only(name, k, group, zero_mode, activation):
+    """The zero-point term needs Σx per group: over K below its padded length, and over groups shorter
+    than a vector (found by the fuzz: a per-channel K=16 read x past its end)."""
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen.cpu.configs import LutConfig
+
+    spec, q, x, b = _case(name, 40, k, 3, activation, group=group, zero_mode=zero_mode, bias=True)
+    packed = pack(q)
+    kernel = build_kernel(spec, 40, k, "lut", LutConfig(n_tiles=2, prefetch=16), packed.layout, (1, 4), host_cpu())
+    assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
 
 
 def test_kernels_are_built_once_per_bucket():

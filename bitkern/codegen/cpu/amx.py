@@ -437,7 +437,7 @@ class _Builder:
         for m_i, c, p, t in self._all_c():
             target = tile_pointer(cbuf, (m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, "w")
             intrinsic("llvm.x86.tilestored64", tile(t), target, stride(64))
-        scale_group = 0 if s.per_channel else group
+        scale_group = 0 if s.per_channel else tirx.min(group, s.scale_groups - 1)  # padding: C = XS = 0
         needs_sums = dec.offset != 0.0 or self.zeros is not None
         for c in range(cfg.n_tiles):
             scale = self._scale(tiles[c], scale_group)

@@ -51,7 +51,7 @@ def _schedule_float(sch, lanes: int, k_block: int) -> None:
     sch.reorder(col_outer, red_outer, rows, red_inner, col_inner)
     weight = sch.get_sblock("weight")
     sch.transform_layout(weight, ("write", 0), lambda i, j: (j, i))  # the tile k-major: vectors over N
-    sch.compute_at(weight, red_outer)
+    sch.compute_at(weight, red_outer, preserve_unit_loops=True)
     if lanes > 1:  # decode the tile k-major so it vectorizes over the tile's columns
         w_cols, w_red = sch.get_loops(weight)[-2:]
         sch.reorder(w_red, w_cols)

@@ -70,8 +70,7 @@ class _Builder:
         group = k if spec.group_size == -1 else spec.group_size
         self.per_channel = group == k
         self.kgroup = self.k_pad if self.per_channel else group
-        self.groups = self.k_pad // self.kgroup
-        self.scale_groups = k // group
+        self.groups = k // group  # a group below 32 leaves padding words past the last: they add 0
         self.per_word = codes_per_word(self.bits)
         self.words = self.k_pad // self.per_word
         self.group_words = self.kgroup // self.per_word
@@ -95,7 +94,7 @@ class _Builder:
 
     def _arguments(self) -> None:
         spec = self.spec
-        per_tile = (self.n_tiles, self.scale_groups, AMX_TILE_ROWS)
+        per_tile = (self.n_tiles, self.groups, AMX_TILE_ROWS)
         self.x = T.arg("x", T.Buffer((self.m, self.k), STORAGE[spec.activation_dtype]))
         self.qweight = T.arg("qweight", T.Buffer((self.n_tiles, self.words, AMX_TILE_ROWS), "int32"))
         self.scales = T.arg("scales", T.Buffer(per_tile, "uint8" if self.ttype.block_size > 1
@@ -115,11 +114,11 @@ class _Builder:
         half = self.per_word // 2
         return slot * 2 if slot < half else (slot - half) * 2 + 1
 
-    def _x(self, row, k_index):
-        """x[row, k] as float32, 0 past K."""
+    def _x(self, row, k_index, end=None):
+        """x[row, k] as float32, 0 from `end` (default K) on."""
         value = load(self.x, row, tirx.min(k_index, self.k - 1))
         value = bf16_to_float(value) if self.spec.activation_dtype == "bfloat16" else tirx.Cast("float32", value)
-        return tirx.Select(k_index < self.k, value, tirx.const(0.0, "float32"))
+        return tirx.Select(k_index < (self.k if end is None else end), value, tirx.const(0.0, "float32"))
 
     def _prologue(self) -> None:
         """T[m, 8w + j, c] = Σ_i x[m, k_i] · v((c >> i·bits) & mask) over the k's of nibble j of word w, in
@@ -139,21 +138,22 @@ class _Builder:
                 T.buffer_store(self.tables, total, [row, word * NIBBLES_PER_WORD + nibble, ramp(0)])
         if self.zeros is None:
             return
+        span = min(self.kgroup, self.k)  # a per-channel group runs over the padding too, where x is 0
         with T.serial(0, self.m) as row:
             with T.serial(0, self.groups) as g:
                 acc = T.alloc_buffer((LANES,), "float32", scope="local")
                 T.buffer_store(acc, splat(0.0, "float32"), [ramp(0)])
-                with T.serial(0, self.kgroup // LANES) as chunk:
-                    T.buffer_store(acc, load(acc, ramp(0)) + self._x_vector(row, g * self.kgroup + chunk * LANES),
-                                   [ramp(0)])
+                with T.serial(0, -(-span // LANES)) as chunk:
+                    vector = self._x_vector(row, g * self.kgroup + chunk * LANES, g * self.kgroup + span)
+                    T.buffer_store(acc, load(acc, ramp(0)) + vector, [ramp(0)])
                 T.buffer_store(self.xs, horizontal_sum(load(acc, ramp(0))), [row, g])
 
-    def _x_vector(self, row, k0):
-        """x[row, k0 : k0 + 16] as float32 lanes, 0 past K."""
-        if self.k % LANES == 0:
+    def _x_vector(self, row, k0, end):
+        """x[row, k0 : k0 + 16] as float32 lanes, 0 from `end` on (the group's end or K)."""
+        if self.k % LANES == 0 and min(self.kgroup, self.k) % LANES == 0:
             value = load(self.x, row, ramp(k0))
             return bf16_to_float(value) if self.spec.activation_dtype == "bfloat16" else tirx.Cast("float32x16", value)
-        return tirx.Shuffle([self._x(row, k0 + i) for i in range(LANES)], list(range(LANES)))
+        return tirx.Shuffle([self._x(row, k0 + i, end) for i in range(LANES)], list(range(LANES)))
 
     # -- main loop --------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -199,9 +199,8 @@ class _Builder:
             T.buffer_store(gacc, load(gacc, row, half, ramp(0)) + picked[0], [row, half, ramp(0)])
 
     def _finish_group(self, yacc, gacc, tile_index, c, g) -> None:
-        scale_group = 0 if self.per_channel else g
-        scale = self._scale(tile_index, scale_group)
-        zero = self._zero(tile_index, scale_group) if self.zeros is not None else None
+        scale = self._scale(tile_index, g)
+        zero = self._zero(tile_index, g) if self.zeros is not None else None
         with T.serial(0, self.m) as row:
             total = load(gacc, row, 0, ramp(0)) + load(gacc, row, 1, ramp(0))
             if zero is not None:
