@@ -27,6 +27,9 @@ TDP_CYCLES_FEW_ROWS = 9
 DECODE_CYCLES = {"affine": 19, "lut": 21}  # per decoded B tile: 16 stores, shifts, ternlog or vpermw
 PIPELINE_TILES = 4  # decoded tiles needed between a tile's stores and its AMX load to avoid a stall
 STALL_CYCLES = 12  # per tile, when the decode runs closer than that
+STASH_CYCLES = 12  # per C tile stored to or reloaded from L1 when a stage ends inside a quantization group
+L1_PRESSURE = 0.25  # slowdown per L1 capacity of footprint beyond a quarter of L1 (activations and codes
+#                     stream through the rest; measured on the AMX template's stage depth)
 LOOKUP_CYCLES = (8, 12)  # per 64-byte word of codes: fixed, and per row of x
 OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
 PREFETCH_PENALTY = 0.04  # per doubling away from the ideal prefetch depth
@@ -84,7 +87,8 @@ def _amx_cycles(config, spec, n, k, m, device):
         chunks = -(-rows // config.m_chunk)
         blocks = rows // block
         tdp = TDP_CYCLES_FULL
-    b_tiles *= 2 if get(spec.weight_dtype).bits == 8 else 1  # 8-bit codes: a B tile per nibble
+    nibbles = 2 if get(spec.weight_dtype).bits == 8 else 1  # 8-bit codes: a B and a C tile per nibble
+    b_tiles *= nibbles
     decode = b_tiles * chunks * DECODE_CYCLES[config.decode]
     distance = config.stage_steps * config.n_tiles
     decode += b_tiles * chunks * STALL_CYCLES * max(0, PIPELINE_TILES - distance) / PIPELINE_TILES
@@ -93,11 +97,17 @@ def _amx_cycles(config, spec, n, k, m, device):
     products = b_tiles / config.n_tiles * blocks * per_step_block
     group = k if spec.group_size == -1 else spec.group_size
     epilogue = tiles_n * (k_pad // max(group, 16)) * (TDP_CYCLES_FULL + rows * 3)
+    stash = 0.0
+    group_steps = max(1, min(group, k_pad) // 32)
+    if not config.small_m and group_steps > config.stage_steps:  # C tiles leave registers between stages
+        inside = 1 - config.stage_steps / group_steps  # the share of stage ends that fall inside a group
+        stash = tiles_n * blocks * steps / config.stage_steps * inside * config.m_tiles * nibbles * 2 * STASH_CYCLES
     tasks = -(-tiles_n // config.n_tiles) * chunks
-    footprint = 2 * config.stage_steps * config.n_tiles * 1024 + (config.m_chunk if not config.small_m else 16) * \
-        config.n_tiles * 64
-    spill = 1.5 if footprint > device.l1_bytes else 1.0
-    return (decode + products + epilogue) * spill, tasks, {"decode_cycles": decode, "amx_cycles": products}
+    footprint = 2 * config.stage_steps * config.n_tiles * 1024 * nibbles + \
+        (config.m_chunk if not config.small_m else 16) * config.n_tiles * 64
+    pressure = 1 + L1_PRESSURE * max(0.0, footprint - device.l1_bytes / 4) / device.l1_bytes
+    return (decode + products + epilogue + stash) * pressure, tasks, \
+        {"decode_cycles": decode, "amx_cycles": products, "stash_cycles": stash, "l1_pressure": pressure}
 
 
 def _lut_cycles(config, spec, n, k, m, device):
