@@ -7,7 +7,6 @@ Run: python -m pytest benchmarks/bench_cpu_matmul.py  (tables land in benchmarks
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 import bitkern
 from bitkern.ops import Matmul
 
-from conftest import recorded, rotation
+from conftest import measure, recorded, rotation
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]
 ROWS = [1, 16, 128]
@@ -66,17 +65,6 @@ def _torch_case(method: str, n: int, k: int, m: int):
     return (lambda: torch._weight_int8pack_mm(x, *next_weight())), n * k + n * 2
 
 
-def _measure(benchmark, call) -> float:
-    """Median seconds per call over enough rounds for ~0.5 s (after warm-up, which compiles)."""
-    for _ in range(3):
-        call()
-    start = time.perf_counter()
-    call()
-    estimate = time.perf_counter() - start
-    benchmark.pedantic(call, rounds=max(10, min(400, int(0.5 / max(estimate, 1e-6)))), warmup_rounds=2)
-    return benchmark.stats.stats.median
-
-
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("method", [f"bitkern_{t}" for t in BITKERN_TYPES] + PEERS)
@@ -85,7 +73,7 @@ def test_matmul(benchmark, record, dram_read_gbs, method, n, k, m):
         call, nbytes = _bitkern_case(method.removeprefix("bitkern_"), n, k, m)
     else:
         call, nbytes = _torch_case(method, n, k, m)
-    seconds = _measure(benchmark, call)
+    seconds = measure(benchmark, call, rounds=(10, 400), warmup_rounds=2)
     gbs = nbytes / seconds / 1e9
     record("cpu_matmul", N=n, K=k, M=m, method=method, ms=seconds * 1e3, weight_MB=nbytes / 1e6, GBps=gbs,
            dram_fraction=gbs / dram_read_gbs)

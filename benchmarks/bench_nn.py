@@ -11,7 +11,6 @@ Run: python -m pytest benchmarks/bench_nn.py  (tables land in benchmarks/results
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import bitkern
 from bitkern.demo import SwiGLU
 from bitkern.nn.storage import QuantizedModule
 
-from conftest import recorded, rotation
+from conftest import measure, recorded, rotation
 
 DIM, HIDDEN = 4096, 11008
 BATCHES = (1, 16)
@@ -68,17 +67,6 @@ def _rotation(name: str, block: SwiGLU):
     return _rotating[name]
 
 
-def _measure(benchmark, call) -> float:
-    """Median seconds per call over enough rounds for ~0.5 s (after warm-up, which compiles the kernels)."""
-    for _ in range(3):
-        call()
-    start = time.perf_counter()
-    call()
-    estimate = time.perf_counter() - start
-    benchmark.pedantic(call, rounds=max(5, min(200, int(0.5 / max(estimate, 1e-6)))), warmup_rounds=1)
-    return benchmark.stats.stats.median
-
-
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("name", MODELS)
 def test_mlp_block(benchmark, record, dram_read_gbs, float_block, name, batch):
@@ -93,7 +81,7 @@ def test_mlp_block(benchmark, record, dram_read_gbs, float_block, name, batch):
         # ~10% off per weight, and the block multiplies two projections
         relative = float((y.float() - expected).norm() / expected.norm())
         assert relative < 0.25, f"{name}: relative error {relative:.3g} against the float32 block"
-        seconds = _measure(benchmark, lambda: next_copy()(x))
+        seconds = measure(benchmark, lambda: next_copy()(x), rounds=(5, 200), warmup_rounds=1)
     nbytes = _weight_bytes(model)
     gbs = nbytes / seconds / 1e9
     record("nn_mlp", model=name, batch=batch, ms=seconds * 1e3, weight_MB=nbytes / 1e6, GBps=gbs,

@@ -36,6 +36,19 @@ def rotation(make, bytes_per_copy: int):
     return next_copy
 
 
+def measure(benchmark, call, rounds: tuple[int, int], warmup_rounds: int) -> float:
+    """Median seconds per call over enough rounds (within `rounds`) for ~0.5 s, after three warm-up calls
+    (the first compiles) and a one-call estimate."""
+    for _ in range(3):
+        call()
+    start = time.perf_counter()
+    call()
+    estimate = time.perf_counter() - start
+    benchmark.pedantic(call, rounds=max(rounds[0], min(rounds[1], int(0.5 / max(estimate, 1e-6)))),
+                       warmup_rounds=warmup_rounds)
+    return benchmark.stats.stats.median
+
+
 def recorded(table: str) -> list[dict]:
     """The rows recorded so far for `table`."""
     return [row for row in _rows if row["table"] == table]

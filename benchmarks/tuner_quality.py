@@ -72,7 +72,8 @@ def evaluate(spec, n, k, bucket, quick: bool) -> dict:
     best = min(range(len(finalists)), key=lambda i: retimed[i + 1])
     return {"case": f"{spec.weight_dtype} {n}x{k} M={bucket[0]}..{bucket[1]} (tuned at {m})",
             "candidates": len(candidates), "spearman": spearman(modeled, measured),
-            "best_ms": retimed[best + 1] * 1e3, "pick_ms": retimed[0] * 1e3, "pick/best": retimed[0] / retimed[best + 1],
+            "best_ms": retimed[best + 1] * 1e3, "pick_ms": retimed[0] * 1e3,
+            "pick/best": retimed[0] / retimed[best + 1],
             "tuning_s": tuning_seconds, "pick": f"{pick.template} {pick.config}",
             "best": f"{candidates[finalists[best]].template} {candidates[finalists[best]].config}"}
 

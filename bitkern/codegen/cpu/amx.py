@@ -25,6 +25,7 @@ from ...ops.matmul import Matmul
 from ...ttype import get
 from ...ttype.types import INT, UINT
 from .configs import TILE_REGISTERS, AmxConfig
+from .groups import GroupArguments, to_output
 from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
 from .tir import (LANES, STORAGE, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
                   prefetch_words_ahead, splat, stride, tile, tile_pointer,
@@ -204,13 +205,7 @@ class _Builder:
         per_tile = (s.n_tiles, s.scale_groups, LANES)
         self.x = T.arg("x", T.Buffer((self.m, s.k), STORAGE[spec.activation_dtype]))
         self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
-        self.scales = T.arg("scales", T.Buffer(per_tile, "uint8" if self.ttype.block_size > 1
-                                               else STORAGE[spec.scale_dtype]))
-        self.zeros = None
-        if spec.zero_mode != "none":
-            self.zeros = T.arg("zeros", T.Buffer(per_tile, STORAGE[spec.scale_dtype] if spec.zero_mode == "hqq"
-                                                 else "uint8"))
-        self.tensor_scale = T.arg("tensor_scale", T.Buffer((1,), "float32")) if self.ttype.tensor_scale else None
+        self.group_args = GroupArguments.declare(spec, per_tile)
         self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
         self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
         self.y = T.arg("y", T.Buffer((self.m, s.n), STORAGE[spec.output_dtype]))
@@ -438,12 +433,12 @@ class _Builder:
             target = tile_pointer(cbuf, (m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, "w")
             intrinsic("llvm.x86.tilestored64", tile(t), target, stride(64))
         scale_group = 0 if s.per_channel else tirx.min(group, s.scale_groups - 1)  # padding: C = XS = 0
-        needs_sums = dec.offset != 0.0 or self.zeros is not None
+        needs_sums = dec.offset != 0.0 or self.group_args.zeros is not None
         for c in range(cfg.n_tiles):
-            scale = self._scale(tiles[c], scale_group)
+            scale = self.group_args.scale(tiles[c], scale_group)
             beta = splat(dec.offset, "float32")
-            if self.zeros is not None:
-                beta = beta - self._zero(tiles[c], scale_group)
+            if self.group_args.zeros is not None:
+                beta = beta - self.group_args.zero(tiles[c], scale_group)
             for m_i in range(cfg.m_tiles):
                 with T.serial(0, tile_rows) as r:
                     local = local_row + m_i * AMX_TILE_ROWS + r
@@ -455,22 +450,6 @@ class _Builder:
                     if needs_sums:
                         value = value + beta * tirx.Broadcast(load(self.xs, row0 + local, group), LANES)
                     T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
-
-    def _scale(self, tile_index, group):
-        raw = load(self.scales, tile_index, group, ramp(0))
-        if self.ttype.block_size == 1:
-            return self._float_lanes(raw)
-        scale = get(self.ttype.block_scale).tvm_decode(tirx.Cast("uint32x16", raw), "float32")
-        if self.tensor_scale is not None:
-            scale = scale * tirx.Broadcast(load(self.tensor_scale, 0), LANES)
-        return scale
-
-    def _zero(self, tile_index, group):
-        raw = load(self.zeros, tile_index, group, ramp(0))
-        return tirx.Cast("float32x16", raw) if self.spec.zero_mode != "hqq" else self._float_lanes(raw)
-
-    def _float_lanes(self, raw):
-        return bf16_to_float(raw) if self.spec.scale_dtype == "bfloat16" else tirx.Cast("float32x16", raw)
 
     def _store_output(self, yacc, tiles, owned, row0, chunk_rows) -> None:
         s = self.s
@@ -491,19 +470,14 @@ class _Builder:
                                         value = load(yacc, r, c, lane)
                                         if self.bias is not None:
                                             value = value + load(self.bias, column + lane)
-                                        T.buffer_store(self.y, self._to_output(value), [row0 + r, column + lane])
+                                        T.buffer_store(self.y, to_output(value, self.spec.output_dtype),
+                                                       [row0 + r, column + lane])
 
     def _store_vector(self, yacc, r, c, row0, column) -> None:
         value = load(yacc, r, c, ramp(0))
         if self.bias is not None:
             value = value + load(self.bias, ramp(column))
-        T.buffer_store(self.y, self._to_output(value), [row0 + r, ramp(column)])
-
-    def _to_output(self, value):
-        suffix = f"x{lanes(value)}" if lanes(value) > 1 else ""
-        if self.spec.output_dtype == "bfloat16":
-            return tirx.reinterpret(f"int16{suffix}", tirx.Cast(f"uint16{suffix}", bf16_bits(value)))
-        return tirx.Cast(f"{self.spec.output_dtype}{suffix}", value)
+        T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row0 + r, ramp(column)])
 
 
 def _when(condition, emit) -> None:

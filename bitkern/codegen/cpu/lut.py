@@ -20,8 +20,9 @@ from ...ops.matmul import Matmul
 from ...ttype import codes_per_word, get
 from .amx import PLANES
 from .configs import LutConfig
+from .groups import GroupArguments, to_output
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
-from .tir import LANES, STORAGE, bf16_bits, bf16_to_float, horizontal_sum, load, prefetch_words_ahead, ramp, splat
+from .tir import LANES, STORAGE, bf16_to_float, horizontal_sum, load, prefetch_words_ahead, ramp, splat
 
 MAX_ROWS = 4
 NIBBLES_PER_WORD = 8
@@ -97,13 +98,7 @@ class _Builder:
         per_tile = (self.n_tiles, self.groups, AMX_TILE_ROWS)
         self.x = T.arg("x", T.Buffer((self.m, self.k), STORAGE[spec.activation_dtype]))
         self.qweight = T.arg("qweight", T.Buffer((self.n_tiles, self.words, AMX_TILE_ROWS), "int32"))
-        self.scales = T.arg("scales", T.Buffer(per_tile, "uint8" if self.ttype.block_size > 1
-                                               else STORAGE[spec.scale_dtype]))
-        self.zeros = None
-        if spec.zero_mode != "none":
-            self.zeros = T.arg("zeros", T.Buffer(per_tile, STORAGE[spec.scale_dtype] if spec.zero_mode == "hqq"
-                                                 else "uint8"))
-        self.tensor_scale = T.arg("tensor_scale", T.Buffer((1,), "float32")) if self.ttype.tensor_scale else None
+        self.group_args = GroupArguments.declare(spec, per_tile)
         self.values = T.arg("values", T.Buffer((self.ttype.num_codes,), "float32"))
         self.bias = T.arg("bias", T.Buffer((self.n,), "float32")) if spec.bias else None
         self.y = T.arg("y", T.Buffer((self.m, self.n), STORAGE[spec.output_dtype]))
@@ -136,7 +131,7 @@ class _Builder:
                     term = tirx.Broadcast(self._x(row, k_index), LANES) * selected[i]
                     total = term if total is None else total + term
                 T.buffer_store(self.tables, total, [row, word * NIBBLES_PER_WORD + nibble, ramp(0)])
-        if self.zeros is None:
+        if self.group_args.zeros is None:
             return
         span = min(self.kgroup, self.k)  # a per-channel group runs over the padding too, where x is 0
         with T.serial(0, self.m) as row:
@@ -199,28 +194,13 @@ class _Builder:
             T.buffer_store(gacc, load(gacc, row, half, ramp(0)) + picked[0], [row, half, ramp(0)])
 
     def _finish_group(self, yacc, gacc, tile_index, c, g) -> None:
-        scale = self._scale(tile_index, g)
-        zero = self._zero(tile_index, g) if self.zeros is not None else None
+        scale = self.group_args.scale(tile_index, g)
+        zero = self.group_args.zero(tile_index, g) if self.group_args.zeros is not None else None
         with T.serial(0, self.m) as row:
             total = load(gacc, row, 0, ramp(0)) + load(gacc, row, 1, ramp(0))
             if zero is not None:
                 total = total - zero * tirx.Broadcast(load(self.xs, row, g), LANES)
             T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scale, [row, c, ramp(0)])
-
-    def _scale(self, tile_index, group):
-        raw = load(self.scales, tile_index, group, ramp(0))
-        if self.ttype.block_size == 1:
-            return bf16_to_float(raw) if self.spec.scale_dtype == "bfloat16" else tirx.Cast("float32x16", raw)
-        scale = get(self.ttype.block_scale).tvm_decode(tirx.Cast("uint32x16", raw), "float32")
-        if self.tensor_scale is not None:
-            scale = scale * tirx.Broadcast(load(self.tensor_scale, 0), LANES)
-        return scale
-
-    def _zero(self, tile_index, group):
-        raw = load(self.zeros, tile_index, group, ramp(0))
-        if self.spec.zero_mode != "hqq":
-            return tirx.Cast("float32x16", raw)
-        return bf16_to_float(raw) if self.spec.scale_dtype == "bfloat16" else tirx.Cast("float32x16", raw)
 
     def _store(self, yacc, tile_index, c) -> None:
         column = tile_index * LANES
@@ -229,9 +209,4 @@ class _Builder:
                 value = load(yacc, row, c, lane)
                 if self.bias is not None:
                     value = value + load(self.bias, column + lane)
-                T.buffer_store(self.y, self._to_output(value), [row, column + lane])
-
-    def _to_output(self, value):
-        if self.spec.output_dtype == "bfloat16":
-            return tirx.reinterpret("int16", tirx.Cast("uint16", bf16_bits(value)))
-        return tirx.Cast(self.spec.output_dtype, value)
+                T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row, column + lane])
