@@ -35,14 +35,23 @@ def assert_matches_reference(spec, qweight, x, bias, y):
     summed magnitudes include them.  c is 2^-8 for
     types whose values bf16 rounds (nf4), else 1e-5; eps_out is the output type's rounding."""
     assert y.dtype == TORCH[spec.output_dtype] and y.shape == (*x.shape[:-1], qweight.shape[0])
-    reference = spec.exact(x, qweight, bias)
+    magnitude = x.double().abs() @ summed_magnitudes(spec, qweight).T
+    assert_within_bound(spec, qweight, y, spec.exact(x, qweight, bias), magnitude)
+
+
+def summed_magnitudes(spec, qweight):
+    """|w| plus what the kernels fold out of their sums, per weight element: Σ_k |x|·this bounds the sums."""
     summed = qweight.dequantize(torch.float64).abs()
     scale = qweight.scale_values().double().repeat_interleave(qweight.group_size, 1)
     if qweight.ttype.kind in ("int", "uint") and spec.activation_dtype == "bfloat16":
         summed = summed + 136 * scale
     if qweight.zeros is not None:  # z·s·Σx is subtracted from s·Σx·q: both sums are rounded
         summed = summed + 2 * qweight.zeros.double().abs().repeat_interleave(qweight.group_size, 1) * scale
-    magnitude = x.double().abs() @ summed.T
+    return summed
+
+
+def assert_within_bound(spec, qweight, y, reference, magnitude):
+    """|y - reference| <= c·magnitude + eps_out·|reference| (see assert_matches_reference)."""
     c = 1e-5 if "bfloat16" in qweight.ttype.compute_types else 2.0**-8
     bound = c * magnitude + OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
     excess = (y.double() - reference).abs() - bound

@@ -67,6 +67,28 @@ def test_custom_ops_pass_torch_library_opcheck(dtype, bias):
     torch.library.opcheck(torch.ops.bitkern.dequantize.default, (*weight, torch.float32))
 
 
+def test_conv2d_op_passes_opcheck_and_compiles_without_graph_breaks():
+    torch.manual_seed(0)
+    layer = bitkern.Conv2d(32, 16, 3, stride=2, padding=1, dtype="int4", group_size=96)
+    weight = layer._weight_args()
+    x = torch.randn(2, 7, 9, 32, requires_grad=True)  # channels-last, as the op takes it
+    torch.library.opcheck(torch.ops.bitkern.conv2d.default,
+                          (x, *weight[:4], layer.bias, *weight[4:], torch.float32, [3, 3], [2, 2], [1, 1],
+                           [1, 1, 1, 1]))
+    model = nn.Sequential(layer, nn.ReLU(), bitkern.Conv2d(16, 8, 1, dtype="nf4", group_size=16)).eval()
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    image = torch.randn(2, 32, 9, 11)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, fullgraph=True, backend=recording_backend)(image), model(image))
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1 and targets.count(torch.ops.bitkern.conv2d) == 2
+
+
 def test_moves_to_meta_and_back_keep_the_weight_format():
     layer, _ = _op_arguments()
     state = layer.state_dict()

@@ -34,13 +34,48 @@ def test_conv2d_is_f_conv2d_on_the_dequantized_weight(geometry):
     assert_matches(layer(x[0]), reference[0], 1e-5)  # unbatched input
 
 
-def test_conv2d_input_gradient_is_f_conv2d_s():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_input_is_used_as_it_is_and_gives_channels_last_output(dtype, monkeypatch):
+    """As torch's convolution: the output's memory format follows the input's; no im2col matrix is made."""
     torch.manual_seed(0)
-    layer = bitkern.Conv2d(32, 16, 3, stride=2, padding=1, dtype="nf4", group_size=96)
+    source = nn.Conv2d(64, 32, 3, stride=(1, 2), padding=(2, 1), dilation=(2, 1))
+    layer = bitkern.Conv2d.from_float(source, "int4", group_size=64)
+    x = torch.randn(3, 64, 10, 12).to(dtype)
+    monkeypatch.setattr(F, "unfold", None)  # the kernel gathers the patches itself
+    contiguous, channels_last = layer(x), layer(x.contiguous(memory_format=torch.channels_last))
+    assert contiguous.is_contiguous() and not channels_last.is_contiguous()
+    assert channels_last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(contiguous, channels_last) and contiguous.dtype == dtype
+    weight = layer.dequantize_weight(torch.float64)
+    reference = F.conv2d(x.double(), weight, source.bias.double(), source.stride, source.padding, source.dilation)
+    assert_matches(contiguous.float(), reference.float(), 1e-5 if dtype == torch.float32 else 2**-7)
+
+
+def test_state_of_another_reduction_order_is_refused():
+    """The weight matrix is (kernel row, kernel column, channel) ordered; a state without that record
+    (e.g. PyTorch's (channel, kernel row, kernel column) order) is not loaded."""
+    layer = bitkern.Conv2d(8, 16, 3, dtype="int4", group_size=72)
+    state = layer.state_dict()
+    assert state["_extra_state"]["reduction_order"] == "kernel_row,kernel_col,in_channel"
+    del state["_extra_state"]["reduction_order"]
+    with pytest.raises(ValueError, match="saved with reduction_order=None, but this module has "
+                                         "reduction_order='kernel_row,kernel_col,in_channel'"):
+        bitkern.Conv2d(8, 16, 3, dtype="int4", group_size=72).load_state_dict(state)
+
+
+@pytest.mark.parametrize("geometry", [
+    {"kernel_size": 3, "stride": 2, "padding": 1},
+    {"kernel_size": (4, 2), "padding": "same", "dilation": (1, 3)},  # asymmetric zero padding
+])
+def test_conv2d_input_gradient_is_f_conv2d_s(geometry):
+    torch.manual_seed(0)
+    source = nn.Conv2d(32, 16, **geometry)
+    layer = bitkern.Conv2d.from_float(source, dtype="nf4", group_size=32)
     x = torch.randn(2, 32, 9, 9, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     y = layer(x)
-    reference = F.conv2d(x_ref, layer.dequantize_weight(), layer.bias.detach(), 2, 1)
+    reference = F.conv2d(x_ref, layer.dequantize_weight(), layer.bias.detach(), source.stride, source.padding,
+                         source.dilation)
     grad = torch.randn_like(reference)
     y.backward(grad)
     reference.backward(grad)

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from importlib import metadata
 
+from ..ops import spec_from_dict
 from ..ops.matmul import Matmul
 
 
@@ -23,7 +24,8 @@ def versions() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class KernelKey:
-    """(op spec, N, K, M bucket, weight layout, target): what one compiled kernel serves."""
+    """(op spec — a Matmul, or a Conv2d with its geometry —, N, K, M bucket, weight layout, target): what one
+    compiled kernel serves."""
 
     spec: Matmul
     n: int
@@ -38,7 +40,7 @@ class KernelKey:
 
     @classmethod
     def from_dict(cls, fields: dict) -> "KernelKey":
-        return cls(Matmul(**fields["spec"]), fields["n"], fields["k"], tuple(fields["bucket"]), fields["layout"],
+        return cls(spec_from_dict(fields["spec"]), fields["n"], fields["k"], tuple(fields["bucket"]), fields["layout"],
                    fields["target"])
 
     @property

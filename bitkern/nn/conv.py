@@ -1,16 +1,19 @@
 """`bitkern.Conv2d`: a 2-D convolution (NCHW) whose weight is stored in a low-precision type.
 
-It runs as a GEMM on bitkern's Matmul kernels: the input's patches (`F.unfold`, the im2col matrix,
-[B·Hout·Wout, Cin·kh·kw]) times the weight reshaped to [Cout, Cin·kh·kw], so the quantization groups run
-along Cin·kh·kw in PyTorch's weight order (channel, then kernel row, then kernel column).
+It runs as an implicit GEMM (`bitkern.ops.Conv2d`): one compiled kernel gathers each output pixel's
+receptive field straight from the image while it multiplies, with no im2col matrix.  The kernel reads
+the image channels-last, so the weight is stored as the [Cout, kh·kw·Cin] matrix in (kernel row, kernel
+column, channel) order and the quantization groups run along that order.  Channels-last input is used
+as it is (zero-copy) and gives channels-last output, as torch's convolution does; NCHW-contiguous input
+is transposed once and gives contiguous NCHW output.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..ops import REDUCTION_ORDER
 from .storage import QuantizedModule, check_positive
 
 
@@ -62,17 +65,34 @@ class Conv2d(QuantizedModule):
                              f"width] (or unbatched [{self.in_channels}, height, width])")
         if x.dim() == 3:
             return self.forward(x.unsqueeze(0)).squeeze(0)
+        channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         x, output_dtype = self._compute_input(x)
-        padding = self.padding
-        if isinstance(padding, str):
-            x, padding = _pad_same(x, self.kernel_size, self.dilation) if padding == "same" else (x, (0, 0))
-        batch, height, width = x.shape[0], *_output_size(x.shape[-2:], self.kernel_size, self.stride, padding,
-                                                         self.dilation)
-        patches = F.unfold(x, self.kernel_size, self.dilation, padding, self.stride)  # [B, Cin·kh·kw, L]
         weight = self._weight_args()
-        y = torch.ops.bitkern.linear(patches.transpose(1, 2), *weight[:4], self.bias, *weight[4:], output_dtype)
-        # [B, L, Cout] -> NCHW, laid out contiguously as F.conv2d returns it for NCHW input
-        return y.transpose(1, 2).reshape(batch, self.out_channels, height, width).contiguous()
+        y = torch.ops.bitkern.conv2d(x.permute(0, 2, 3, 1).contiguous(), *weight[:4], self.bias, *weight[4:],
+                                     output_dtype, list(self.kernel_size), list(self.stride), list(self.dilation),
+                                     list(self._padding_sides()))
+        y = y.permute(0, 3, 1, 2)  # NCHW sizes over the NHWC result: channels-last strides
+        return y if channels_last else y.contiguous()
+
+    def _padding_sides(self) -> tuple[int, int, int, int]:
+        """Zero padding as (top, bottom, left, right); "same" puts the odd pixel of an even total at the
+        bottom/right, as nn.Conv2d does."""
+        if self.padding == "valid":
+            return 0, 0, 0, 0
+        if self.padding == "same":
+            total = [d * (k - 1) for k, d in zip(self.kernel_size, self.dilation)]
+            return total[0] // 2, total[0] - total[0] // 2, total[1] // 2, total[1] - total[1] // 2
+        return self.padding[0], self.padding[0], self.padding[1], self.padding[1]
+
+    def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        """[Cout, Cin, kh, kw] -> [Cout, kh·kw·Cin]: taps, then channels (the order the kernel gathers in)."""
+        return weight.permute(0, 2, 3, 1).reshape(self.gemm_shape)
+
+    def _from_gemm_matrix(self, matrix: torch.Tensor) -> torch.Tensor:
+        return matrix.reshape(self.out_channels, *self.kernel_size, self.in_channels).permute(0, 3, 1, 2).contiguous()
+
+    def extra_settings(self) -> dict:
+        return {"reduction_order": REDUCTION_ORDER}
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Conv2d:
         """An nn.Conv2d holding the dequantized weight (in `dtype`) and this layer's bias."""
@@ -88,16 +108,3 @@ class Conv2d(QuantizedModule):
                 f"padding={self.padding}, dilation={self.dilation}, bias={self.bias is not None}, "
                 f"{self._weight_repr()}")
 
-
-def _pad_same(x: torch.Tensor, kernel_size, dilation):
-    """x padded as nn.Conv2d's padding="same" does (the odd pixel of an even total goes right/bottom)."""
-    pads = []
-    for k, d in zip(reversed(kernel_size), reversed(dilation)):
-        total = d * (k - 1)
-        pads += [total // 2, total - total // 2]
-    return F.pad(x, pads), (0, 0)
-
-
-def _output_size(size, kernel_size, stride, padding, dilation) -> tuple[int, int]:
-    return tuple((s + 2 * p - d * (k - 1) - 1) // st + 1
-                 for s, k, st, p, d in zip(size, kernel_size, stride, padding, dilation))

@@ -128,9 +128,17 @@ class QuantizedModule(nn.Module):
         if weight.is_meta:
             self._store(self._empty_portable(weight.device))
             return
-        q = ttype.quantize(weight.detach().reshape(self.gemm_shape), self.weight_dtype, group_size=self.group_size,
+        q = ttype.quantize(self._gemm_matrix(weight.detach()), self.weight_dtype, group_size=self.group_size,
                            zero_mode=self.zero_mode, scale_dtype=self.scale_dtype)
         self._store(pack(q))
+
+    def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        """The [N, K] matrix the kernels multiply by, from a weight of `weight_shape`."""
+        return weight.reshape(self.gemm_shape)
+
+    def _from_gemm_matrix(self, matrix: torch.Tensor) -> torch.Tensor:
+        """The inverse of `_gemm_matrix`."""
+        return matrix.reshape(self.weight_shape)
 
     def _empty_portable(self, device) -> PackedWeight:
         """Uninitialised buffers in the portable layout (shapes as `bitkern.QuantizedWeight` documents)."""
@@ -172,8 +180,7 @@ class QuantizedModule(nn.Module):
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight, of `weight_shape`, that this module computes with."""
-        flat = torch.ops.bitkern.dequantize(*self._weight_args(), dtype)
-        return flat.reshape(self.weight_shape)
+        return self._from_gemm_matrix(torch.ops.bitkern.dequantize(*self._weight_args(), dtype))
 
     def _weight_args(self) -> tuple:
         """The weight as custom-op arguments (see `bitkern.nn.library`)."""
@@ -219,7 +226,12 @@ class QuantizedModule(nn.Module):
                 "group_size": self.group_size, "zero_mode": self.zero_mode,
                 "scale_dtype": dtype_name(self.scale_dtype), "layout": self.layout,
                 "weight_shape": list(self.weight_shape),
-                "compute_dtype": None if self.compute_dtype is None else dtype_name(self.compute_dtype)}
+                "compute_dtype": None if self.compute_dtype is None else dtype_name(self.compute_dtype),
+                **self.extra_settings()}
+
+    def extra_settings(self) -> dict:
+        """Settings of the module's class that a checkpoint must share (beyond WEIGHT_SETTINGS)."""
+        return {}
 
     def get_extra_state(self) -> dict:
         return self.weight_settings()
@@ -236,7 +248,7 @@ class QuantizedModule(nn.Module):
         if state.get("class") != mine["class"]:
             raise ValueError(f"the state is of a bitkern.{state.get('class')}, this module is a "
                              f"bitkern.{mine['class']}")
-        for key in WEIGHT_SETTINGS:
+        for key in (*WEIGHT_SETTINGS, *self.extra_settings()):
             if state.get(key) != mine[key]:
                 raise ValueError(f"the state was saved with {key}={state.get(key)!r}, but this module has "
                                  f"{key}={mine[key]!r}; build the module with the state's settings (or load "

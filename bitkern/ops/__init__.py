@@ -1,8 +1,11 @@
 """Operators as typed tensor expressions: specs (hashable, validated) and their pure-torch references.
 
-Entry point: `Matmul` (y = x · dequant(W)ᵀ + b), with `Matmul.reference` for tests.
+Entry points: `Matmul` (y = x · dequant(W)ᵀ + b) and `Conv2d` (the same GEMM with x's rows gathered from
+an NHWC image: an implicit-GEMM convolution), with `.reference` for tests.
 """
 
+from .conv import REDUCTION_ORDER, Conv2d, ConvGeometry, spec_from_dict
 from .matmul import ACCUMULATE_DTYPES, ACTIVATION_DTYPES, LAYOUTS, OUTPUT_DTYPES, Matmul
 
-__all__ = ["ACCUMULATE_DTYPES", "ACTIVATION_DTYPES", "LAYOUTS", "Matmul", "OUTPUT_DTYPES"]
+__all__ = ["ACCUMULATE_DTYPES", "ACTIVATION_DTYPES", "Conv2d", "ConvGeometry", "LAYOUTS", "Matmul", "OUTPUT_DTYPES",
+           "REDUCTION_ORDER", "spec_from_dict"]

@@ -3,10 +3,11 @@
     W[n, k] = (decode_ttype(code[n, k]) - zero[n, g]) · scale[n, g]        (float32, g = k // group)
     Y[m, n] = cast_out( Σ_k acc(X[m, k]) · acc(W[n, k]) + bias[n] )
 
-The decode is the weight type's own TVM builder (`TType.tvm_decode`).  Where the codes, scales and zeros
-live is a *weight storage*: `PortableStorage` reads the portable layout (`bitkern.ttype.pack`); code
-generators pass their own layouts.  int8 activations accumulate exact int32 sums per group and scale
-them in float32.  The expression's arguments, in order, are `MatmulExpr.inputs` then the output.
+The decode is the weight type's own TVM builder (`TType.tvm_decode`).  X is the [M, K] input, or for a
+`Conv2d` spec the implicit-GEMM gather from the NHWC image (zero outside it, see `bitkern.ops.conv`).
+Where the codes, scales and zeros live is a *weight storage*: `PortableStorage` reads the portable layout
+(`bitkern.ttype.pack`); code generators pass their own layouts.  int8 activations accumulate exact int32
+sums per group and scale them in float32.  The expression's arguments, in order, are `MatmulExpr.inputs` then the output.
 """
 
 from __future__ import annotations
@@ -72,8 +73,7 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
     storage = storage or PortableStorage(spec, n, k)
     group = k if spec.group_size == -1 else spec.group_size
     groups = k // group
-    m = te.var("M")
-    x = te.placeholder((m, k), TVM_DTYPES[spec.activation_dtype], name="x")
+    m, x, x_at = activation(spec, k)
     inputs = [x, storage.qweight, storage.scales] + ([storage.zeros] if storage.zeros is not None else [])
     tensor_scale = te.placeholder((1,), "float32", name="tensor_scale") if ttype.tensor_scale else None
     bias = te.placeholder((n,), "float32", name="bias") if spec.bias else None
@@ -97,7 +97,7 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
         reduce_k = te.reduce_axis((0, group), name="k")
         partial = te.compute(
             (m, n, groups),
-            lambda r, i, g: te.sum(x[r, g * group + reduce_k].astype("int32")
+            lambda r, i, g: te.sum(x_at(r, g * group + reduce_k).astype("int32")
                                    * value_of(i, g * group + reduce_k, "int32"), axis=reduce_k),
             name="group_sums")
         reduce_g = te.reduce_axis((0, groups), name="g")
@@ -108,11 +108,36 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
         weight = te.compute((n, k), lambda i, j: (value_of(i, j, "float32") * scale_of(i, j // group)).astype(acc),
                             name="weight")
         reduce_all = te.reduce_axis((0, k), name="k")
-        accumulated = te.compute((m, n), lambda r, i: te.sum(x[r, reduce_all].astype(acc) * weight[i, reduce_all],
+        accumulated = te.compute((m, n), lambda r, i: te.sum(x_at(r, reduce_all).astype(acc) * weight[i, reduce_all],
                                                              axis=reduce_all), name="acc")
     out_dtype = TVM_DTYPES[spec.output_dtype]
     output = te.compute((m, n), lambda r, i: _epilogue(accumulated[r, i], bias, i, out_dtype), name="y")
     return MatmulExpr(m, inputs, output)
+
+
+def activation(spec: Matmul, k: int):
+    """(M, the x placeholder, x_at(row, k) -> X[row, k]): x itself [M, K], or for a convolution the NHWC
+    image [B, H, W, Cin] with M = B·Hout·Wout and X[row, (kh, kw, c)] the pixel the tap reads (0 outside)."""
+    from tvm import te, tirx
+
+    dtype = TVM_DTYPES[spec.activation_dtype]
+    g = spec.geometry
+    if g is None:
+        m = te.var("M")
+        x = te.placeholder((m, k), dtype, name="x")
+        return m, x, lambda r, j: x[r, j]
+    batch = te.var("B")
+    x = te.placeholder((batch, g.height, g.width, g.in_channels), dtype, name="x")
+    out_w = g.out_size[1]
+
+    def x_at(r, j):
+        pixel, tap, c = r % g.pixels, j // g.in_channels, j % g.in_channels
+        ih = pixel // out_w * g.stride[0] - g.padding[0] + tap // g.kernel[1] * g.dilation[0]
+        iw = pixel % out_w * g.stride[1] - g.padding[2] + tap % g.kernel[1] * g.dilation[1]
+        inside = tirx.all(ih >= 0, ih < g.height, iw >= 0, iw < g.width)
+        return tirx.if_then_else(inside, x[r // g.pixels, ih, iw, c], tirx.const(0, dtype))
+
+    return batch * g.pixels, x, x_at
 
 
 def _epilogue(value, bias, i, out_dtype):

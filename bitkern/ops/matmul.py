@@ -43,6 +43,7 @@ class Matmul:
     bias: bool = False
     layout: str = "nt"
     scale_dtype: str = "float16"
+    geometry = None  # how x's rows are gathered: None for a [M, K] matrix (see `bitkern.ops.Conv2d`)
 
     def __hash__(self) -> int:  # specs key every kernel lookup: hashed once, in __post_init__
         return self._hash
@@ -83,6 +84,14 @@ class Matmul:
             raise ValueError(f"group_size={self.group_size} does not divide in_features={k}; accepted: a divisor "
                              f"of {k}, or -1 for per-channel")
 
+    def rows(self, x: torch.Tensor) -> int:
+        """M: the rows of y that a kernel computes for the (already checked, flattened) input x."""
+        return x.shape[0]
+
+    def input_shape(self, m: int, k: int) -> tuple:
+        """The shape of an input that gives (at least) m rows, for timing a kernel."""
+        return m, k
+
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x · Wᵀ (+ bias) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed weight."""
         kernel_for, PackedWeight = _pipeline()
@@ -91,11 +100,15 @@ class Matmul:
                             f"got {type(weight).__name__}")
         self.check_inputs(x, weight, bias)
         n, k = weight.shape
-        rows = x.reshape(-1, k).contiguous()
-        if rows.shape[0] == 0:
-            return torch.empty(*x.shape[:-1], n, dtype=_TORCH_DTYPES[self.output_dtype], device=x.device)
-        kernel = kernel_for(self, n, k, rows.shape[0], weight.layout, _device_of(x))
-        return kernel(rows, weight, bias).reshape(*x.shape[:-1], n)
+        spec, data, shape = self._kernel_input(x, n, k)
+        if data.shape[0] == 0:
+            return torch.empty(shape, dtype=_TORCH_DTYPES[self.output_dtype], device=x.device)
+        kernel = kernel_for(spec, n, k, spec.rows(data), weight.layout, _device_of(x))
+        return kernel(data, weight, bias).reshape(shape)
+
+    def _kernel_input(self, x: torch.Tensor, n: int, k: int) -> tuple:
+        """(the spec whose kernel runs, its contiguous input, the shape of y) for a checked x."""
+        return self, x.reshape(-1, k).contiguous(), (*x.shape[:-1], n)
 
     def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> None:
         """Raise naming the argument if x, weight (quantized or packed) or bias do not fit this spec."""

@@ -38,7 +38,7 @@ def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
     shapes = to_layout(_tiny_weight(spec, k), layout)  # the layout's tensor kinds, from a 1-row weight
     packed = _random_packed(spec, n, k, layout, shapes, generator)
     copies = [packed] + [_clone(packed) for _ in range(max(1, profile_bytes(device) // max(1, packed.nbytes)) - 1)]
-    x = torch.randn(m, k, generator=generator)
+    x = torch.randn(spec.input_shape(m, k), generator=generator)
     x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
         x.to(_TORCH[spec.activation_dtype])
     bias = torch.randn(n, generator=generator) if spec.bias else None

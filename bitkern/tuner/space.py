@@ -40,6 +40,8 @@ def templates_for(spec: Matmul, k: int, bucket: tuple[int, int], layout: str, de
     lut_reason = lut.unsupported_reason(spec, k) if layout == "tile16" else f"the {layout} weight layout"
     if high > LUT_MAX_ROWS:
         lut_reason = f"{high} rows (the lookup template serves at most {LUT_MAX_ROWS})"
+    if spec.geometry is not None:
+        lut_reason = "a convolution (the lookup template reads x as a matrix; it has no gathering prologue)"
     reasons["lut"] = lut_reason
     return reasons
 

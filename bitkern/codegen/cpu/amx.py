@@ -2,7 +2,8 @@
 
 Per parallel task (16·n_tiles output columns, a chunk of rows):
   prologue  x -> bf16 planes A[plane, M, K/2] (one plane for bf16, hi+lo for fp16, three for fp32, so
-            the planes sum to x) and per-group row sums XS[M, groups] (for zero points and offsets);
+            the planes sum to x) and per-group row sums XS[M, groups] (for zero points and offsets); for a
+            convolution spec the rows are gathered from the NHWC image here (implicit GEMM);
   stages    the codes of the next stage (a few 32-deep k-steps) are decoded with vector ops into bf16 B
             tiles in L1 while AMX multiplies the current stage (a software pipeline: tile loads never
             wait on the stores just issued); C tiles accumulate one quantization group;
@@ -173,7 +174,11 @@ class _Builder:
     def __init__(self, spec: Matmul, shape: _Shape, config: AmxConfig, decode: _Decode):
         self.spec, self.s, self.cfg, self.dec = spec, shape, config, decode
         self.ttype = get(spec.weight_dtype)
-        self.m = tirx.Var("M", "int32")
+        if spec.geometry is None:
+            self.batch, self.m = None, tirx.Var("M", "int32")
+        else:  # a convolution: M = B · output pixels
+            self.batch = tirx.Var("B", "int32")
+            self.m = self.batch * spec.geometry.pixels
         mt, nc = config.m_tiles, config.n_tiles
         self.nibbles = nibbles(spec)
         nb = self.nibbles
@@ -203,7 +208,9 @@ class _Builder:
     def _arguments(self) -> None:
         s, spec = self.s, self.spec
         per_tile = (s.n_tiles, s.scale_groups, LANES)
-        self.x = T.arg("x", T.Buffer((self.m, s.k), STORAGE[spec.activation_dtype]))
+        g = spec.geometry
+        x_shape = (self.m, s.k) if g is None else (self.batch, g.height, g.width, g.in_channels)
+        self.x = T.arg("x", T.Buffer(x_shape, STORAGE[spec.activation_dtype]))
         self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
         self.group_args = GroupArguments.declare(spec, per_tile)
         self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
@@ -225,12 +232,15 @@ class _Builder:
         with rows_loop(0, rows) as row:
             with T.If(row < self.m):
                 with T.Then():
-                    with T.serial(0, full_chunks) as chunk:
-                        even = self._load_x(row, tirx.Ramp(chunk * 32, 2, LANES))
-                        odd = self._load_x(row, tirx.Ramp(chunk * 32 + 1, 2, LANES))
-                        self._store_planes(row, chunk, even, odd)
-                    if s.k_pad > full_chunks * 32:
-                        self._prologue_tail(row, full_chunks)
+                    if self.spec.geometry is not None:
+                        self._gather_row(row)
+                    else:
+                        with T.serial(0, full_chunks) as chunk:
+                            even = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32, 2, LANES)))
+                            odd = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32 + 1, 2, LANES)))
+                            self._store_planes(row, chunk, even, odd)
+                        if s.k_pad > full_chunks * 32:
+                            self._prologue_tail(row, full_chunks)
                 with T.Else():
                     with T.serial(0, s.pairs // LANES) as chunk:
                         self._store_planes(row, chunk, splat(0.0, "float32"), splat(0.0, "float32"))
@@ -238,16 +248,62 @@ class _Builder:
     def _prologue_tail(self, row, chunk) -> None:
         """The last 32-k chunk when K is not a multiple of 32: scalar loads, zero past K."""
         s = self.s
-        by_parity = {0: [], 1: []}
-        for i in range(32):
-            k_index = chunk * 32 + i
-            value = self._load_x(row, min(k_index, s.k - 1)) if k_index < s.k else tirx.const(0.0, "float32")
-            by_parity[i % 2].append(value)
-        vectors = [tirx.Shuffle(by_parity[p], list(range(LANES))) for p in (0, 1)]
-        self._store_planes(row, chunk, *vectors)
+        values = [self._as_float(load(self.x, row, chunk * 32 + i)) if chunk * 32 + i < s.k else
+                  tirx.const(0.0, "float32") for i in range(32)]
+        self._store_planes(row, chunk, *_by_parity(values))
 
-    def _load_x(self, row, index):
-        value = load(self.x, row, index)
+    def _gather_row(self, row) -> None:
+        """A-plane row `row` of a convolution: output pixel (b, oh, ow) reads x[b, ih, iw, c] for each tap
+        (kh, kw) and channel c, in the weight's (kh, kw, c) order; 0 outside the image and past K."""
+        g = self.spec.geometry
+        image, pixel = tirx.floordiv(row, g.pixels), tirx.floormod(row, g.pixels)
+        top = tirx.floordiv(pixel, g.out_size[1]) * g.stride[0] - g.padding[0]
+        left = tirx.floormod(pixel, g.out_size[1]) * g.stride[1] - g.padding[2]
+
+        def tap_pixel(tap):
+            """(image, ih, iw) that `tap` of this output pixel reads, and whether it lies inside the image."""
+            ih = top + tirx.floordiv(tap, g.kernel[1]) * g.dilation[0]
+            iw = left + tirx.floormod(tap, g.kernel[1]) * g.dilation[1]
+            return (image, ih, iw), tirx.all(ih >= 0, ih < g.height, iw >= 0, iw < g.width)
+
+        if g.in_channels % 32 == 0:
+            self._gather_channel_runs(row, tap_pixel)
+        else:
+            self._gather_staged(row, tap_pixel)
+
+    def _gather_channel_runs(self, row, tap_pixel) -> None:
+        """Each 32-k chunk is 32 channels of one tap: two vector loads, or zeros outside the image."""
+        g = self.spec.geometry
+        runs = g.in_channels // 32
+        zero = splat(0.0, "float32")
+        with T.serial(0, g.kernel[0] * g.kernel[1]) as tap:
+            where, inside = tap_pixel(tap)
+            with T.serial(0, runs) as run:
+                with T.If(inside):
+                    with T.Then():
+                        even, odd = (self._as_float(load(self.x, *where, tirx.Ramp(run * 32 + p, 2, LANES)))
+                                     for p in (0, 1))
+                        self._store_planes(row, tap * runs + run, even, odd)
+                    with T.Else():
+                        self._store_planes(row, tap * runs + run, zero, zero)
+
+    def _gather_staged(self, row, tap_pixel) -> None:
+        """Channel runs straddle 32-k chunks: stage the row in float32 tap by tap, then split it in chunks."""
+        g, s = self.spec.geometry, self.s
+        staged = T.alloc_buffer((s.k_pad,), "float32", scope="local", align=64)
+        with T.serial(0, g.kernel[0] * g.kernel[1]) as tap:
+            where, inside = tap_pixel(tap)
+            with T.serial(0, g.in_channels) as c:
+                value = tirx.if_then_else(inside, self._as_float(load(self.x, *where, c)), tirx.const(0.0, "float32"))
+                T.buffer_store(staged, value, [tap * g.in_channels + c])
+        with T.serial(s.k, s.k_pad) as k_index:
+            T.buffer_store(staged, tirx.const(0.0, "float32"), [k_index])
+        with T.serial(0, s.k_pad // 32) as chunk:
+            even, odd = (load(staged, tirx.Ramp(chunk * 32 + p, 2, LANES)) for p in (0, 1))
+            self._store_planes(row, chunk, even, odd)
+
+    def _as_float(self, value):
+        """Loaded x values as float32 (bfloat16 arrives as int16 bits)."""
         if self.spec.activation_dtype == "bfloat16":
             return bf16_to_float(value)
         return tirx.Cast(f"float32x{lanes(value)}" if lanes(value) > 1 else "float32", value)
@@ -478,6 +534,11 @@ class _Builder:
         if self.bias is not None:
             value = value + load(self.bias, ramp(column))
         T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row0 + r, ramp(column)])
+
+
+def _by_parity(values: list):
+    """32 scalars of consecutive k as the (even k, odd k) float32x16 vectors the planes are built from."""
+    return tuple(tirx.Shuffle(values[parity::2], list(range(LANES))) for parity in (0, 1))
 
 
 def _when(condition, emit) -> None:

@@ -36,8 +36,9 @@ class CpuKernel:
     module: object = None  # the TVM module, while it lives in the process that compiled it (for export)
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """y[M, N] for a contiguous x[M, K] with M in m_range (inputs already validated by the caller)."""
-        y = torch.empty(x.shape[0], self.n, dtype=_TORCH[self.spec.output_dtype], device=x.device)
+        """y[M, N] for a contiguous x (x[M, K], or a convolution's NHWC image: M = its output pixels) with M
+        in m_range (inputs already validated by the caller)."""
+        y = torch.empty(self.spec.rows(x), self.n, dtype=_TORCH[self.spec.output_dtype], device=x.device)
         args = [self._as_arg(x), weight.qweight, self._as_arg(weight.scales)]
         if weight.zeros is not None:
             args.append(self._as_arg(weight.zeros))
