@@ -40,7 +40,11 @@ def _nchw_conv(spec, x, weight, bias=None):
 
 
 def _run(spec, qweight, x, bias=None):
-    y = spec(x, pack(qweight), bias)
+    return _run_kernel(spec, qweight, x, bias, spec(x, pack(qweight), bias))
+
+
+def _run_kernel(spec, qweight, x, bias, y):
+    """y, after checking it against torch's convolution within the kernels' error bound."""
     out_h, out_w = spec.geometry.out_size
     assert y.shape == (x.shape[0], out_h, out_w, qweight.shape[0]) and y.dtype == TORCH[spec.output_dtype]
     magnitude = _nchw_conv(spec, x.abs(), summed_magnitudes(spec, qweight))
@@ -109,6 +113,24 @@ def test_no_im2col_matrix_is_made(monkeypatch):
     monkeypatch.setattr(F, "unfold", refuse)
     monkeypatch.setattr(torch.Tensor, "unfold", refuse)
     _run(*_case("int4", ConvGeometry(32, 10, 10, (3, 3), padding=(1, 1, 1, 1)), 1, group=96))
+
+
+@pytest.mark.parametrize("channels", [64, 24])
+def test_planes_built_per_chunk_or_in_one_pass_agree(channels):
+    """AMX configurations that build each row chunk's planes inside its task (chunk_prologue) and those
+    that build all rows first compute the same result; 3·81 rows leave a partial last chunk."""
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen.cpu.configs import AmxConfig
+
+    geometry = ConvGeometry(channels, 9, 9, (3, 3), padding=(1, 1, 1, 1))
+    spec, qweight, x, bias = _case("int4", geometry, 3, group=-1, bias=True, cout=40)
+    packed, results = pack(qweight), []
+    for chunk_prologue in (False, True):
+        config = AmxConfig(n_tiles=2, m_tiles=2, small_m=False, m_chunk=64, stage_steps=2, decode="affine",
+                           chunk_prologue=chunk_prologue)
+        kernel = build_kernel(spec, 40, geometry.reduction, "amx", config, "tile16", (129, 1 << 30), host_cpu())
+        results.append(_run_kernel(spec, qweight, x, bias, kernel(x, packed, bias).reshape(3, 9, 9, 40)))
+    assert torch.equal(*results)
 
 
 def test_results_are_bitwise_deterministic():

@@ -178,10 +178,11 @@ def test_amx_and_generic_templates_agree():
 
 
 def _spread(candidates):
-    """The smallest and largest-tile candidate of each (template, decode, tile shape) family."""
+    """The smallest and largest-tile candidate of each (template, decode, tile shape, prologue) family."""
     families = {}
     for c in candidates:
-        key = (c.template, getattr(c.config, "decode", None), getattr(c.config, "m_tiles", None))
+        key = (c.template, getattr(c.config, "decode", None), getattr(c.config, "m_tiles", None),
+               getattr(c.config, "chunk_prologue", None))
         families.setdefault(key, []).append(c)
     return [c for family in families.values() for c in {family[0].config: family[0], family[-1].config: family[-1]}.values()]
 

@@ -56,6 +56,7 @@ def estimate(template: str, config, spec: Matmul, n: int, k: int, m: int, device
     dram = n * k * bits / 8 + n * groups * scale_bytes + m * k * activation_bytes + m * n * 4
     work = {"amx": _amx_cycles, "lut": _lut_cycles, "generic": _generic_cycles}[template]
     cycles, tasks, extra = work(config, spec, n, k, m, device)
+    dram += extra.get("plane_bytes", 0)
     imbalance = math.ceil(tasks / device.cores) / (tasks / device.cores) if tasks else 1.0
     compute = cycles / device.cores * imbalance / device.clock_hz
     memory = dram / device.memory_bandwidth()
@@ -103,11 +104,18 @@ def _amx_cycles(config, spec, n, k, m, device):
         inside = 1 - config.stage_steps / group_steps  # the share of stage ends that fall inside a group
         stash = tiles_n * blocks * steps / config.stage_steps * inside * config.m_tiles * nibbles * 2 * STASH_CYCLES
     tasks = -(-tiles_n // config.n_tiles) * chunks
+    plane_bytes = 0.0
+    if config.chunk_prologue:  # a task per chunk; its planes stay in L2 for all its column blocks
+        tasks = chunks
+    elif not config.small_m and rows * k_pad * 2 * planes > device.l2_bytes:
+        # the planes of all rows leave the caches near the cores: written, then read once per column block
+        plane_bytes = rows * k_pad * 2 * planes * (1 + -(-tiles_n // config.n_tiles))
     footprint = 2 * config.stage_steps * config.n_tiles * 1024 * nibbles + \
         (config.m_chunk if not config.small_m else 16) * config.n_tiles * 64
     pressure = 1 + L1_PRESSURE * max(0.0, footprint - device.l1_bytes / 4) / device.l1_bytes
     return (decode + products + epilogue + stash) * pressure, tasks, \
-        {"decode_cycles": decode, "amx_cycles": products, "stash_cycles": stash, "l1_pressure": pressure}
+        {"decode_cycles": decode, "amx_cycles": products, "stash_cycles": stash, "l1_pressure": pressure,
+         "plane_bytes": plane_bytes}
 
 
 def _lut_cycles(config, spec, n, k, m, device):

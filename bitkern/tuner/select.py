@@ -100,10 +100,12 @@ def _shortlist(trials: list[Trial], order: list[int], top_k: int) -> list[int]:
 
 
 def _shape(trial: Trial) -> tuple:
-    """What distinguishes candidates beyond the model's ties: template, tile counts, prefetch depth, decode."""
+    """What distinguishes candidates beyond the model's ties: template, tile counts, prefetch depth, decode,
+    where the activation planes are built."""
     config = trial.config
     return (trial.template, getattr(config, "n_tiles", None), getattr(config, "m_tiles", None),
-            getattr(config, "prefetch", None), getattr(config, "decode", None))
+            getattr(config, "prefetch", None), getattr(config, "decode", None),
+            getattr(config, "chunk_prologue", None))
 
 
 def is_present(device) -> bool:

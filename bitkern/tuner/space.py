@@ -19,6 +19,7 @@ from .hints import Hint, cpu_hint
 PREFETCH_WORDS = (16, 32, 64, 128)
 LUT_MAX_ROWS = lut.MAX_ROWS
 SMALL_M = amx.SMALL_M_ROWS
+LARGE_M = 128
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ def _amx(spec: Matmul, k: int, bucket: tuple[int, int], device, hint: Hint) -> l
     tile_bytes = 16 * 64  # a decoded bf16 B tile, a float32 C tile
     found = []
     small = bucket[1] <= SMALL_M
+    # Per-chunk planes pay off where all rows' planes outgrow L2: only the open-ended bucket gets them.
+    prologues = (False, True) if bucket[1] > LARGE_M else (False,)
     for m_tiles in (1,) if small else (1, 2):
         for n_tiles in range(1, TILE_REGISTERS):
             if m_tiles * n_tiles * planes + m_tiles + 1 > TILE_REGISTERS:
@@ -90,8 +93,10 @@ def _amx(spec: Matmul, k: int, bucket: tuple[int, int], device, hint: Hint) -> l
                         continue
                     for prefetch in PREFETCH_WORDS:
                         for decode in decodes:
-                            found.append(Candidate("amx", AmxConfig(n_tiles, m_tiles, small, max(chunk, 16 * m_tiles),
-                                                                    stage, prefetch, decode)))
+                            for chunk_prologue in prologues:
+                                found.append(Candidate("amx", AmxConfig(n_tiles, m_tiles, small,
+                                                                        max(chunk, 16 * m_tiles), stage, prefetch,
+                                                                        decode, chunk_prologue)))
     return found
 
 

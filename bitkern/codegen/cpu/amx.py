@@ -200,7 +200,8 @@ class _Builder:
                 rows = self._padded_rows()
                 self.a = T.alloc_buffer((self.s.planes, rows, self.s.pairs), "int32")
                 self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
-                self._prologue(rows)
+                if not self.cfg.chunk_prologue:
+                    self._prologue(rows)
                 self._main(rows)
         return builder.get()
 
@@ -225,25 +226,30 @@ class _Builder:
 
     # -- prologue: activation planes and group sums -------------------------------------------------
     def _prologue(self, rows) -> None:
-        s = self.s
-        full_chunks = s.k // 32  # chunks of 16 pairs that lie inside K
-        # A few rows are less work than waking the thread pool: one parallel region per call then.
+        """Every row's planes before the main loop (one parallel region; few rows: serial, as waking the
+        thread pool costs more than converting them)."""
         rows_loop = T.serial if self.cfg.small_m else T.parallel
         with rows_loop(0, rows) as row:
-            with T.If(row < self.m):
-                with T.Then():
-                    if self.spec.geometry is not None:
-                        self._gather_row(row)
-                    else:
-                        with T.serial(0, full_chunks) as chunk:
-                            even = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32, 2, LANES)))
-                            odd = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32 + 1, 2, LANES)))
-                            self._store_planes(row, chunk, even, odd)
-                        if s.k_pad > full_chunks * 32:
-                            self._prologue_tail(row, full_chunks)
-                with T.Else():
-                    with T.serial(0, s.pairs // LANES) as chunk:
-                        self._store_planes(row, chunk, splat(0.0, "float32"), splat(0.0, "float32"))
+            self._prologue_row(row)
+
+    def _prologue_row(self, row) -> None:
+        """A-plane row `row` and its group sums: x's row (or the gathered pixel), zeros past M."""
+        s = self.s
+        full_chunks = s.k // 32  # chunks of 16 pairs that lie inside K
+        with T.If(row < self.m):
+            with T.Then():
+                if self.spec.geometry is not None:
+                    self._gather_row(row)
+                else:
+                    with T.serial(0, full_chunks) as chunk:
+                        even = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32, 2, LANES)))
+                        odd = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32 + 1, 2, LANES)))
+                        self._store_planes(row, chunk, even, odd)
+                    if s.k_pad > full_chunks * 32:
+                        self._prologue_tail(row, full_chunks)
+            with T.Else():
+                with T.serial(0, s.pairs // LANES) as chunk:
+                    self._store_planes(row, chunk, splat(0.0, "float32"), splat(0.0, "float32"))
 
     def _prologue_tail(self, row, chunk) -> None:
         """The last 32-k chunk when K is not a multiple of 32: scalar loads, zero past K."""
@@ -334,6 +340,14 @@ class _Builder:
         cfg = self.cfg
         blocks = -(-self.s.n_tiles // cfg.n_tiles)
         chunks = 1 if cfg.small_m else tirx.floordiv(rows + (cfg.m_chunk - 1), cfg.m_chunk)
+        if cfg.chunk_prologue:  # a task per row chunk: its planes, then every column block over them
+            with T.parallel(0, chunks) as chunk:
+                row0 = chunk * cfg.m_chunk
+                with T.serial(0, tirx.min(cfg.m_chunk, rows - row0)) as r:
+                    self._prologue_row(row0 + r)
+                with T.serial(0, blocks) as block:
+                    self._task(rows, block, row0)
+            return
         with T.parallel(0, blocks * chunks) as task:
             if cfg.small_m:
                 self._task(rows, task, 0)

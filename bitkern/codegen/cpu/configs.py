@@ -16,7 +16,10 @@ class AmxConfig:
 
     n_tiles: 16-column C tiles per task; m_tiles: 16-row A tiles per m-block (large M); small_m: one
     block of all M <= 16 rows (tile rows = M) instead of 16-row tiles; m_chunk: rows per task (large M);
-    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead; decode: strategy.
+    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead; decode: strategy;
+    chunk_prologue (large M): each task builds its row chunk's activation planes itself and runs every
+    column block over them while they sit in L2, instead of one pass over all rows before the main loop
+    (whose planes outgrow the caches at large M and are re-read once per column block).
     """
 
     n_tiles: int = 4
@@ -26,12 +29,13 @@ class AmxConfig:
     stage_steps: int = 4
     prefetch: int = 16
     decode: str = "affine"
+    chunk_prologue: bool = False
 
     def __post_init__(self):
         if self.decode not in AMX_DECODES:
             raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(AMX_DECODES)}")
-        if self.small_m and self.m_tiles != 1:
-            raise ValueError("small_m kernels use m_tiles=1")
+        if self.small_m and (self.m_tiles != 1 or self.chunk_prologue):
+            raise ValueError("small_m kernels use m_tiles=1 and build their planes in one pass")
         if self.m_tiles * self.n_tiles + self.m_tiles + 1 > TILE_REGISTERS:
             raise ValueError(f"m_tiles={self.m_tiles} x n_tiles={self.n_tiles} needs more than "
                              f"{TILE_REGISTERS} AMX tile registers")
