@@ -69,7 +69,7 @@ def _cache(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             created = datetime.datetime.fromtimestamp(entry["created"]).strftime("%Y-%m-%d %H:%M")
             print(f"{key['target']:<22} {spec['weight_dtype']:<8} {spec['activation_dtype']:<9} "
                   f"N={key['n']:<6} K={key['k']:<6} M={key['bucket'][0]}..{key['bucket'][1]:<10} "
-                  f"{entry['template']:<8} {created}  {entry['directory']}")
+                  f"{entry['template']:<8} {_operator(spec):<28} {created}  {entry['directory']}")
         print(f"{len(entries)} kernels in {store.root}")
     elif args.action == "verify":
         results = store.verify()
@@ -88,3 +88,12 @@ def _cache(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except (OSError, ValueError) as error:
             parser.error(str(error))
     return 0
+
+
+def _operator(spec: dict) -> str:
+    """What a cached kernel computes: a matmul, or a convolution with its image and kernel sizes."""
+    geometry = spec.get("geometry")
+    if geometry is None:
+        return "matmul"
+    return (f"conv {geometry['height']}x{geometry['width']}x{geometry['in_channels']} "
+            f"k{'x'.join(map(str, geometry['kernel']))} s{'x'.join(map(str, geometry['stride']))}")

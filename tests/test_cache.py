@@ -235,6 +235,7 @@ def test_command_line(tmp_path):
     assert built.returncode == 0 and "prebuild: 2 kernels for cpu (2 built, 0 already cached)" in built.stdout
     listing = cli("cache", "ls")
     assert listing.returncode == 0 and "2 kernels in" in listing.stdout and "int4" in listing.stdout
+    assert listing.stdout.count(" matmul ") == 2
     assert "2 of 2 entries verified" in cli("cache", "verify").stdout
     assert "exported 2 kernels" in cli("cache", "export", str(tmp_path / "b.tar.gz")).stdout
     assert "removed 2 kernels" in cli("cache", "clear").stdout

@@ -180,3 +180,21 @@ def test_im2col_fallback_agrees_with_the_implicit_gemm():
     assert_within_bound(spec, qweight, gemm, spec.exact(x, qweight, bias),
                         _nchw_conv(spec, x.abs(), summed_magnitudes(spec, qweight)))
     assert torch.allclose(gemm, spec(x, packed, bias), rtol=1e-6, atol=1e-5)
+
+
+def test_conv_kernels_are_stored_on_disk_and_loaded_without_tuning(tmp_path, monkeypatch):
+    """Cold path: the first call tunes and stores the kernel under a key holding the geometry; after the
+    process map is dropped the kernel loads from disk (tuning would fail) and computes the same bits."""
+    import bitkern.tuner
+    from bitkern.cache import DiskStore, forget, kernel_for
+
+    geometry = ConvGeometry(32, 6, 5, (3, 3), stride=(1, 2), padding=(1, 1, 1, 1))
+    spec, qweight, x, _ = _case("nf4", geometry, 2, group=96)
+    packed, store = pack(qweight), DiskStore(tmp_path)
+    y = kernel_for(spec, 24, geometry.reduction, spec.rows(x), "tile16", store=store)(x, packed)
+    forget()
+    monkeypatch.setattr(bitkern.tuner, "tune", None)
+    again = kernel_for(spec, 24, geometry.reduction, spec.rows(x), "tile16", store=store)
+    assert torch.equal(again(x, packed), y)
+    (entry,) = store.entries()
+    assert entry["key"]["spec"]["geometry"]["width"] == 5 and entry["key"]["spec"]["geometry"]["stride"] == [1, 2]
