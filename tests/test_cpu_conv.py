@@ -198,3 +198,31 @@ def test_conv_kernels_are_stored_on_disk_and_loaded_without_tuning(tmp_path, mon
     assert torch.equal(again(x, packed), y)
     (entry,) = store.entries()
     assert entry["key"]["spec"]["geometry"]["width"] == 5 and entry["key"]["spec"]["geometry"]["stride"] == [1, 2]
+
+
+@pytest.mark.parametrize("pixels", [1, 2, 3, 5, 9, 12, 16, 17, 33, 64, 100, 128, 129, 3136])
+def test_tuning_inputs_stay_inside_the_bucket(pixels):
+    """The tuner times a bucket's candidates on spec.input_shape(TUNED_M): for a convolution that must be
+    whole images whose rows lie in the bucket (small-M kernels assume at most 16 rows)."""
+    from bitkern.tuner.buckets import M_BUCKETS, TUNED_M
+
+    geometry = ConvGeometry(8, 1, pixels, (1, 1))
+    spec = Conv2d("int4", "bfloat16", group_size=8, geometry=geometry)
+    for low, high in M_BUCKETS:
+        if pixels > high:
+            continue  # no call of this convolution has so few rows
+        shape = spec.input_shape(TUNED_M[(low, high)], geometry.reduction)
+        assert low <= spec.rows(torch.empty(shape)) <= high
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_profiled_tuning_times_convolution_candidates(batch):
+    """Profile mode builds the shortlist and times it on image batches; the pick computes the reference."""
+    from bitkern.tuner import m_bucket, tune
+
+    geometry = ConvGeometry(32, 4, 3, (3, 3), padding=(1, 1, 1, 1))
+    spec, qweight, x, _ = _case("int4", geometry, batch, group=96)
+    bucket = m_bucket(spec.rows(x))
+    tuned = tune(spec, 24, geometry.reduction, bucket, "tile16", host_cpu(), top_k=2, profile=True)
+    assert tuned.record.profiled and sum(t.measured_s is not None for t in tuned.record.trials) == 2
+    _run_kernel(spec, qweight, x, None, tuned.kernel(x, pack(qweight)).reshape(batch, 4, 3, 24))

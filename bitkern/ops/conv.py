@@ -113,8 +113,10 @@ class Conv2d(Matmul):
         return x.shape[0] * self.geometry.pixels
 
     def input_shape(self, m: int, k: int) -> tuple:
+        """An image batch of at most m rows (whole images; one image if it alone has more), so that a kernel
+        tuned for an M bucket is timed on rows inside that bucket."""
         g = self.geometry
-        return -(-m // g.pixels), g.height, g.width, g.in_channels
+        return max(1, m // g.pixels), g.height, g.width, g.in_channels
 
     def _kernel_input(self, x: torch.Tensor, n: int, k: int) -> tuple:
         shape = (x.shape[0], *self.geometry.out_size, n)
