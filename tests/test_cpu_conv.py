@@ -67,13 +67,13 @@ def test_reference_is_the_direct_sum_over_taps_and_channels():
 
 @pytest.mark.parametrize("name, activation, group, channels", [
     ("int4", "bfloat16", 32, 64),   # AMX, affine decode; whole 32-channel runs: vector gather
-    ("int4", "bfloat16", 45, 5),    # AMX; runs straddle 32-k chunks: staged gather
+    ("int4", "bfloat16", -1, 5),    # AMX; runs straddle 32-k chunks: staged gather
     ("nf4", "float32", 64, 64),     # AMX, table decode, three bf16 planes
     ("nf4", "float16", -1, 5),
     ("int8", "bfloat16", 96, 64),   # AMX, two nibble planes
     ("uint2", "float16", -1, 64),   # AMX, per-channel
     ("int3", "bfloat16", 32, 64),   # generic template
-    ("int3", "float32", 45, 5),
+    ("int3", "float32", 45, 5),     # generic template, channels straddling chunks
     ("mxfp4", "float32", None, 32),
 ])
 def test_weight_types_through_both_gathers(name, activation, group, channels):

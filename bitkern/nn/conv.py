@@ -89,6 +89,7 @@ class Conv2d(QuantizedModule):
         return weight.permute(0, 2, 3, 1).reshape(self.gemm_shape)
 
     def _from_gemm_matrix(self, matrix: torch.Tensor) -> torch.Tensor:
+        """[Cout, kh·kw·Cin] -> [Cout, Cin, kh, kw] (PyTorch's weight order)."""
         return matrix.reshape(self.out_channels, *self.kernel_size, self.in_channels).permute(0, 3, 1, 2).contiguous()
 
     def extra_settings(self) -> dict:
