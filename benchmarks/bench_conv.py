@@ -6,26 +6,21 @@ bf16 channels-last input (its kernel reads NHWC directly), and, to show what the
 int4 GEMM kernel on an im2col matrix made by torch (`bitkern.ops.conv.im2col`: unfold, then the GEMM).
 The weights are small (KBs to a few MBs) and stay in cache: these layers are compute-bound.
 Tables: `conv` (median ms, GFLOP/s) and `conv_speedup` (vs torch fp32 / bf16 / im2col; above 1: faster).
-TVM's pool workers spin after each kernel and starve torch's OpenMP threads run right after them (torch's
-convolutions measured 16-40 ms instead of 0.2-10 ms here), so this file sets TVM_THREAD_POOL_SPIN_COUNT=0
-(workers sleep at once) unless it is set; it takes effect when collected before any kernel runs.
+Run it on a quiet machine: with any other process busy on one of the 2 cores, torch's OpenMP convolutions
+wait at every barrier (measured: 16 ms instead of 0.2-1 ms for torch alone, no bitkern in the process).
 Run: python -m pytest benchmarks/bench_conv.py  (tables land in benchmarks/results/).
 """
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+import bitkern
+from bitkern.ops.conv import im2col
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import bitkern  # noqa: E402
-from bitkern.ops.conv import im2col  # noqa: E402
-
-from conftest import measure, recorded  # noqa: E402
+from conftest import measure, recorded
 
 LAYERS = ((64, 56), (128, 28), (256, 14), (512, 7))
 BATCHES = (1, 8)
