@@ -22,7 +22,7 @@ from .amx import PLANES
 from .configs import LutConfig
 from .groups import GroupArguments, to_output
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
-from .tir import LANES, STORAGE, bf16_to_float, horizontal_sum, load, prefetch_words_ahead, ramp, splat
+from .tir import LANES, STORAGE, bf16_to_float, horizontal_sum, load, prefetch_words_ahead, ramp, splat, u32
 
 MAX_ROWS = 4
 NIBBLES_PER_WORD = 8
@@ -152,61 +152,69 @@ class _Builder:
 
     # -- main loop --------------------------------------------------------------------------------------
     def _main(self) -> None:
-        """Tasks of n_tiles weight tiles; per group, the group's tables (L1) serve every tile of the task."""
-        cfg = self.cfg
-        blocks = -(-self.n_tiles // cfg.n_tiles)
+        """Tasks of n_tiles weight tiles; per group, the group's tables (L1) serve every tile of the task.
+        The body is emitted once per row count (M is 1..4): rows and tiles unroll, so a word position's 8
+        tables are loaded once into registers for all the task's tiles and the partial sums stay in
+        registers."""
+        blocks = -(-self.n_tiles // self.cfg.n_tiles)
         with T.parallel(0, blocks) as block:
-            yacc = T.alloc_buffer((MAX_ROWS, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-            gacc = T.alloc_buffer((MAX_ROWS, 2, LANES), "float32", scope="local", align=64)
-            with T.serial(0, self.m * cfg.n_tiles) as slot:
-                T.buffer_store(yacc, splat(0.0, "float32"), [tirx.floordiv(slot, cfg.n_tiles),
-                                                             tirx.floormod(slot, cfg.n_tiles), ramp(0)])
-            with T.serial(0, self.groups) as g:
-                with T.serial(0, cfg.n_tiles) as c:
-                    tile_index = tirx.min(block * cfg.n_tiles + c, self.n_tiles - 1)
-                    with T.serial(0, self.m * 2) as slot:
-                        T.buffer_store(gacc, splat(0.0, "float32"), [tirx.floordiv(slot, 2), tirx.floormod(slot, 2),
-                                                                     ramp(0)])
-                    with T.serial(0, self.group_words) as w:  # two accumulators, alternating words
-                        self._lookup_word(gacc, tile_index, tirx.floormod(w, 2), g * self.group_words + w)
-                    self._finish_group(yacc, gacc, tile_index, c, g)
-            with T.serial(0, cfg.n_tiles) as c:
-                first = block * cfg.n_tiles + c
-                with T.If(first < self.n_tiles):
+            for rows in range(1, MAX_ROWS + 1):
+                with T.If(self.m == rows):
                     with T.Then():
-                        self._store(yacc, first, c)
+                        self._task(block, rows)
 
-    def _lookup_word(self, gacc, tile_index, half, word_index) -> None:
-        """gacc[row, half] += Σ_j T[row, 8·word + j][nibble j of each lane's word]."""
-        prefetch_words_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, self.words, self.n_tiles,
-                             1)
-        word = load(self.qweight, tile_index, word_index, ramp(0))
-        indices = [word if j == 0 else tirx.reinterpret("int32x16", tirx.shift_right(
-            tirx.reinterpret("uint32x16", word), tirx.Broadcast(tirx.const(4 * j, "uint32"), LANES)))
-            for j in range(NIBBLES_PER_WORD)]
-        with T.serial(0, self.m) as row:
+    def _task(self, block, rows: int) -> None:
+        n_tiles = self.cfg.n_tiles
+        tiles = [tirx.min(block * n_tiles + c, self.n_tiles - 1) for c in range(n_tiles)]
+        yacc = T.alloc_buffer((rows, n_tiles, LANES), "float32", scope="local", align=64)
+        gacc = T.alloc_buffer((n_tiles, LANES), "float32", scope="local", align=64)
+        for row in range(rows):
+            for c in range(n_tiles):
+                T.buffer_store(yacc, splat(0.0, "float32"), [row, c, ramp(0)])
+        with T.serial(0, self.groups) as g:
+            scales = [self.group_args.scale(tile, g) for tile in tiles]
+            zeros = [self.group_args.zero(tile, g) for tile in tiles] if self.group_args.zeros is not None else None
+            for row in range(rows):
+                for c in range(n_tiles):
+                    T.buffer_store(gacc, splat(0.0, "float32"), [c, ramp(0)])
+                with T.serial(0, self.group_words) as w:
+                    self._lookup_words(gacc, tiles, row, g * self.group_words + w)
+                for c in range(n_tiles):
+                    total = load(gacc, c, ramp(0))
+                    if zeros is not None:
+                        total = total - zeros[c] * tirx.Broadcast(load(self.xs, row, g), LANES)
+                    T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scales[c], [row, c, ramp(0)])
+        for c in range(n_tiles):
+            with T.If(block * n_tiles + c < self.n_tiles):
+                with T.Then():
+                    self._store(yacc, rows, tiles[c], c)
+
+    def _lookup_words(self, gacc, tiles, row, word_index) -> None:
+        """gacc[c] += Σ_j T[row, 8·word + j][nibble j of each lane's word] for every tile c of the task."""
+        tables = [load(self.tables, row, word_index * NIBBLES_PER_WORD + j, ramp(0)) for j in range(NIBBLES_PER_WORD)]
+        for c, tile_index in enumerate(tiles):
+            if row == 0:
+                prefetch_words_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, self.words,
+                                     self.n_tiles, len(tiles))
+            word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
             picked = [tirx.call_llvm_pure_intrin(
-                "float32x16", "llvm.x86.avx512.permvar.sf.512",
-                load(self.tables, row, word_index * NIBBLES_PER_WORD + j, ramp(0)), index)
-                for j, index in enumerate(indices)]
-            while len(picked) > 1:  # a tree: short dependency chains
-                picked = [picked[i] + picked[i + 1] for i in range(0, len(picked), 2)]
-            T.buffer_store(gacc, load(gacc, row, half, ramp(0)) + picked[0], [row, half, ramp(0)])
+                "float32x16", "llvm.x86.avx512.permvar.sf.512", table,
+                tirx.reinterpret("int32x16", word if j == 0 else tirx.shift_right(word, u32(4 * j))))
+                for j, table in enumerate(tables)]
+            T.buffer_store(gacc, load(gacc, c, ramp(0)) + _tree_sum(picked), [c, ramp(0)])
 
-    def _finish_group(self, yacc, gacc, tile_index, c, g) -> None:
-        scale = self.group_args.scale(tile_index, g)
-        zero = self.group_args.zero(tile_index, g) if self.group_args.zeros is not None else None
-        with T.serial(0, self.m) as row:
-            total = load(gacc, row, 0, ramp(0)) + load(gacc, row, 1, ramp(0))
-            if zero is not None:
-                total = total - zero * tirx.Broadcast(load(self.xs, row, g), LANES)
-            T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scale, [row, c, ramp(0)])
-
-    def _store(self, yacc, tile_index, c) -> None:
+    def _store(self, yacc, rows: int, tile_index, c) -> None:
         column = tile_index * LANES
-        with T.serial(0, self.m) as row:
+        for row in range(rows):
             with T.serial(0, tirx.min(LANES, self.n - column)) as lane:
                 value = load(yacc, row, c, lane)
                 if self.bias is not None:
                     value = value + load(self.bias, column + lane)
                 T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row, column + lane])
+
+
+def _tree_sum(terms: list):
+    """Σ terms as a balanced tree (short dependency chains)."""
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
