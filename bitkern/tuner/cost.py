@@ -30,7 +30,8 @@ STALL_CYCLES = 12  # per tile, when the decode runs closer than that
 STASH_CYCLES = 12  # per C tile stored to or reloaded from L1 when a stage ends inside a quantization group
 L1_PRESSURE = 0.25  # slowdown per L1 capacity of footprint beyond a quarter of L1 (activations and codes
 #                     stream through the rest; measured on the AMX template's stage depth)
-LOOKUP_CYCLES = (8, 12)  # per 64-byte word of codes: fixed, and per row of x
+LOOKUP_CYCLES = (1, 12)  # per 64-byte word of codes: fixed (load, prefetch), and per row of x (7 shifts,
+#                         8 vpermps, 8 adds on two ports; measured 12-14 at M=1)
 OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
 PREFETCH_PENALTY = 0.04  # per doubling away from the ideal prefetch depth
 

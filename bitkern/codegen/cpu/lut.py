@@ -214,7 +214,7 @@ class _Builder:
 
 
 def _tree_sum(terms: list):
-    """Σ terms as a balanced tree (short dependency chains)."""
+    """Σ of a power-of-two number of terms as a balanced tree (short dependency chains)."""
     while len(terms) > 1:
-        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+        terms = [terms[i] + terms[i + 1] for i in range(0, len(terms), 2)]
     return terms[0]
