@@ -225,6 +225,22 @@ def test_lookup_template_sums_x_over_each_group_only(name, k, group, zero_mode, 
     assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
 
 
+@pytest.mark.parametrize("name, group, zero_mode", [("int1", 128, None), ("int2", 64, None), ("nf4", -1, None),
+                                                     ("uint2", 32, "awq")])
+def test_lookup_template_serves_every_row_count(name, group, zero_mode):
+    """The lookup kernel emits one body per row count (M = 1..4); each must compute the reference, with a
+    last task that repeats a tile (6 tiles in tasks of 4) and scale prefetches that run past the last group."""
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen.cpu.configs import LutConfig
+
+    spec, q, _, b = _case(name, 88, 384, 1, group=group, zero_mode=zero_mode, bias=True)
+    packed = pack(q)
+    kernel = build_kernel(spec, 88, 384, "lut", LutConfig(n_tiles=4, prefetch=16), packed.layout, (1, 4), host_cpu())
+    for m in range(1, 5):
+        x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m)).bfloat16()
+        assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
+
+
 def test_kernels_are_built_once_per_bucket():
     spec, q, x, _ = _case("uint4", 64, 256, 1)
     packed = pack(q)

@@ -29,7 +29,7 @@ from .configs import TILE_REGISTERS, AmxConfig
 from .groups import GroupArguments, to_output
 from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
 from .tir import (LANES, STORAGE, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
-                  prefetch_words_ahead, splat, stride, tile, tile_pointer,
+                  prefetch_ahead, splat, stride, tile, tile_pointer,
                   u32)
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
@@ -414,7 +414,7 @@ class _Builder:
         s, cfg = self.s, self.cfg
         with T.serial(0, s.words_per_step) as w:
             word_index = (stage * s.stage_steps + i) * s.words_per_step + w
-            prefetch_words_ahead(self.qweight, tiles[c], word_index, cfg.prefetch, s.words, s.n_tiles, cfg.n_tiles)
+            prefetch_ahead(self.qweight, tiles[c], word_index, cfg.prefetch, cfg.n_tiles)
             word = tirx.reinterpret("uint32x16", load(self.qweight, tiles[c], word_index, ramp(0)))
             for j in range(s.rows_per_word):
                 shifted = word if j == 0 else tirx.shift_right(word, u32(j * s.bits))
@@ -505,6 +505,8 @@ class _Builder:
         scale_group = 0 if s.per_channel else tirx.min(group, s.scale_groups - 1)  # padding: C = XS = 0
         needs_sums = dec.offset != 0.0 or self.group_args.zeros is not None
         for c in range(cfg.n_tiles):
+            if not s.per_channel:
+                self.group_args.prefetch(tiles[c], scale_group, cfg.n_tiles)
             scale = self.group_args.scale(tiles[c], scale_group)
             beta = splat(dec.offset, "float32")
             if self.group_args.zeros is not None:

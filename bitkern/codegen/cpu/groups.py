@@ -10,7 +10,9 @@ from tvm.script.ir_builder import tirx as T
 
 from ...ops.matmul import Matmul
 from ...ttype import get
-from .tir import LANES, STORAGE, bf16_bits, bf16_to_float, lanes, load, ramp
+from .tir import LANES, STORAGE, bf16_bits, bf16_to_float, lanes, load, prefetch_ahead, ramp
+
+PREFETCH_GROUPS = 4  # a few groups of a task's work: well past the memory latency, two lines of fp16 scales
 
 
 @dataclass
@@ -45,6 +47,14 @@ class GroupArguments:
         if self.tensor_scale is not None:
             scale = scale * tirx.Broadcast(load(self.tensor_scale, 0), LANES)
         return scale
+
+    def prefetch(self, tile_index, group, tiles_per_task: int) -> None:
+        """Prefetch the scales (and zeros) PREFETCH_GROUPS groups past (tile, group): left to demand misses,
+        these small reads stall the weight stream once per group (measured: a third of an int1 GEMV's time
+        from DRAM)."""
+        for buffer in (self.scales, self.zeros):
+            if buffer is not None:
+                prefetch_ahead(buffer, tile_index, group, PREFETCH_GROUPS, tiles_per_task)
 
     def zero(self, tile_index, group):
         """The group's 16 zero points as float32 (integers, or hqq's stored floats)."""

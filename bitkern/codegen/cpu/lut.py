@@ -22,7 +22,7 @@ from .amx import PLANES
 from .configs import LutConfig
 from .groups import GroupArguments, to_output
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
-from .tir import LANES, STORAGE, bf16_to_float, horizontal_sum, load, prefetch_words_ahead, ramp, splat, u32
+from .tir import LANES, STORAGE, bf16_to_float, horizontal_sum, load, prefetch_ahead, ramp, splat, u32
 
 MAX_ROWS = 4
 NIBBLES_PER_WORD = 8
@@ -172,6 +172,8 @@ class _Builder:
             for c in range(n_tiles):
                 T.buffer_store(yacc, splat(0.0, "float32"), [row, c, ramp(0)])
         with T.serial(0, self.groups) as g:
+            for tile in tiles:
+                self.group_args.prefetch(tile, g, n_tiles)
             scales = [self.group_args.scale(tile, g) for tile in tiles]
             zeros = [self.group_args.zero(tile, g) for tile in tiles] if self.group_args.zeros is not None else None
             for row in range(rows):
@@ -194,8 +196,7 @@ class _Builder:
         tables = [load(self.tables, row, word_index * NIBBLES_PER_WORD + j, ramp(0)) for j in range(NIBBLES_PER_WORD)]
         for c, tile_index in enumerate(tiles):
             if row == 0:
-                prefetch_words_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, self.words,
-                                     self.n_tiles, len(tiles))
+                prefetch_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, len(tiles))
             word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
             picked = [tirx.call_llvm_pure_intrin(
                 "float32x16", "llvm.x86.avx512.permvar.sf.512", table,

@@ -94,12 +94,13 @@ def horizontal_sum(values):
 
 
 
-def prefetch_words_ahead(qweight, tile_index, word_index, distance: int, words: int, tiles: int,
-                         tiles_per_task: int) -> None:
-    """Prefetch the 64-byte word `distance` words past (tile, word) of a tile16 weight [tiles, words, 16].
-    Past a tile's end it reaches the same stream of the next task (`tiles_per_task` tiles on; consecutive
-    tasks run on the same thread), so a task starts on prefetched words instead of cold misses."""
-    ahead = word_index + distance
-    tile_ahead = tirx.min(tile_index + tirx.floordiv(ahead, words) * tiles_per_task, tiles - 1)
-    intrinsic("llvm.prefetch.p0", tirx.address_of(load(qweight, tile_ahead, tirx.floormod(ahead, words), 0)),
+def prefetch_ahead(buffer, tile_index, index, distance: int, tiles_per_task: int) -> None:
+    """Prefetch the line `distance` rows past (tile, index) of a per-tile buffer [tiles, rows, lanes] (tile16
+    weight words, or the per-group scales and zeros).  Past a tile's end it reaches the same stream of the
+    next task (`tiles_per_task` tiles on; consecutive tasks run on the same thread), so a task starts on
+    prefetched lines instead of cold misses."""
+    tiles, rows = buffer.shape[0], buffer.shape[1]
+    ahead = index + distance
+    tile_ahead = tirx.min(tile_index + tirx.floordiv(ahead, rows) * tiles_per_task, tiles - 1)
+    intrinsic("llvm.prefetch.p0", tirx.address_of(load(buffer, tile_ahead, tirx.floormod(ahead, rows), 0)),
               tirx.const(0, "int32"), tirx.const(3, "int32"), tirx.const(1, "int32"))
