@@ -146,10 +146,12 @@ def test_results_are_bitwise_deterministic(name, m):
     assert all(torch.equal(first, spec(x, packed, b)) for _ in range(5))
 
 
-def test_batched_input_and_empty_rows():
+def test_batched_strided_and_empty_inputs():
+    """A contiguous [M, K] x goes to the kernel as it is; batched and strided ones are flattened first."""
     spec, q, _, _ = _case("int4", 32, 128, 1)
     x = torch.randn(2, 3, 128).bfloat16()
     _run(spec, q, x)
+    _run(spec, q, torch.randn(128, 3).bfloat16().T)
     assert spec(torch.empty(0, 128, dtype=torch.bfloat16), pack(q)).shape == (0, 32)
 
 
