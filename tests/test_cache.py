@@ -267,3 +267,16 @@ def test_cuda_prebuild_cross_compiles_and_loads_without_the_compiler(tmp_path, a
     """, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["CudaKernel", arch, "False"]
+
+
+def test_row_shortcut_serves_the_bucket_kernel_until_forget(tmp_path, monkeypatch):
+    """Host-CPU lookups without a device are remembered by M; the kernel is the bucket's, and forget()
+    drops the shortcut too (the next call loads from disk again)."""
+    monkeypatch.setenv("BITKERN_CACHE_DIR", str(tmp_path))
+    first = kernel_for(SPEC, 64, 256, 3, "tile16")
+    assert kernel_for(SPEC, 64, 256, 3, "tile16") is first
+    assert kernel_for(SPEC, 64, 256, 1, "tile16") is first  # same bucket, another M
+    assert kernel_for(SPEC, 64, 256, 3, "tile16", host_cpu()) is first
+    forget()
+    again = kernel_for(SPEC, 64, 256, 3, "tile16")
+    assert again is not first and again.config == first.config

@@ -87,3 +87,38 @@ def test_input_errors_name_the_argument():
         Matmul("uint4", "float32", zero_mode="gptq").reference(x, q)
     with pytest.raises(TypeError, match="weight must be a bitkern QuantizedWeight"):
         spec.reference(x, torch.zeros(24, 128))
+
+
+def _quick_case(**changes):
+    """(spec, x, packed weight, bias) of a valid CPU call, with `changes` applied to one of them."""
+    q = _q("int4", n=32, k=128, group_size=32)
+    spec = Matmul.for_weight(q, "bfloat16", bias=changes.pop("spec_bias", True))
+    case = {"x": torch.randn(3, 128).bfloat16(), "weight": bitkern.pack(q), "bias": torch.randn(32)}
+    case.update(changes)
+    return spec, case["x"], case["weight"], case["bias"]
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"x": torch.randn(3, 128)},                                   # activation dtype
+    {"x": torch.randn(3, 64).bfloat16()},                         # K
+    {"x": torch.tensor(1.0).bfloat16()},                          # 0-dim
+    {"x": torch.nn.Parameter(torch.randn(3, 128).bfloat16())},    # a Tensor subclass
+    {"x": [[1.0] * 128]},                                         # not a tensor
+    {"bias": None},                                               # the spec has a bias
+    {"bias": torch.randn(31)},
+    {"spec_bias": False},                                         # a bias the spec has not
+    {"weight": bitkern.pack(_q("uint4", n=32, k=128, group_size=32))},
+    {"weight": bitkern.pack(_q("int4", n=32, k=128, group_size=64))},
+    {"weight": bitkern.pack(_q("int4", n=32, k=128, group_size=32, scale_dtype=torch.bfloat16))},
+])
+def test_quick_check_accepts_only_what_the_full_check_accepts(changes):
+    """Matmul calls skip check_inputs when a few comparisons pass: those must imply that it passes."""
+    spec, x, weight, bias = _quick_case(**changes)
+    try:
+        spec.check_inputs(x, weight, bias)
+        valid = True
+    except (TypeError, ValueError):
+        valid = False
+    assert spec._fits(x, weight, bias) <= valid
+    assert spec._fits(x, weight, bias) == (changes == {})  # these are the only valid case here

@@ -13,13 +13,24 @@ from .disk import DiskStore
 from .key import KernelKey
 
 TUNING_MODES = ("profile", "model")
+SHORTCUT_ROWS = 128  # host-CPU kernels found for these row counts are remembered by M itself
 _kernels: dict = {}
+_by_rows: dict = {}  # (spec, N, K, M, layout) -> host-CPU kernel: skips the device and bucket lookups
 _build_lock = threading.Lock()
 
 
 def kernel_for(spec: Matmul, n: int, k: int, m: int, layout: str, device=None, store: DiskStore | None = None):
-    """The compiled kernel serving `spec` on a [N, K] weight in `layout` for M rows on `device`."""
-    device = device or host_cpu()
+    """The compiled kernel serving `spec` on a [N, K] weight in `layout` for M rows on `device` (None: this
+    CPU)."""
+    if device is None:
+        if store is not None:
+            return kernel_for(spec, n, k, m, layout, host_cpu(), store)
+        kernel = _by_rows.get((spec, n, k, m, layout))
+        if kernel is None:
+            kernel = kernel_for(spec, n, k, m, layout, host_cpu())
+            if m <= SHORTCUT_ROWS:
+                _by_rows[(spec, n, k, m, layout)] = kernel
+        return kernel
     bucket = m_bucket(m)
     kernel = _kernels.get((spec, n, k, bucket, layout, device.key))
     if kernel is not None:
@@ -63,3 +74,4 @@ def forget() -> None:
     """Drop this process's map (kernels stay on disk): the next call of each shape loads or builds again."""
     with _build_lock:
         _kernels.clear()
+        _by_rows.clear()

@@ -73,6 +73,8 @@ class Matmul:
         if activation == "int8" and "int8" not in weight.compute_types:
             raise ValueError(f"activation_dtype='int8' needs a weight type that converts to int8 exactly; "
                              f"{weight.name!r} converts to {list(weight.compute_types)}")
+        scale = None if weight.block_size > 1 else _TORCH_DTYPES[self.scale_dtype]
+        object.__setattr__(self, "_quick", (weight.name, self.zero_mode, scale, _TORCH_DTYPES[activation]))
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _SPEC_FIELDS)))
 
     def check_shape(self, n: int, k: int) -> None:
@@ -98,14 +100,30 @@ class Matmul:
         if not isinstance(weight, PackedWeight):
             raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                             f"got {type(weight).__name__}")
-        self.check_inputs(x, weight, bias)
+        quick = self._fits(x, weight, bias)
+        if not quick:
+            self.check_inputs(x, weight, bias)
         n, k = weight.shape
         spec, data, shape = self._kernel_input(x, n, k)
         if data.shape[0] == 0:
             return torch.empty(shape, dtype=_TORCH_DTYPES[self.output_dtype], device=x.device)
-        kernel = kernel_for(spec, n, k, spec.rows(data), weight.layout, _device_of(x))
+        kernel = kernel_for(spec, n, k, spec.rows(data), weight.layout, None if quick else _device_of(x))
         y = kernel(data, weight, bias)
         return y if y.shape == shape else y.reshape(shape)
+
+    def _fits(self, x, weight, bias) -> bool:
+        """A quick test (a few comparisons) that implies `check_inputs` passes for CPU tensors; False sends the
+        call through `check_inputs`, which names what is wrong.  Right after a kernel has streamed its weights
+        through the caches, the full checks cost ~20 µs per call (measured at 4096x4096, M=1)."""
+        name, zero_mode, scale, activation = self._quick
+        n, k = weight.shape
+        return (weight.ttype.name == name and weight.zero_mode == zero_mode
+                and weight.group_size == (k if self.group_size == -1 else self.group_size)
+                and (scale is None or weight.scales.dtype is scale)
+                and type(x) is torch.Tensor and x.dtype is activation and x.dim() >= 1 and x.shape[-1] == k
+                and x.is_cpu and weight.qweight.is_cpu
+                and (bias is None if not self.bias else
+                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu))
 
     def _kernel_input(self, x: torch.Tensor, n: int, k: int) -> tuple:
         """(the spec whose kernel runs, its contiguous input, the shape of y) for a checked x.  A contiguous
