@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..ops import REDUCTION_ORDER
+from ..ops.conv import conv_weight
 from .storage import QuantizedModule, check_positive
 
 
@@ -90,7 +91,7 @@ class Conv2d(QuantizedModule):
 
     def _from_gemm_matrix(self, matrix: torch.Tensor) -> torch.Tensor:
         """[Cout, kh·kw·Cin] -> [Cout, Cin, kh, kw] (PyTorch's weight order)."""
-        return matrix.reshape(self.out_channels, *self.kernel_size, self.in_channels).permute(0, 3, 1, 2).contiguous()
+        return conv_weight(matrix, self.kernel_size, self.in_channels).contiguous()
 
     def extra_settings(self) -> dict:
         return {"reduction_order": REDUCTION_ORDER}

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..codegen import PackedWeight, packed_class
 from ..ops import Conv2d, ConvGeometry, Matmul
-from ..ops.conv import out_size
+from ..ops.conv import conv_weight, out_size
 from ..ttype import get
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -139,7 +139,7 @@ def _conv2d_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         (batch, height, width, channels), kernel_size, stride, dilation, (top, bottom, left, right) = ctx.geometry
         weight = torch.ops.bitkern.dequantize(*ctx.saved_tensors, *ctx.weight_format, torch.float32)
-        weight = weight.reshape(-1, *kernel_size, channels).permute(0, 3, 1, 2)
+        weight = conv_weight(weight, kernel_size, channels)
         padded = (batch, channels, height + top + bottom, width + left + right)
         grad_padded = torch.nn.grad.conv2d_input(padded, weight, grad.float().permute(0, 3, 1, 2), stride, 0,
                                                  dilation)

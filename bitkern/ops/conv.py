@@ -143,16 +143,27 @@ class Conv2d(Matmul):
         if not isinstance(weight, QuantizedWeight):
             weight = weight.to_portable()
         g = self.geometry
-        kernel = weight.dequantize(torch.float64).reshape(-1, *g.kernel, g.in_channels).permute(0, 3, 1, 2)
-        image = F.pad(x.double().permute(0, 3, 1, 2), (g.padding[2], g.padding[3], g.padding[0], g.padding[1]))
-        y = F.conv2d(image, kernel, None if bias is None else bias.double(), g.stride, 0, g.dilation)
+        kernel = conv_weight(weight.dequantize(torch.float64), g.kernel, g.in_channels)
+        y = F.conv2d(_padded_nchw(x.double(), g), kernel, None if bias is None else bias.double(), g.stride, 0,
+                     g.dilation)
         return y.permute(0, 2, 3, 1)
+
+
+def conv_weight(matrix: torch.Tensor, kernel, in_channels: int) -> torch.Tensor:
+    """The [Cout, Cin, kh, kw] convolution weight (a view) of the GEMM's [Cout, kh·kw·Cin] matrix."""
+    return matrix.reshape(-1, *kernel, in_channels).permute(0, 3, 1, 2)
+
+
+def _padded_nchw(x: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
+    """NHWC x as NCHW with the geometry's zero padding applied."""
+    top, bottom, left, right = g.padding
+    return F.pad(x.permute(0, 3, 1, 2), (left, right, top, bottom))
 
 
 def im2col(x: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
     """The im2col rows [B·Hout·Wout, kh·kw·Cin] of NHWC x, in the weight's (kh, kw, c) order."""
-    image = F.pad(x.permute(0, 3, 1, 2), (g.padding[2], g.padding[3], g.padding[0], g.padding[1]))
-    columns = F.unfold(image, g.kernel, g.dilation, 0, g.stride)  # [B, Cin·kh·kw, L] in (c, kh, kw) order
+    # [B, Cin·kh·kw, L] in (c, kh, kw) order
+    columns = F.unfold(_padded_nchw(x, g), g.kernel, g.dilation, 0, g.stride)
     columns = columns.reshape(x.shape[0], g.in_channels, g.kernel[0] * g.kernel[1], -1)
     return columns.permute(0, 3, 2, 1).reshape(-1, g.reduction)
 

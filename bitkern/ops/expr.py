@@ -7,7 +7,8 @@ The decode is the weight type's own TVM builder (`TType.tvm_decode`).  X is the 
 `Conv2d` spec the implicit-GEMM gather from the NHWC image (zero outside it, see `bitkern.ops.conv`).
 Where the codes, scales and zeros live is a *weight storage*: `PortableStorage` reads the portable layout
 (`bitkern.ttype.pack`); code generators pass their own layouts.  int8 activations accumulate exact int32
-sums per group and scale them in float32.  The expression's arguments, in order, are `MatmulExpr.inputs` then the output.
+sums per group and scale them in float32.  The expression's arguments, in order, are `MatmulExpr.inputs`
+then the output.
 """
 
 from __future__ import annotations
@@ -128,16 +129,25 @@ def activation(spec: Matmul, k: int):
         return m, x, lambda r, j: x[r, j]
     batch = te.var("B")
     x = te.placeholder((batch, g.height, g.width, g.in_channels), dtype, name="x")
-    out_w = g.out_size[1]
 
     def x_at(r, j):
-        pixel, tap, c = r % g.pixels, j // g.in_channels, j % g.in_channels
-        ih = pixel // out_w * g.stride[0] - g.padding[0] + tap // g.kernel[1] * g.dilation[0]
-        iw = pixel % out_w * g.stride[1] - g.padding[2] + tap % g.kernel[1] * g.dilation[1]
-        inside = tirx.all(ih >= 0, ih < g.height, iw >= 0, iw < g.width)
-        return tirx.if_then_else(inside, x[r // g.pixels, ih, iw, c], tirx.const(0, dtype))
+        where, inside = tap_source(g, r, tirx.floordiv(j, g.in_channels))
+        return tirx.if_then_else(inside, x[(*where, tirx.floormod(j, g.in_channels))], tirx.const(0, dtype))
 
     return batch * g.pixels, x, x_at
+
+
+def tap_source(g, row, tap):
+    """((image, ih, iw), inside): the pixel of the NHWC input that output row `row` (image, oh, ow) reads
+    for kernel tap `tap` (kh · kernel width + kw), and whether it lies inside the image (zero padding otherwise)."""
+    from tvm import tirx
+
+    pixel = tirx.floormod(row, g.pixels)
+    ih = tirx.floordiv(pixel, g.out_size[1]) * g.stride[0] - g.padding[0] + \
+        tirx.floordiv(tap, g.kernel[1]) * g.dilation[0]
+    iw = tirx.floormod(pixel, g.out_size[1]) * g.stride[1] - g.padding[2] + \
+        tirx.floormod(tap, g.kernel[1]) * g.dilation[1]
+    return (tirx.floordiv(row, g.pixels), ih, iw), tirx.all(ih >= 0, ih < g.height, iw >= 0, iw < g.width)
 
 
 def _epilogue(value, bias, i, out_dtype):

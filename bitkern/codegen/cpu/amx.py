@@ -22,6 +22,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
+from ...ops.expr import tap_source
 from ...ops.matmul import Matmul
 from ...ttype import get
 from ...ttype.types import INT, UINT
@@ -261,29 +262,18 @@ class _Builder:
     def _gather_row(self, row) -> None:
         """A-plane row `row` of a convolution: output pixel (b, oh, ow) reads x[b, ih, iw, c] for each tap
         (kh, kw) and channel c, in the weight's (kh, kw, c) order; 0 outside the image and past K."""
-        g = self.spec.geometry
-        image, pixel = tirx.floordiv(row, g.pixels), tirx.floormod(row, g.pixels)
-        top = tirx.floordiv(pixel, g.out_size[1]) * g.stride[0] - g.padding[0]
-        left = tirx.floormod(pixel, g.out_size[1]) * g.stride[1] - g.padding[2]
-
-        def tap_pixel(tap):
-            """(image, ih, iw) that `tap` of this output pixel reads, and whether it lies inside the image."""
-            ih = top + tirx.floordiv(tap, g.kernel[1]) * g.dilation[0]
-            iw = left + tirx.floormod(tap, g.kernel[1]) * g.dilation[1]
-            return (image, ih, iw), tirx.all(ih >= 0, ih < g.height, iw >= 0, iw < g.width)
-
-        if g.in_channels % 32 == 0:
-            self._gather_channel_runs(row, tap_pixel)
+        if self.spec.geometry.in_channels % 32 == 0:
+            self._gather_channel_runs(row)
         else:
-            self._gather_staged(row, tap_pixel)
+            self._gather_staged(row)
 
-    def _gather_channel_runs(self, row, tap_pixel) -> None:
+    def _gather_channel_runs(self, row) -> None:
         """Each 32-k chunk is 32 channels of one tap: two vector loads, or zeros outside the image."""
         g = self.spec.geometry
         runs = g.in_channels // 32
         zero = splat(0.0, "float32")
         with T.serial(0, g.kernel[0] * g.kernel[1]) as tap:
-            where, inside = tap_pixel(tap)
+            where, inside = tap_source(g, row, tap)
             with T.serial(0, runs) as run:
                 with T.If(inside):
                     with T.Then():
@@ -293,12 +283,12 @@ class _Builder:
                     with T.Else():
                         self._store_planes(row, tap * runs + run, zero, zero)
 
-    def _gather_staged(self, row, tap_pixel) -> None:
+    def _gather_staged(self, row) -> None:
         """Channel runs straddle 32-k chunks: stage the row in float32 tap by tap, then split it in chunks."""
         g, s = self.spec.geometry, self.s
         staged = T.alloc_buffer((s.k_pad,), "float32", scope="local", align=64)
         with T.serial(0, g.kernel[0] * g.kernel[1]) as tap:
-            where, inside = tap_pixel(tap)
+            where, inside = tap_source(g, row, tap)
             with T.serial(0, g.in_channels) as c:
                 value = tirx.if_then_else(inside, self._as_float(load(self.x, *where, c)), tirx.const(0.0, "float32"))
                 T.buffer_store(staged, value, [tap * g.in_channels + c])
