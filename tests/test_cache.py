@@ -170,6 +170,8 @@ def test_entries_of_other_versions_are_never_used(tmp_path, monkeypatch):
     assert store.load(_key()) is None  # a manifest of other versions in this tree is damage
     monkeypatch.setattr("bitkern.cache.disk.versions", lambda: {**versions(), "bitkern": "9.9"})
     assert store.version_dir.name.startswith("bitkern-9.9")  # another version reads another tree
+    monkeypatch.setattr("bitkern.cache.disk.versions", lambda: {**versions(), "kernel_abi": "1"})
+    assert "_abi-1_" in store.version_dir.name  # kernels that take their arguments another way too
 
 
 def test_export_then_import_into_another_store_needs_no_tuning(tmp_path, monkeypatch):

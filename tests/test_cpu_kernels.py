@@ -307,3 +307,17 @@ def test_unaligned_tensors_are_accepted(name, activation):
     assert unaligned.qweight.data_ptr() % 64 == 8
     y = spec(_misaligned(x), unaligned, _misaligned(b))
     assert_matches_reference(spec, q, x, b, y)
+
+
+def test_kernel_arguments_are_made_once_and_follow_replaced_tensors():
+    spec, q, x, _ = _case("int4", 64, 256, 2, "bfloat16", output="bfloat16")
+    packed = pack(q)
+    weight = PackedWeight(packed.layout, packed.ttype, packed.shape, packed.group_size, packed.zero_mode,
+                          _misaligned(packed.qweight), packed.scales)
+    first = weight.kernel_arguments()
+    assert first[0] is not weight.qweight and first[0].data_ptr() % 64 == 0 and torch.equal(first[0], packed.qweight)
+    assert first[1] is weight.scales and weight.kernel_arguments() is first  # aligned tensors pass as they are
+    y = spec(x, weight)
+    weight.scales = weight.scales * 2  # a replaced tensor is picked up, not the one the arguments were made from
+    assert weight.kernel_arguments()[1] is weight.scales
+    assert torch.equal(spec(x, weight), y * 2)

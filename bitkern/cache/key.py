@@ -17,8 +17,9 @@ from ..ops.matmul import Matmul
 def versions() -> dict[str, str]:
     """The versions a compiled kernel depends on: an entry built under others is never used."""
     from .. import __version__
+    from ..codegen import KERNEL_ABI
 
-    return {"bitkern": __version__, "tvm": metadata.version("apache-tvm"),
+    return {"bitkern": __version__, "kernel_abi": str(KERNEL_ABI), "tvm": metadata.version("apache-tvm"),
             "tvm_ffi": metadata.version("apache-tvm-ffi")}
 
 

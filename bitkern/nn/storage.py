@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import ttype
 from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, to_layout
+from ..codegen.cpu.layout import ALIGNMENT
 from ..codegen.cpu.layout import LAYOUTS as CPU_LAYOUTS
 from ..ttype import QuantizedWeight, packed_length
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
@@ -31,7 +32,6 @@ WEIGHT_BUFFERS = ("qweight", "scales", "zeros", "tensor_scale")
 # Settings a checkpoint must share with the module it is loaded into (the rest of the state is geometry).
 WEIGHT_SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "weight_shape")
 _BITS = {2: torch.int16, 4: torch.int32}
-KERNEL_ALIGNMENT = 64  # bytes; the compiled kernels read the weight and bias with aligned vector loads
 
 
 def weight_dtypes() -> list[str]:
@@ -283,7 +283,7 @@ class QuantizedModule(nn.Module):
                                       error_msgs)
         for name in (*WEIGHT_BUFFERS, "bias"):  # assigned tensors (e.g. slices of a file) may sit anywhere
             tensor = getattr(self, name)
-            if tensor is not None and tensor.data_ptr() % KERNEL_ALIGNMENT:
+            if tensor is not None and tensor.data_ptr() % ALIGNMENT:  # the kernels' aligned vector loads
                 with torch.no_grad():
                     setattr(self, name, nn.Parameter(tensor.clone(), tensor.requires_grad) if name == "bias"
                             else tensor.clone())

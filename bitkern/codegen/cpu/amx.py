@@ -29,7 +29,7 @@ from ...ttype.types import INT, UINT
 from .configs import TILE_REGISTERS, AmxConfig
 from .groups import GroupArguments, to_output
 from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
-from .tir import (LANES, STORAGE, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
+from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
                   prefetch_ahead, splat, stride, tile, tile_pointer,
                   u32)
 
@@ -81,7 +81,7 @@ def build(spec: Matmul, n: int, k: int, config: AmxConfig, name: str = "main"):
     (at most 16 with small_m).
 
     Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), lut (lut
-    decode), bias [N] float32 (bias specs), y [M, N].  bfloat16 tensors travel as int16 views.
+    decode), bias [N] float32 (bias specs), y [M, N].
     """
     reason = unsupported_reason(spec, k)
     if reason:
@@ -212,12 +212,12 @@ class _Builder:
         per_tile = (s.n_tiles, s.scale_groups, LANES)
         g = spec.geometry
         x_shape = (self.m, s.k) if g is None else (self.batch, g.height, g.width, g.in_channels)
-        self.x = T.arg("x", T.Buffer(x_shape, STORAGE[spec.activation_dtype]))
+        self.x = T.arg("x", T.Buffer(x_shape, spec.activation_dtype))
         self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
         self.group_args = GroupArguments.declare(spec, per_tile)
         self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
         self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
-        self.y = T.arg("y", T.Buffer((self.m, s.n), STORAGE[spec.output_dtype]))
+        self.y = T.arg("y", T.Buffer((self.m, s.n), spec.output_dtype))
 
     def _padded_rows(self):
         if self.cfg.small_m:
@@ -299,7 +299,7 @@ class _Builder:
             self._store_planes(row, chunk, even, odd)
 
     def _as_float(self, value):
-        """Loaded x values as float32 (bfloat16 arrives as int16 bits)."""
+        """Loaded x values as float32."""
         if self.spec.activation_dtype == "bfloat16":
             return bf16_to_float(value)
         return tirx.Cast(f"float32x{lanes(value)}" if lanes(value) > 1 else "float32", value)

@@ -10,7 +10,7 @@ from tvm.script.ir_builder import tirx as T
 
 from ...ops.matmul import Matmul
 from ...ttype import get
-from .tir import LANES, STORAGE, bf16_bits, bf16_to_float, lanes, load, prefetch_ahead, ramp
+from .tir import LANES, bf16_bits, bf16_to_float, lanes, load, prefetch_ahead, ramp
 
 PREFETCH_GROUPS = 4  # a few groups of a task's work: well past the memory latency, two lines of fp16 scales
 
@@ -29,10 +29,10 @@ class GroupArguments:
     def declare(cls, spec: Matmul, per_tile: tuple) -> "GroupArguments":
         """Declare the arguments, in this order, in the PrimFunc being built."""
         ttype = get(spec.weight_dtype)
-        scales = T.arg("scales", T.Buffer(per_tile, "uint8" if ttype.block_size > 1 else STORAGE[spec.scale_dtype]))
+        scales = T.arg("scales", T.Buffer(per_tile, "uint8" if ttype.block_size > 1 else spec.scale_dtype))
         zeros = None
         if spec.zero_mode != "none":
-            zeros = T.arg("zeros", T.Buffer(per_tile, STORAGE[spec.scale_dtype] if spec.zero_mode == "hqq"
+            zeros = T.arg("zeros", T.Buffer(per_tile, spec.scale_dtype if spec.zero_mode == "hqq"
                                             else "uint8"))
         tensor_scale = T.arg("tensor_scale", T.Buffer((1,), "float32")) if ttype.tensor_scale else None
         return cls(spec, scales, zeros, tensor_scale)
@@ -66,8 +66,8 @@ class GroupArguments:
 
 
 def to_output(value, output_dtype: str):
-    """float32 lanes (or a scalar) in the output's storage type; bfloat16 rounds to nearest even into int16."""
+    """float32 lanes (or a scalar) as `output_dtype`; bfloat16 rounds to nearest even by integer arithmetic."""
     suffix = f"x{lanes(value)}" if lanes(value) > 1 else ""
     if output_dtype == "bfloat16":
-        return tirx.reinterpret(f"int16{suffix}", tirx.Cast(f"uint16{suffix}", bf16_bits(value)))
+        return tirx.reinterpret(f"bfloat16{suffix}", tirx.Cast(f"uint16{suffix}", bf16_bits(value)))
     return tirx.Cast(f"{output_dtype}{suffix}", value)

@@ -12,6 +12,7 @@ word); scales and zeros are laid out [N/16, groups, 16].
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
 TILE16_BITS = (1, 2, 4)  # widths whose words split into 16-bit halves of whole codes (AMX, lookup tables)
 LAYOUTS = ("tile16", "rowmajor")
+ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned vector loads
+log = logging.getLogger("bitkern")
 
 
 @dataclass(eq=False)
@@ -51,6 +54,17 @@ class PackedWeight:
     @property
     def padded_k(self) -> int:
         return padded_k(self.shape[1], self.ttype.bits) if self.layout == "tile16" else self.shape[1]
+
+    def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
+        """qweight, scales, zeros and tensor_scale (as [1]) as the CPU kernels take them, 64-byte aligned;
+        made once for a given set of tensors (per call, it is a few identity checks)."""
+        made = self.__dict__.get("_kernel_arguments")
+        if made is None or made[0] is not self.qweight or made[1] is not self.scales or made[2] is not self.zeros \
+                or made[3] is not self.tensor_scale:
+            parts = (self.qweight, self.scales, self.zeros, self.tensor_scale)
+            arguments = tuple(aligned(t.reshape(1) if t is self.tensor_scale else t) for t in parts if t is not None)
+            made = self.__dict__["_kernel_arguments"] = (*parts, arguments)
+        return made[4]
 
     def to_portable(self) -> QuantizedWeight:
         """The same weight in the portable layout (for checkpoints)."""
@@ -152,3 +166,12 @@ class Tile16Storage:
 
     def zero(self, i, g):
         return self.zeros[i // AMX_TILE_ROWS, g, i % AMX_TILE_ROWS]
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy of it that starts on a 64-byte boundary (views that start mid-line would fault
+    the kernels' aligned loads; packed weights and torch's own allocations are already aligned)."""
+    if tensor.data_ptr() % ALIGNMENT == 0:
+        return tensor
+    log.debug("bitkern: copying a %s tensor that is not %d-byte aligned", tuple(tensor.shape), ALIGNMENT)
+    return tensor.clone()

@@ -22,7 +22,7 @@ from .amx import PLANES
 from .configs import LutConfig
 from .groups import GroupArguments, to_output
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
-from .tir import LANES, STORAGE, bf16_to_float, horizontal_sum, load, prefetch_ahead, ramp, splat, u32
+from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch_ahead, ramp, splat, u32
 
 MAX_ROWS = 4
 NIBBLES_PER_WORD = 8
@@ -53,7 +53,7 @@ def build(spec: Matmul, n: int, k: int, config: LutConfig, name: str = "main"):
     """The PrimFunc for a [N, K] weight in the tile16 layout and M <= 4 rows.
 
     Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), values
-    (see `value_table`), bias [N] float32 (bias specs), y [M, N]; bfloat16 travels as int16 bits.
+    (see `value_table`), bias [N] float32 (bias specs), y [M, N].
     """
     reason = unsupported_reason(spec, k)
     if reason:
@@ -96,12 +96,12 @@ class _Builder:
     def _arguments(self) -> None:
         spec = self.spec
         per_tile = (self.n_tiles, self.groups, AMX_TILE_ROWS)
-        self.x = T.arg("x", T.Buffer((self.m, self.k), STORAGE[spec.activation_dtype]))
+        self.x = T.arg("x", T.Buffer((self.m, self.k), spec.activation_dtype))
         self.qweight = T.arg("qweight", T.Buffer((self.n_tiles, self.words, AMX_TILE_ROWS), "int32"))
         self.group_args = GroupArguments.declare(spec, per_tile)
         self.values = T.arg("values", T.Buffer((self.ttype.num_codes,), "float32"))
         self.bias = T.arg("bias", T.Buffer((self.n,), "float32")) if spec.bias else None
-        self.y = T.arg("y", T.Buffer((self.m, self.n), STORAGE[spec.output_dtype]))
+        self.y = T.arg("y", T.Buffer((self.m, self.n), spec.output_dtype))
 
     # -- prologue: tables and group sums ---------------------------------------------------------------
     def _k_in_word(self, slot: int) -> int:

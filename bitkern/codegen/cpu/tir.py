@@ -6,7 +6,6 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 LANES = 16  # 32-bit lanes of one 512-bit vector
-STORAGE = {"bfloat16": "int16", "float16": "float16", "float32": "float32"}  # bf16 travels as int16 bits
 
 
 def lanes(expr) -> int:
@@ -80,7 +79,7 @@ def bf16_value(bits):
 
 
 def bf16_to_float(stored):
-    """float32 (lanes) of bfloat16 values stored as int16 (lanes)."""
+    """float32 (lanes) of loaded bfloat16 (or int16 bit pattern) lanes, by shifting their bits."""
     n = lanes(stored)
     return bf16_value(tirx.Cast(_typed("uint32", n), tirx.reinterpret(_typed("uint16", n), stored)))
 
