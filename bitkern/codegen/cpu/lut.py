@@ -122,7 +122,7 @@ class _Builder:
         lane = tirx.Ramp(0, 1, LANES)
         selected = [load(self.values, tirx.bitwise_and(tirx.shift_right(lane, splat(i * self.bits, "int32")),
                                                         splat(mask, "int32"))) for i in range(self.codes_per_nibble)]
-        with T.serial(0, self.m * self.words) as task:  # tens of microseconds: cheaper than a parallel launch
+        with T.serial(0, self.m * self.words) as task:  # ~1.5 µs at K=4096, M=1: about what a parallel launch costs
             row, word = tirx.floordiv(task, self.words), tirx.floormod(task, self.words)
             for nibble in range(NIBBLES_PER_WORD):
                 total = None
