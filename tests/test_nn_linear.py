@@ -194,6 +194,25 @@ def test_state_dict_round_trip_into_a_meta_layer():
     assert torch.equal(fresh(x), layer(x))
 
 
+def test_assigned_tensors_that_start_mid_line_are_realigned():
+    """Tensors assigned from a state (e.g. slices of a mapped file) may start anywhere; the module copies
+    those that do not start on a 64-byte boundary and keeps the bias a Parameter."""
+    layer = bitkern.Linear.from_float(_float_linear(), "uint4", group_size=64, zero_mode="gptq")
+    state = layer.state_dict()
+    for name in ("bias", "qweight", "scales"):
+        raw = torch.empty(state[name].numel() * state[name].element_size() + 72, dtype=torch.uint8)
+        start = (64 - raw.data_ptr() % 64) % 64 + 8
+        state[name] = raw[start:start + raw.numel() - 72].view(state[name].dtype).view(state[name].shape).copy_(
+            state[name])
+        assert state[name].data_ptr() % 64 == 8
+    fresh = bitkern.Linear(IN, OUT, dtype="uint4", group_size=64, zero_mode="gptq", device="meta")
+    fresh.load_state_dict(state, assign=True)
+    assert all(t.data_ptr() % 64 == 0 for t in (fresh.bias, fresh.qweight, fresh.scales, fresh.zeros))
+    assert isinstance(fresh.bias, torch.nn.Parameter) and fresh.zeros is state["zeros"]  # aligned: kept
+    x = torch.randn(3, IN)
+    assert torch.equal(fresh(x), layer(x))
+
+
 def test_state_dict_in_the_portable_layout_is_re_laid_out_on_load():
     """A state whose layout differs from what this device's kernels read (here: the portable one, with
     its scales as float16 tensors rather than their bits) loads, and nothing is converted numerically."""

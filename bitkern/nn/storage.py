@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import ttype
 from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, to_layout
-from ..codegen.cpu.layout import ALIGNMENT
+from ..codegen.cpu.layout import aligned
 from ..codegen.cpu.layout import LAYOUTS as CPU_LAYOUTS
 from ..ttype import QuantizedWeight, packed_length
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
@@ -281,12 +281,12 @@ class QuantizedModule(nn.Module):
                 self._store(_empty_like(incoming, self.qweight.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        for name in (*WEIGHT_BUFFERS, "bias"):  # assigned tensors (e.g. slices of a file) may sit anywhere
-            tensor = getattr(self, name)
-            if tensor is not None and tensor.data_ptr() % ALIGNMENT:  # the kernels' aligned vector loads
-                with torch.no_grad():
-                    setattr(self, name, nn.Parameter(tensor.clone(), tensor.requires_grad) if name == "bias"
-                            else tensor.clone())
+        with torch.no_grad():  # assigned tensors (e.g. slices of a file) may sit anywhere; kernels need alignment
+            for name in (*WEIGHT_BUFFERS, "bias"):
+                tensor = getattr(self, name)
+                realigned = None if tensor is None else aligned(tensor)
+                if realigned is not tensor:
+                    setattr(self, name, nn.Parameter(realigned, tensor.requires_grad) if name == "bias" else realigned)
 
     def _weight_repr(self) -> str:
         float32_bytes = 4 * self.gemm_shape[0] * self.gemm_shape[1]

@@ -36,9 +36,7 @@ class CpuKernel:
         """y[M, N] for a contiguous x (x[M, K], or a convolution's NHWC image: M = its output pixels) with M
         in m_range (inputs already validated by the caller)."""
         y = torch.empty(self.spec.rows(x), self.n, dtype=_TORCH[self.spec.output_dtype], device=x.device)
-        if bias is None:
-            self.function(aligned(x), *weight.kernel_arguments(), *self.constants, y)
-        else:
-            bias = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.to(torch.float32).contiguous()
-            self.function(aligned(x), *weight.kernel_arguments(), *self.constants, aligned(bias), y)
+        bias_argument = () if bias is None else \
+            (aligned(bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()),)
+        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *bias_argument, y)
         return y
