@@ -1,6 +1,6 @@
 """How good are the tuner's choices?  For a few (spec, shape, M bucket): time every enumerated candidate
 (exhaustive search), compare the tuner's pick (top-k profiled) with the exhaustive best (its five fastest
-and the pick re-timed in interleaved rounds), time the tuning itself, and report the Spearman rank
+and the pick re-timed, taking turns call by call), time the tuning itself, and report the Spearman rank
 correlation of the cost model with the measured times.
 
 Run: python benchmarks/tuner_quality.py [--quick]   (writes benchmarks/results/tuner_quality.md)
@@ -17,7 +17,7 @@ import torch
 from bitkern.ops import Matmul
 from bitkern.tuner import host_cpu, tune
 from bitkern.tuner.cost import estimate
-from bitkern.tuner.profile import build_all, inputs, time_kernel
+from bitkern.tuner.profile import build_all, inputs, time_kernels
 from bitkern.tuner.buckets import TUNED_M
 from bitkern.tuner.space import enumerate_candidates
 
@@ -27,7 +27,7 @@ CASES = [
     (Matmul("int4", "bfloat16"), 4096, 11008, (17, 128)),
 ]
 FINALISTS = 5  # the exhaustive search's fastest, timed again against the pick
-ROUNDS = 7
+RETIME_S = 0.35  # per finalist: single timings are noisy, and the exhaustive minimum of them is biased low
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -61,14 +61,14 @@ def evaluate(spec, n, k, bucket, quick: bool) -> dict:
     measured = []
     for start in range(0, len(candidates), 8):
         kernels = build_all(candidates[start:start + 8], spec, n, k, "tile16", bucket, device)
-        measured += [time_kernel(kernel, x, copies, bias) for kernel in kernels]
+        measured += time_kernels(kernels, x, copies, bias)
     began = time.perf_counter()
     tuned = tune(spec, n, k, bucket, "tile16", device)
     tuning_seconds = time.perf_counter() - began
     pick = tuned.record.choice
     finalists = sorted(range(len(candidates)), key=measured.__getitem__)[:FINALISTS]
     kernels = [tuned.kernel] + build_all([candidates[i] for i in finalists], spec, n, k, "tile16", bucket, device)
-    retimed = interleaved_medians(kernels, x, copies, bias)
+    retimed = time_kernels(kernels, x, copies, bias, budget_s=RETIME_S)
     best = min(range(len(finalists)), key=lambda i: retimed[i + 1])
     return {"case": f"{spec.weight_dtype} {n}x{k} M={bucket[0]}..{bucket[1]} (tuned at {m})",
             "candidates": len(candidates), "spearman": spearman(modeled, measured),
@@ -76,13 +76,6 @@ def evaluate(spec, n, k, bucket, quick: bool) -> dict:
             "pick/best": retimed[0] / retimed[best + 1],
             "tuning_s": tuning_seconds, "pick": f"{pick.template} {pick.config}",
             "best": f"{candidates[finalists[best]].template} {candidates[finalists[best]].config}"}
-
-
-def interleaved_medians(kernels, x, copies, bias) -> list[float]:
-    """Median over ROUNDS rounds of each kernel's time, the kernels taking turns so drift hits all alike
-    (one timing each is too noisy: the exhaustive minimum of single timings is biased low)."""
-    rounds = [[time_kernel(kernel, x, copies, bias, budget_s=0.05) for kernel in kernels] for _ in range(ROUNDS)]
-    return [sorted(column)[ROUNDS // 2] for column in zip(*rounds)]
 
 
 def main() -> None:

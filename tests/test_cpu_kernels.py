@@ -243,6 +243,28 @@ def test_lookup_template_serves_every_row_count(name, group, zero_mode):
         assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [16, 48, 80, 200])
+def test_lookup_kernels_split_into_any_number_of_chunks(threads, n):
+    """Each parallel chunk tabulates x itself and runs its own consecutive tasks: for any thread count the
+    build assumes (more chunks than the runtime has threads, fewer tasks than threads, a short last chunk)
+    every tile is computed once, by the same arithmetic, so outputs are bit-identical across thread counts."""
+    import dataclasses
+
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen.cpu.configs import LutConfig
+
+    spec, q, _, b = _case("int2", n, 256, 1, group=64, bias=True)
+    packed = pack(q)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(n)).bfloat16()
+    device = dataclasses.replace(host_cpu(), cores=threads)
+    y = build_kernel(spec, n, 256, "lut", LutConfig(n_tiles=2, prefetch=16), packed.layout, (1, 4), device)(x, packed, b)
+    assert_matches_reference(spec, q, x, b, y)
+    single = dataclasses.replace(host_cpu(), cores=1)
+    one_chunk = build_kernel(spec, n, 256, "lut", LutConfig(n_tiles=2, prefetch=16), packed.layout, (1, 4), single)
+    assert torch.equal(y, one_chunk(x, packed, b))
+
+
 def test_kernels_are_built_once_per_bucket():
     spec, q, x, _ = _case("uint4", 64, 256, 1)
     packed = pack(q)

@@ -137,6 +137,29 @@ def test_profiled_tuning_builds_the_top_k_and_keeps_the_fastest():
     assert "<= chosen" in text and "hint m" in text and record.summary() in text
 
 
+def test_candidates_are_timed_taking_turns():
+    """Profiling alternates the candidates call by call (drift in the machine's speed hits them alike) and
+    rotates the weight copies; each gets the median of its own calls."""
+    import time
+
+    from bitkern.tuner.profile import time_kernels
+
+    calls = []
+
+    def kernel(name, seconds):
+        def call(x, weight, bias):
+            calls.append((name, weight))
+            time.sleep(seconds)
+        return call
+
+    fast, slow = time_kernels([kernel("fast", 0.001), kernel("slow", 0.003)], None, ["w0", "w1", "w2"], None,
+                              budget_s=0.03)
+    assert fast >= 0.001 and slow >= 0.003 and slow - fast > 0.001
+    timed = calls[6:]  # after two warm-up calls each and one estimate each
+    assert [name for name, _ in timed] == ["fast", "slow"] * (len(timed) // 2) and len(timed) >= 10
+    assert {weight for _, weight in timed} == {"w0", "w1", "w2"}
+
+
 def test_m_buckets_cover_every_m():
     assert m_bucket(1) == (1, 4) and m_bucket(4) == (1, 4) and m_bucket(5) == (5, 16)
     assert m_bucket(17) == (17, 128) and m_bucket(100000)[0] == 129

@@ -1,13 +1,14 @@
 """The on-disk kernel store: one directory per compiled kernel, written atomically, verified when loaded.
 
-Layout: <root>/bitkern-<v>_abi-<v>_tvm-<v>_ffi-<v>/<target>/<key digest>/ holding the compiled kernel — for CPU
+Layout: <root>/bitkern-<v>_code-<digest>_tvm-<v>_ffi-<v>/<target>/<key digest>/ holding the compiled kernel — for CPU
 targets kernel.so (the module) and constants.safetensors (decode tables, if any); for CUDA targets
 kernel.cubin, kernel.ptx, the generated kernel.cu source (for inspection) and kernel.json (launches) —
 and manifest.json (the key, the versions, the template and its configuration, the tuning record, a
 sha256 of every file).  An entry is written into a
 hidden temporary directory and renamed into place, so a writer killed midway leaves nothing that loads;
-a file whose checksum does not match is reported, removed and rebuilt; entries of other bitkern, kernel
-ABI (`codegen.KERNEL_ABI`), TVM or tvm-ffi versions live under another directory and are never read.
+a file whose checksum does not match is reported, removed and rebuilt; entries of other bitkern versions,
+kernel-generating code (`key.code_fingerprint`), TVM or tvm-ffi versions live under another directory and
+are never read.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class DiskStore:
     @property
     def version_dir(self) -> Path:
         v = versions()
-        return self.root / f"bitkern-{v['bitkern']}_abi-{v['kernel_abi']}_tvm-{v['tvm']}_ffi-{v['tvm_ffi']}"
+        return self.root / f"bitkern-{v['bitkern']}_code-{v['code']}_tvm-{v['tvm']}_ffi-{v['tvm_ffi']}"
 
     def entry_dir(self, key: KernelKey) -> Path:
         return self.version_dir / key.target / key.digest

@@ -11,9 +11,6 @@ from .cpu.layout import layout_for as cpu_layout_for
 from .cpu.layout import to_layout as cpu_to_layout
 
 CUDA_LAYOUT = "lop3"
-# The arguments compiled kernels take (order and dtypes; 2: CPU kernels take bfloat16 tensors as they are).
-# Cached kernels record it, so a change makes them be rebuilt instead of called the old way.
-KERNEL_ABI = 2
 
 
 def layout_for(ttype, device_type: str = "cpu") -> str:
@@ -57,4 +54,4 @@ def pack(weight) -> PackedWeight:
     return to_layout(weight, layout_for(weight.ttype, weight.device.type))
 
 
-__all__ = ["CUDA_LAYOUT", "KERNEL_ABI", "PackedWeight", "layout_for", "pack", "packed_class", "to_layout"]
+__all__ = ["CUDA_LAYOUT", "PackedWeight", "layout_for", "pack", "packed_class", "to_layout"]

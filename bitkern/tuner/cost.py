@@ -124,8 +124,8 @@ def _lut_cycles(config, spec, n, k, m, device):
     words = -(-n // 16) * padded_k(k, bits) // codes_per_word(bits)
     lookups = words * (LOOKUP_CYCLES[0] + LOOKUP_CYCLES[1] * m)
     positions = padded_k(k, bits) * bits // 4
-    tables = m * positions * 4  # building the tables
     tasks = -(-(-(-n // 16)) // config.n_tiles)
+    tables = m * positions * 4 * min(device.cores, tasks)  # every thread builds the tables for itself
     table_reads = tasks * m * positions * 64 / 32  # each task re-reads every table from L2 at 32 B/cycle
     return lookups + tables + table_reads, tasks, {"lookup_cycles": lookups, "table_l2_cycles": table_reads}
 

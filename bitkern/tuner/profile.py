@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,20 +75,30 @@ def _random_packed(spec: Matmul, n: int, k: int, layout: str, like, generator):
                         like.tensor_scale)
 
 
-def time_kernel(kernel, x, copies, bias, budget_s: float = 0.15) -> float:
-    """Median seconds per call, rotating through the weight copies, within about `budget_s`."""
-    for weight in copies[:2]:
-        kernel(x, weight, bias)
+def time_kernels(kernels, x, copies, bias, budget_s: float = 0.15) -> list[float]:
+    """Median seconds per call of each kernel (within about `budget_s` each), rotating through the weight
+    copies.  The kernels take turns call by call, so that drift in the machine's speed (other processes,
+    clocks) hits them all alike: timed one after another, candidates within ~5% were ranked by the drift."""
+    for kernel in kernels:
+        for weight in copies[:2]:
+            kernel(x, weight, bias)
     start = time.perf_counter()
-    kernel(x, copies[0], bias)
-    once = max(time.perf_counter() - start, 1e-7)
-    samples = []
+    for kernel in kernels:
+        kernel(x, copies[0], bias)
+    once = max((time.perf_counter() - start) / len(kernels), 1e-7)
+    samples = [[] for _ in kernels]
     for i in range(max(5, min(200, int(budget_s / once)))):
-        start = time.perf_counter()
-        kernel(x, copies[i % len(copies)], bias)
-        samples.append(time.perf_counter() - start)
-    samples.sort()
-    return samples[len(samples) // 2]
+        for j, kernel in enumerate(kernels):
+            weight = copies[(i * len(kernels) + j) % len(copies)]
+            start = time.perf_counter()
+            kernel(x, weight, bias)
+            samples[j].append(time.perf_counter() - start)
+    return [statistics.median(column) for column in samples]
+
+
+def time_kernel(kernel, x, copies, bias, budget_s: float = 0.15) -> float:
+    """Median seconds per call of one kernel (see `time_kernels`)."""
+    return time_kernels([kernel], x, copies, bias, budget_s)[0]
 
 
 def _clone(packed):

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from ..ops.matmul import Matmul
 from .buckets import TUNED_M
 from .cost import estimate, estimate_cuda
-from .profile import build_all, build_all_cuda, cuda_inputs, inputs, time_cuda_kernel, time_kernel
+from .profile import build_all, build_all_cuda, cuda_inputs, inputs, time_cuda_kernel, time_kernels
 from .record import Trial, TuningRecord
 from .space import enumerate_candidates, enumerate_cuda_candidates, templates_for
 
@@ -53,9 +53,8 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
         shortlist = _shortlist(record.trials, order, top_k)
         kernels = backend.build([candidates[i] for i in shortlist])
         x, copies, bias = backend.inputs(tuned_m)
-        for i, kernel in tqdm(list(zip(shortlist, kernels)), desc=f"tuning {spec.weight_dtype} {n}x{k}",
-                              leave=False, disable=None):
-            record.trials[i].measured_s = backend.time(kernel, x, copies, bias)
+        for i, seconds in zip(shortlist, backend.time(kernels, x, copies, bias)):
+            record.trials[i].measured_s = seconds
         fastest = min(record.trials[i].measured_s for i in shortlist)
         ties = [i for i in shortlist if record.trials[i].measured_s <= fastest * (1 + TIE)]
         record.chosen = min(ties, key=order.index)
@@ -145,8 +144,8 @@ class _CpuBackend:
         return inputs(self.spec, self.n, self.k, m, self.layout, self.device)
 
     @staticmethod
-    def time(kernel, x, copies, bias):
-        return time_kernel(kernel, x, copies, bias)
+    def time(kernels, x, copies, bias) -> list[float]:
+        return time_kernels(kernels, x, copies, bias)
 
 
 class _CudaBackend:
@@ -170,6 +169,6 @@ class _CudaBackend:
     def inputs(self, m):
         return cuda_inputs(self.spec, self.n, self.k, m)
 
-    @staticmethod
-    def time(kernel, x, copies, bias):
-        return time_cuda_kernel(kernel, x, copies, bias)
+    def time(self, kernels, x, copies, bias) -> list[float]:
+        progress = tqdm(kernels, desc=f"tuning {self.spec.weight_dtype} {self.n}x{self.k}", leave=False, disable=None)
+        return [time_cuda_kernel(kernel, x, copies, bias) for kernel in progress]

@@ -23,7 +23,7 @@ def build_kernel(spec: Matmul, n: int, k: int, template: str, config, layout: st
         if config.decode == "lut":
             constants.append(amx.lut_words(spec))
     elif template == "lut":
-        func = lut.build(spec, n, k, config)
+        func = lut.build(spec, n, k, config, device.cores)
         constants.append(lut.value_table(spec))
     elif template == "generic":
         func = generic.build(spec, n, k, config, layout)

@@ -10,7 +10,7 @@ from tvm.script.ir_builder import tirx as T
 
 from ...ops.matmul import Matmul
 from ...ttype import get
-from .tir import LANES, bf16_bits, bf16_to_float, lanes, load, prefetch_ahead, ramp
+from .tir import LANES, bf16_bits, bf16_to_float, lanes, load, prefetch, prefetch_ahead, ramp
 
 PREFETCH_GROUPS = 4  # a few groups of a task's work: well past the memory latency, two lines of fp16 scales
 
@@ -55,6 +55,12 @@ class GroupArguments:
         for buffer in (self.scales, self.zeros):
             if buffer is not None:
                 prefetch_ahead(buffer, tile_index, group, PREFETCH_GROUPS, tiles_per_task)
+
+    def prefetch_into_l2(self, tile_index, group) -> None:
+        """Prefetch the group's scales (and zeros) of one tile into L2 (for a later task)."""
+        for buffer in (self.scales, self.zeros):
+            if buffer is not None:
+                prefetch(load(buffer, tile_index, group, 0), into_l1=False)
 
     def zero(self, tile_index, group):
         """The group's 16 zero points as float32 (integers, or hqq's stored floats)."""

@@ -22,7 +22,7 @@ from .amx import PLANES
 from .configs import LutConfig
 from .groups import GroupArguments, to_output
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
-from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch_ahead, ramp, splat, u32
+from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch, prefetch_ahead, ramp, splat, u32
 
 MAX_ROWS = 4
 NIBBLES_PER_WORD = 8
@@ -49,8 +49,9 @@ def value_table(spec: Matmul) -> torch.Tensor:
     return ttype.values.clone()
 
 
-def build(spec: Matmul, n: int, k: int, config: LutConfig, name: str = "main"):
-    """The PrimFunc for a [N, K] weight in the tile16 layout and M <= 4 rows.
+def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, name: str = "main"):
+    """The PrimFunc for a [N, K] weight in the tile16 layout and M <= 4 rows, split into `threads` parallel
+    chunks (the runtime's thread count: each chunk tabulates x itself, see `_Builder._main`).
 
     Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), values
     (see `value_table`), bias [N] float32 (bias specs), y [M, N].
@@ -58,12 +59,14 @@ def build(spec: Matmul, n: int, k: int, config: LutConfig, name: str = "main"):
     reason = unsupported_reason(spec, k)
     if reason:
         raise ValueError(f"the lookup template does not support {reason}")
-    return _Builder(spec, n, k, config).build(name)
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    return _Builder(spec, n, k, config, threads).build(name)
 
 
 class _Builder:
-    def __init__(self, spec: Matmul, n: int, k: int, config: LutConfig):
-        self.spec, self.cfg = spec, config
+    def __init__(self, spec: Matmul, n: int, k: int, config: LutConfig, threads: int):
+        self.spec, self.cfg, self.threads = spec, config, threads
         self.ttype = get(spec.weight_dtype)
         self.bits = self.ttype.bits
         self.n, self.k = n, k
@@ -87,9 +90,6 @@ class _Builder:
                 self._arguments()
                 T.func_attr({"tirx.noalias": True})
                 T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= MAX_ROWS))
-                self.tables = T.alloc_buffer((self.m, self.positions, LANES), "float32")
-                self.xs = T.alloc_buffer((self.m, self.groups), "float32")
-                self._prologue()
                 self._main()
         return builder.get()
 
@@ -115,20 +115,27 @@ class _Builder:
         value = bf16_to_float(value) if self.spec.activation_dtype == "bfloat16" else tirx.Cast("float32", value)
         return tirx.Select(k_index < (self.k if end is None else end), value, tirx.const(0.0, "float32"))
 
-    def _prologue(self) -> None:
-        """T[m, 8w + j, c] = Σ_i x[m, k_i] · v((c >> i·bits) & mask) over the k's of nibble j of word w, in
-        parallel over (m, w); with zero points also XS[m, g] = Σ_{k in g} x[m, k]."""
+    def _prologue(self, first_tiles: list) -> None:
+        """T[m, 8w + j, c] = Σ_i x[m, k_i] · v((c >> i·bits) & mask) over the k's of nibble j of word w; with
+        zero points also XS[m, g] = Σ_{k in g} x[m, k].  x is first widened to float32 (zero past K), so each
+        term is a broadcast load and a multiply-add.  Meanwhile word w of each of the chunk's first tiles
+        (and its group's scales) is prefetched into L2: the first task then starts on cached lines instead of
+        cold misses (measured at 4096x4096 int1: its first task 9.8 -> 5.1 µs, the prologue 2.8 -> 6.3 µs)."""
         mask = (1 << self.bits) - 1
         lane = tirx.Ramp(0, 1, LANES)
         selected = [load(self.values, tirx.bitwise_and(tirx.shift_right(lane, splat(i * self.bits, "int32")),
                                                         splat(mask, "int32"))) for i in range(self.codes_per_nibble)]
-        with T.serial(0, self.m * self.words) as task:  # ~1.5 µs at K=4096, M=1: about what a parallel launch costs
+        x = self._widened_x()
+        with T.serial(0, self.m * self.words) as task:
             row, word = tirx.floordiv(task, self.words), tirx.floormod(task, self.words)
+            for tile in first_tiles:
+                prefetch(load(self.qweight, tile, word, 0), into_l1=False)
+                self.group_args.prefetch_into_l2(tile, tirx.min(tirx.floordiv(word, self.group_words), self.groups - 1))
             for nibble in range(NIBBLES_PER_WORD):
                 total = None
                 for i in range(self.codes_per_nibble):
                     k_index = word * self.per_word + self._k_in_word(nibble * self.codes_per_nibble + i)
-                    term = tirx.Broadcast(self._x(row, k_index), LANES) * selected[i]
+                    term = tirx.Broadcast(load(x, row, k_index), LANES) * selected[i]
                     total = term if total is None else total + term
                 T.buffer_store(self.tables, total, [row, word * NIBBLES_PER_WORD + nibble, ramp(0)])
         if self.group_args.zeros is None:
@@ -143,6 +150,20 @@ class _Builder:
                     T.buffer_store(acc, load(acc, ramp(0)) + vector, [ramp(0)])
                 T.buffer_store(self.xs, horizontal_sum(load(acc, ramp(0))), [row, g])
 
+    def _widened_x(self):
+        """x as float32 [M, K_pad], zero past K."""
+        x = T.alloc_buffer((self.m, self.k_pad), "float32", align=64)
+        vectors = self.k_pad // LANES
+        with T.serial(0, self.m * vectors) as task:
+            row, k0 = tirx.floordiv(task, vectors), tirx.floormod(task, vectors) * LANES
+            if self.k % LANES == 0:
+                value = tirx.Select(k0 < self.k, self._x_vector(row, tirx.min(k0, self.k - LANES), self.k),
+                                    splat(0.0, "float32"))
+            else:
+                value = tirx.Shuffle([self._x(row, k0 + i) for i in range(LANES)], list(range(LANES)))
+            T.buffer_store(x, value, [row, ramp(k0)])
+        return x
+
     def _x_vector(self, row, k0, end):
         """x[row, k0 : k0 + 16] as float32 lanes, 0 from `end` on (the group's end or K)."""
         if self.k % LANES == 0 and min(self.kgroup, self.k) % LANES == 0:
@@ -152,16 +173,25 @@ class _Builder:
 
     # -- main loop --------------------------------------------------------------------------------------
     def _main(self) -> None:
-        """Tasks of n_tiles weight tiles; per group, the group's tables (L1) serve every tile of the task.
-        The body is emitted once per row count (M is 1..4): rows and tiles unroll, so a word position's 8
-        tables are loaded once into registers for all the task's tiles and the partial sums stay in
-        registers."""
+        """Per parallel chunk (one per thread): tabulate x, then run the chunk's share of consecutive tasks of
+        n_tiles weight tiles.  Each chunk builds its own tables: tables built once by one thread and read by
+        the others cross between the cores' caches line by line (measured on a 4096x4096 int1 GEMV: 105 ->
+        98 µs from DRAM, 19 -> 8 µs for 256 rows in cache).  Per group, the group's tables (L1) serve every
+        tile of a task.  The task body is emitted once per row count (M is 1..4): rows and tiles unroll, so
+        a word position's 8 tables are loaded once into registers for all the task's tiles and the partial
+        sums stay in registers."""
         blocks = -(-self.n_tiles // self.cfg.n_tiles)
-        with T.parallel(0, blocks) as block:
-            for rows in range(1, MAX_ROWS + 1):
-                with T.If(self.m == rows):
-                    with T.Then():
-                        self._task(block, rows)
+        chunks = min(self.threads, blocks)
+        with T.parallel(0, chunks) as chunk:
+            first, end = tirx.floordiv(chunk * blocks, chunks), tirx.floordiv((chunk + 1) * blocks, chunks)
+            self.tables = T.alloc_buffer((self.m, self.positions, LANES), "float32")
+            self.xs = T.alloc_buffer((self.m, self.groups), "float32")
+            self._prologue([tirx.min(first * self.cfg.n_tiles + c, self.n_tiles - 1) for c in range(self.cfg.n_tiles)])
+            with T.serial(first, end) as block:
+                for rows in range(1, MAX_ROWS + 1):
+                    with T.If(self.m == rows):
+                        with T.Then():
+                            self._task(block, rows)
 
     def _task(self, block, rows: int) -> None:
         n_tiles = self.cfg.n_tiles

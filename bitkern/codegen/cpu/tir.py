@@ -101,5 +101,11 @@ def prefetch_ahead(buffer, tile_index, index, distance: int, tiles_per_task: int
     tiles, rows = buffer.shape[0], buffer.shape[1]
     ahead = index + distance
     tile_ahead = tirx.min(tile_index + tirx.floordiv(ahead, rows) * tiles_per_task, tiles - 1)
-    intrinsic("llvm.prefetch.p0", tirx.address_of(load(buffer, tile_ahead, tirx.floormod(ahead, rows), 0)),
-              tirx.const(0, "int32"), tirx.const(3, "int32"), tirx.const(1, "int32"))
+    prefetch(load(buffer, tile_ahead, tirx.floormod(ahead, rows), 0))
+
+
+def prefetch(element, into_l1: bool = True) -> None:
+    """Prefetch the cache line holding a buffer element (for reading): into L1 for the next iterations, or
+    into L2 only (prefetcht1) for lines needed later than L1 could keep them."""
+    intrinsic("llvm.prefetch.p0", tirx.address_of(element), tirx.const(0, "int32"),
+              tirx.const(3 if into_l1 else 2, "int32"), tirx.const(1, "int32"))
