@@ -46,7 +46,7 @@ def test_warm_hit_overhead(benchmark, record, tmp_path, monkeypatch):
     spec(x, packed)
     kernel = kernel_for(spec, 256, 256, 1, packed.layout)
     y = torch.empty(1, 256, dtype=torch.bfloat16)
-    raw_args = [kernel._as_arg(x), packed.qweight, packed.scales, *kernel.constants, kernel._as_arg(y)]
+    raw_args = [x, *packed.kernel_arguments(), *kernel.constants, y]
     raw = _best_us(lambda: kernel.function(*raw_args))
     full = _best_us(lambda: spec(x, packed))
     benchmark.pedantic(lambda: spec(x, packed), rounds=200, warmup_rounds=10)

@@ -17,7 +17,7 @@ from bitkern.ops.conv import im2col
 from bitkern.tuner import host_cpu
 from bitkern.tuner.space import templates_for
 
-from test_cpu_kernels import TORCH, assert_within_bound, summed_magnitudes
+from test_cpu_kernels import TORCH, assert_within_bound, matrix_template, summed_magnitudes
 
 
 def _case(name, geometry, batch, activation="bfloat16", output="float32", group=None, bias=False, seed=0,
@@ -117,18 +117,24 @@ def test_no_im2col_matrix_is_made(monkeypatch):
 
 @pytest.mark.parametrize("channels", [64, 24])
 def test_planes_built_per_chunk_or_in_one_pass_agree(channels):
-    """AMX configurations that build each row chunk's planes inside its task (chunk_prologue) and those
-    that build all rows first compute the same result; 3·81 rows leave a partial last chunk."""
+    """Matrix-template configurations (AMX, or AVX512-BF16 without it) that build each row chunk's planes
+    inside its task (chunk_prologue) and those that build all rows first compute the same result; 3·81 rows
+    leave a partial last chunk."""
     from bitkern.codegen.cpu.build import build_kernel
-    from bitkern.codegen.cpu.configs import AmxConfig
+    from bitkern.codegen.cpu.configs import AmxConfig, DotConfig
 
+    template = matrix_template()
     geometry = ConvGeometry(channels, 9, 9, (3, 3), padding=(1, 1, 1, 1))
     spec, qweight, x, bias = _case("int4", geometry, 3, group=-1, bias=True, cout=40)
     packed, results = pack(qweight), []
     for chunk_prologue in (False, True):
-        config = AmxConfig(n_tiles=2, m_tiles=2, small_m=False, m_chunk=64, stage_steps=2, decode="affine",
-                           chunk_prologue=chunk_prologue)
-        kernel = build_kernel(spec, 40, geometry.reduction, "amx", config, "tile16", (129, 1 << 30), host_cpu())
+        if template == "amx":
+            config = AmxConfig(n_tiles=2, m_tiles=2, small_m=False, m_chunk=64, stage_steps=2, decode="affine",
+                               chunk_prologue=chunk_prologue)
+        else:
+            config = DotConfig(n_tiles=2, rows=4, small_m=False, m_chunk=64, stage_steps=2, decode="affine",
+                               chunk_prologue=chunk_prologue)
+        kernel = build_kernel(spec, 40, geometry.reduction, template, config, "tile16", (129, 1 << 30), host_cpu())
         results.append(_run_kernel(spec, qweight, x, bias, kernel(x, packed, bias).reshape(3, 9, 9, 40)))
     assert torch.equal(*results)
 

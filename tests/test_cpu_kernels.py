@@ -1,4 +1,5 @@
-"""Compiled CPU kernels (AMX and generic templates) against the float64 reference of bitkern.ops."""
+"""Compiled CPU kernels (AMX, AVX512-BF16, lookup and generic templates) against the float64 reference of
+bitkern.ops."""
 
 import pytest
 import torch
@@ -164,18 +165,28 @@ def test_user_defined_types_run_in_kernels():
         _run(*_case(t.name, 48, 128, 3, group=64)[:3])
 
 
-def test_amx_and_generic_templates_agree():
-    if not host_cpu().has_amx_bf16:
-        pytest.skip("this CPU has no AMX")
+def matrix_template() -> str:
+    """The host's bf16 matrix template: "amx" where AMX is, else "dot" (AVX512-BF16); skips the test on CPUs
+    with neither."""
+    cpu = host_cpu()
+    if cpu.has_amx_bf16:
+        return "amx"
+    if "avx512_bf16" in cpu.flags:
+        return "dot"
+    pytest.skip("this CPU has neither AMX nor AVX512-BF16")
+
+
+def test_matrix_and_generic_templates_agree():
+    template = matrix_template()
     spec, q, x, _ = _case("nf4", 64, 256, 7, "float32")
     packed = pack(q)
-    amx_kernel = kernel_for(spec, 64, 256, 7, packed.layout)
-    assert amx_kernel.template == "amx"
+    matrix_kernel = kernel_for(spec, 64, 256, 7, packed.layout)
+    assert matrix_kernel.template == template
     from bitkern.codegen.cpu.configs import GenericConfig
     from bitkern.codegen.cpu.build import build_kernel
 
     generic_kernel = build_kernel(spec, 64, 256, "generic", GenericConfig(), packed.layout, (1, 16), host_cpu())
-    assert_matches_reference(spec, q, x, None, amx_kernel(x, packed))
+    assert_matches_reference(spec, q, x, None, matrix_kernel(x, packed))
     assert_matches_reference(spec, q, x, None, generic_kernel(x, packed))
 
 
@@ -199,17 +210,54 @@ def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, 
     from bitkern.codegen.cpu.build import build_kernel
     from bitkern.tuner.space import enumerate_candidates
 
-    cpu = host_cpu()
-    if not cpu.has_amx_bf16:
-        pytest.skip("this CPU has no AMX")
+    cpu, template = host_cpu(), matrix_template()
     spec, q, x, b = _case(name, 96, 256, m, activation, group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
     hint, candidates = enumerate_candidates(spec, 96, 256, bucket, packed.layout, cpu)
     chosen = _spread([c for c in candidates if c.template != "generic"])
-    assert {c.template for c in chosen} >= {"amx"}
+    assert {c.template for c in chosen} >= {template}
     for candidate in chosen:
         kernel = build_kernel(spec, 96, 256, candidate.template, candidate.config, packed.layout, bucket, cpu)
         assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
+
+
+@pytest.mark.parametrize("name, activation, zero_mode, group, m, config", [
+    ("int4", "bfloat16", None, 128, 13, dict(n_tiles=3, rows=4, stage_steps=2)),      # last block repeats a tile
+    ("uint4", "float32", "gptq", 64, 16, dict(n_tiles=1, rows=16, stage_steps=1, decode="lut")),
+    ("int8", "bfloat16", None, 32, 5, dict(n_tiles=1, rows=8, stage_steps=1)),       # two nibble planes
+    ("nf4", "bfloat16", None, -1, 40, dict(n_tiles=2, rows=4, stage_steps=2, small_m=False, m_chunk=32,
+                                            decode="lut")),                          # C stashed between stages
+    ("uint2", "float16", "hqq", 16, 70, dict(n_tiles=4, rows=2, stage_steps=1, small_m=False, m_chunk=64,
+                                             decode="lut")),
+    ("int1", "float32", None, 128, 131, dict(n_tiles=2, rows=2, stage_steps=4, small_m=False, m_chunk=32,
+                                             decode="lut", chunk_prologue=True)),
+    ("nvfp4", "bfloat16", None, 16, 3, dict(n_tiles=2, rows=1, stage_steps=2, decode="lut"))])
+def test_dot_template_register_blocks(name, activation, zero_mode, group, m, config):
+    """The AVX512-BF16 template for register blocks of 1 to 16 rows, M not a multiple of them, N not a
+    multiple of the column block, groups inside and across stages, per-chunk planes, every plane count."""
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen.cpu.configs import DotConfig
+
+    if "avx512_bf16" not in host_cpu().flags:
+        pytest.skip("this CPU has no AVX512-BF16")
+    spec, q, x, b = _case(name, 88, 384, m, activation, group=group, zero_mode=zero_mode, bias=True)
+    packed = pack(q)
+    bucket = (1, 16) if config.get("small_m", True) else (17, 1 << 30)
+    kernel = build_kernel(spec, 88, 384, "dot", DotConfig(**config), packed.layout, bucket, host_cpu())
+    assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
+
+
+def test_dot_configurations_are_validated():
+    from bitkern.codegen.cpu.configs import DotConfig
+
+    with pytest.raises(ValueError, match=r"rows=8 x n_tiles=4 needs more than 27 vector registers"):
+        DotConfig(n_tiles=4, rows=8)
+    with pytest.raises(ValueError, match=r"small_m kernels take a divisor of 16 rows"):
+        DotConfig(rows=3)
+    with pytest.raises(ValueError, match=r"m_chunk=36 must be a multiple of rows=8"):
+        DotConfig(rows=8, small_m=False, m_chunk=36)
+    with pytest.raises(ValueError, match=r"decode='lop3' is not known"):
+        DotConfig(decode="lop3")
 
 
 @pytest.mark.parametrize("name, k, group, zero_mode, activation", [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import bitkern
-from bitkern.codegen.cpu.configs import TILE_REGISTERS, AmxConfig, GenericConfig
+from bitkern.codegen.cpu.configs import DOT_REGISTERS, TILE_REGISTERS, AmxConfig, GenericConfig
 from bitkern.codegen.cpu.layout import to_layout
 from bitkern.ops import Matmul
 from bitkern.tuner import M_BUCKETS, cuda_device, device_for, host_cpu, m_bucket, tune
@@ -63,12 +63,17 @@ def test_candidates_fit_the_device(bucket):
     assert "generic" in templates
     assert ("lut" in templates) == (bucket[1] <= 4)
     assert ("amx" in templates) == cpu.has_amx_bf16
+    assert ("dot" in templates) == (not cpu.has_amx_bf16 and "avx512_bf16" in cpu.flags)
     for c in candidates:
+        config = c.config
         if c.template == "amx":
-            config = c.config
             assert config.m_tiles * config.n_tiles + config.m_tiles + 1 <= TILE_REGISTERS
             assert 2 * config.stage_steps * config.n_tiles * 1024 <= cpu.l1_bytes
             assert config.small_m == (bucket[1] <= 16)
+        if c.template == "dot":
+            assert (config.rows + 1) * config.n_tiles <= DOT_REGISTERS
+            assert config.stage_steps * config.n_tiles * 1024 <= cpu.l1_bytes // 2
+            assert config.small_m == (bucket[1] <= 16) and config.m_chunk % config.rows == 0
     assert len(candidates) == len(set(candidates))
 
 
@@ -114,7 +119,9 @@ def test_model_only_tuning_is_deterministic():
 
 
 def test_cross_compiling_for_an_absent_cpu_picks_by_the_model():
-    other = dataclasses.replace(host_cpu(), llvm_cpu="icelake-server", has_amx_bf16=False, cores=4)
+    cpu = host_cpu()
+    other = dataclasses.replace(cpu, llvm_cpu="icelake-server", has_amx_bf16=False, cores=4,
+                                flags=cpu.flags - {"amx_tile", "amx_bf16", "avx512_bf16"})
     assert not is_present(other)
     tuned = tune(Matmul("int4", "float32"), 64, 256, (1, 4), "tile16", other)
     assert not tuned.record.profiled and tuned.record.choice.template in ("lut", "generic")

@@ -9,7 +9,8 @@ distance from the prefetch depth that keeps the device's memory latency covered.
 
 The cycle costs below are per 64-byte operation on the CPUs the templates target (Sapphire Rapids:
 two 512-bit ALU ports, one 512-bit store per cycle, AMX tile load 8 cycles, tdpbf16ps 16 cycles for 16
-rows and ~9 for a few); decode and AMX work do not overlap (measured), memory and compute partly do.
+rows and ~9 for a few; CPUs without AMX, such as AMD Zen 4: one vdpbf16ps per cycle); decode and AMX work
+do not overlap (measured), memory and compute partly do.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ L1_PRESSURE = 0.25  # slowdown per L1 capacity of footprint beyond a quarter of 
 #                     stream through the rest; measured on the AMX template's stage depth)
 LOOKUP_CYCLES = (1, 12)  # per 64-byte word of codes: fixed (load, prefetch), and per row of x (7 shifts,
 #                         8 vpermps, 8 adds on two ports; measured 12-14 at M=1)
+DOT_BROADCAST_CYCLES = (2, 0.25)  # per activation pair broadcast in the AVX512-BF16 micro-kernel: a bound
+#                                  beside 1 per vdpbf16ps, and an issue cost on top (fitted on Zen 4 at M=16:
+#                                  per product, 16 rows x 1 tile 2.27x the time of 4 rows x 4 tiles, 8 x 2 1.09x,
+#                                  8 x 3 1.06x)
+DOT_GROUP_CYCLES = 4  # per C row and group: zeroing, scaling into the row's float32 accumulator
+DOT_STEP_CYCLES = 32  # per register block and 16-pair step: loop entry and exit, row pointers (fitted on Zen 4:
+#                       2 tiles x 4 rows took 1.13x the time per product of 5 x 4 at M=128)
 OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
 PREFETCH_PENALTY = 0.04  # per doubling away from the ideal prefetch depth
 
@@ -55,7 +63,7 @@ def estimate(template: str, config, spec: Matmul, n: int, k: int, m: int, device
     scale_bytes = 1 if ttype.block_size > 1 else (4 if spec.scale_dtype == "float32" else 2)
     activation_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}.get(spec.activation_dtype, 2)
     dram = n * k * bits / 8 + n * groups * scale_bytes + m * k * activation_bytes + m * n * 4
-    work = {"amx": _amx_cycles, "lut": _lut_cycles, "generic": _generic_cycles}[template]
+    work = {"amx": _amx_cycles, "dot": _dot_cycles, "lut": _lut_cycles, "generic": _generic_cycles}[template]
     cycles, tasks, extra = work(config, spec, n, k, m, device)
     dram += extra.get("plane_bytes", 0)
     imbalance = math.ceil(tasks / device.cores) / (tasks / device.cores) if tasks else 1.0
@@ -119,6 +127,41 @@ def _amx_cycles(config, spec, n, k, m, device):
          "plane_bytes": plane_bytes}
 
 
+def _dot_cycles(config, spec, n, k, m, device):
+    k_pad = padded_k(k, get(spec.weight_dtype).bits)
+    tiles_n = -(-n // 16)
+    pairs = k_pad // 2
+    planes = {"bfloat16": 1, "float16": 2, "float32": 3}[spec.activation_dtype]
+    nibbles = 2 if get(spec.weight_dtype).bits == 8 else 1
+    rows = -(-m // config.rows) * config.rows
+    chunks = 1 if config.small_m else -(-rows // config.m_chunk)
+    blocks = -(-tiles_n // config.n_tiles)
+    row_blocks = rows // config.rows
+    dots = config.rows * config.n_tiles * nibbles * planes
+    broadcasts = config.rows * planes
+    per_pair = max(dots, DOT_BROADCAST_CYCLES[0] * broadcasts) + DOT_BROADCAST_CYCLES[1] * broadcasts
+    products = blocks * row_blocks * (pairs * per_pair + k_pad // 32 * DOT_STEP_CYCLES)
+    decode = tiles_n * k_pad // 32 * nibbles * chunks * DECODE_CYCLES[config.decode]
+    group = k if spec.group_size == -1 else spec.group_size
+    groups = k_pad // min(group, k_pad)
+    epilogue = blocks * row_blocks * groups * config.rows * config.n_tiles * (nibbles + DOT_GROUP_CYCLES)
+    group_steps = max(1, min(group, k_pad) // 32)
+    stash = 0.0
+    if group_steps > config.stage_steps:  # C rows are stored and reloaded at stage ends inside a group
+        stash = blocks * row_blocks * k_pad // 32 / config.stage_steps * config.rows * config.n_tiles * nibbles * 2
+    tasks = chunks if config.chunk_prologue else blocks * chunks
+    plane_bytes = 0.0
+    if not config.chunk_prologue and not config.small_m and rows * k_pad * 2 * planes > device.l2_bytes:
+        plane_bytes = rows * k_pad * 2 * planes * (1 + blocks)
+    # The micro-kernel streams the decoded stage from L1 (accumulator rows are touched once per group): measured
+    # on Zen 4, 4 steps x 5 tiles (20 KiB) ran fastest; 8 x 5 (40 KiB, past L1) 7% slower.
+    decoded = config.stage_steps * config.n_tiles * nibbles * 1024
+    pressure = 1 + L1_PRESSURE * max(0.0, decoded - device.l1_bytes / 2) / device.l1_bytes
+    return (products + decode + epilogue + stash) * pressure, tasks, \
+        {"dot_cycles": products, "decode_cycles": decode, "stash_cycles": stash, "l1_pressure": pressure,
+         "plane_bytes": plane_bytes}
+
+
 def _lut_cycles(config, spec, n, k, m, device):
     bits = get(spec.weight_dtype).bits
     words = -(-n // 16) * padded_k(k, bits) // codes_per_word(bits)
@@ -130,10 +173,14 @@ def _lut_cycles(config, spec, n, k, m, device):
     return lookups + tables + table_reads, tasks, {"lookup_cycles": lookups, "table_l2_cycles": table_reads}
 
 
+GENERIC_PRODUCT_CYCLES = 2.5  # per 16-lane vector of multiply-adds in the generic template (measured on Zen 4:
+#                              6.4 multiply-adds per cycle and core, int4 4096x4096 at M=16)
+
+
 def _generic_cycles(config, spec, n, k, m, device):
     lanes = device.vector_bytes // 4
     decode = n * k * 6 / lanes
-    products = n * k * m * 2 / lanes / 2
+    products = n * k * m * GENERIC_PRODUCT_CYCLES / lanes
     return decode + products, max(1, n // lanes), {"decode_cycles": decode}
 
 

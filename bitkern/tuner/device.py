@@ -16,6 +16,7 @@ from dataclasses import dataclass
 # LLVM CPU names that enable the features bitkern's CPU templates use, most capable first.
 _LLVM_CPUS = (
     ({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"}, "sapphirerapids"),
+    ({"avx512_bf16", "avx512bw", "avx512vl", "avx512_vnni"}, "cooperlake"),  # also AMD Zen 4 and later
     ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "icelake-server"),
     ({"avx512f", "avx512bw"}, "skylake-avx512"),
     ({"avx2", "fma"}, "haswell"),

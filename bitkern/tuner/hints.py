@@ -30,7 +30,8 @@ def _lcm(*values: int) -> int:
 
 def cpu_hint(spec: Matmul, k: int, device) -> Hint:
     """x86: 64-byte cache lines and vectors (16 lanes of one 32-bit word of codes for 16 rows), AMX tiles
-    (16 rows x 16 columns of float32 C, 32-deep bf16 steps), the quantization group along k."""
+    (16 rows x 16 columns of float32 C, 32-deep bf16 steps) or AVX512-BF16 dot products (16 columns, bf16
+    pairs), the quantization group along k."""
     bits = get(spec.weight_dtype).bits
     group = k if spec.group_size == -1 else spec.group_size
     lanes = device.vector_bytes // 4
@@ -38,6 +39,7 @@ def cpu_hint(spec: Matmul, k: int, device) -> Hint:
         "cache line/vector": (1, lanes, codes_per_word(bits) if bits <= 32 else 1),
         "AMX tile": (16 if device.has_amx_bf16 else 1, 16 if device.has_amx_bf16 else 1,
                      32 if device.has_amx_bf16 else 1),
+        "AVX512-BF16 dot": (1, lanes, 2) if "avx512_bf16" in device.flags else (1, 1, 1),
         "quantization group": (1, 1, math.gcd(group, 32 if device.has_amx_bf16 else group)),
     }
     m = _lcm(*(level[0] for level in levels.values()))

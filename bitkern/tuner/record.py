@@ -11,6 +11,7 @@ class Trial:
     config: object
     modeled_s: float
     measured_s: float | None = None
+    build_s: float | None = None
 
 
 @dataclass
@@ -48,14 +49,16 @@ class TuningRecord:
                                  f"({'; '.join(self.hint.sources)})"]
         lines += [f"note: {note}" for note in self.notes]
         ranked = sorted(range(len(self.trials)), key=lambda i: self.trials[i].modeled_s)
-        lines.append(f"{'rank':>4} {'modeled ms':>10} {'measured ms':>11}  template config")
+        lines.append(f"{'rank':>4} {'modeled ms':>10} {'measured ms':>11} {'build s':>7}  template config")
         for rank, i in enumerate(ranked):
             trial = self.trials[i]
             if trial.measured_s is None and rank >= 12 and i != self.chosen:
                 continue
             measured = f"{trial.measured_s * 1e3:11.3f}" if trial.measured_s is not None else f"{'-':>11}"
+            built = f"{trial.build_s:7.2f}" if trial.build_s is not None else f"{'-':>7}"
             mark = " <= chosen" if i == self.chosen else ""
-            lines.append(f"{rank:>4} {trial.modeled_s * 1e3:10.3f} {measured}  {trial.template} {trial.config}{mark}")
+            lines.append(f"{rank:>4} {trial.modeled_s * 1e3:10.3f} {measured} {built}  {trial.template} "
+                         f"{trial.config}{mark}")
         hidden = sum(1 for r, i in enumerate(ranked) if r >= 12 and self.trials[i].measured_s is None and i != self.chosen)
         if hidden:
             lines.append(f"     ... {hidden} more candidates, modeled only")

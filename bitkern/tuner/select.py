@@ -53,8 +53,9 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
         shortlist = _shortlist(record.trials, order, top_k)
         kernels = backend.build([candidates[i] for i in shortlist])
         x, copies, bias = backend.inputs(tuned_m)
-        for i, seconds in zip(shortlist, backend.time(kernels, x, copies, bias)):
+        for i, kernel, seconds in zip(shortlist, kernels, backend.time(kernels, x, copies, bias)):
             record.trials[i].measured_s = seconds
+            record.trials[i].build_s = getattr(kernel, "build_seconds", None)
         fastest = min(record.trials[i].measured_s for i in shortlist)
         ties = [i for i in shortlist if record.trials[i].measured_s <= fastest * (1 + TIE)]
         record.chosen = min(ties, key=order.index)
@@ -65,6 +66,7 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
         record.notes.append("chosen by the cost model alone: the target device is not present"
                             if not present else "chosen by the cost model alone (profiling off)")
         kernel = backend.build([candidates[order[0]]])[0]
+        record.trials[order[0]].build_s = getattr(kernel, "build_seconds", None)
     record.seconds = time.perf_counter() - start
     log.info("bitkern: tuned %s", record.summary())
     log.debug("bitkern: tuning record\n%s", record)
@@ -99,11 +101,11 @@ def _shortlist(trials: list[Trial], order: list[int], top_k: int) -> list[int]:
 
 
 def _shape(trial: Trial) -> tuple:
-    """What distinguishes candidates beyond the model's ties: template, tile counts, prefetch depth, decode,
-    where the activation planes are built."""
+    """What distinguishes candidates beyond the model's ties: template, tile counts, register rows, prefetch
+    depth, decode, where the activation planes are built."""
     config = trial.config
     return (trial.template, getattr(config, "n_tiles", None), getattr(config, "m_tiles", None),
-            getattr(config, "prefetch", None), getattr(config, "decode", None),
+            getattr(config, "rows", None), getattr(config, "prefetch", None), getattr(config, "decode", None),
             getattr(config, "chunk_prologue", None))
 
 

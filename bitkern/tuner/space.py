@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..codegen.cpu import amx, lut
-from ..codegen.cpu.configs import TILE_REGISTERS, AmxConfig, GenericConfig, LutConfig
+from ..codegen.cpu import amx, dot, lut
+from ..codegen.cpu.configs import DOT_REGISTERS, TILE_REGISTERS, AmxConfig, DotConfig, GenericConfig, LutConfig
 from ..ops.matmul import Matmul
 from ..ttype import codes_per_word, get
 from .hints import Hint, cpu_hint
 
 PREFETCH_WORDS = (16, 32, 64, 128)
+# LLVM's compile time grows steeply with the AVX512-BF16 template's unrolled register block (measured: float32
+# activations, 8 rows x 2 tiles x 4 steps, 11 s; bfloat16, 16 rows x 1 tile x 4 steps for large M, 3.2 s):
+DOT_BROADCASTS = {True: 8, False: 4}  # rows x activation planes per block (small-M kernels, large-M kernels)
+DOT_BODY = 80  # vdpbf16ps per k pair over a stage's steps
 LUT_MAX_ROWS = lut.MAX_ROWS
 SMALL_M = amx.SMALL_M_ROWS
 LARGE_M = 128
@@ -38,6 +42,10 @@ def templates_for(spec: Matmul, k: int, bucket: tuple[int, int], layout: str, de
     if not device.has_amx_bf16:
         amx_reason = "this CPU (no AMX-BF16)"
     reasons["amx"] = amx_reason
+    dot_reason = amx.unsupported_reason(spec, k) if layout == "tile16" else f"the {layout} weight layout"
+    if device.has_amx_bf16:
+        dot_reason = "this CPU has AMX (the AVX512-BF16 template serves CPUs without it)"
+    reasons["dot"] = dot.device_reason(device) or dot_reason
     lut_reason = lut.unsupported_reason(spec, k) if layout == "tile16" else f"the {layout} weight layout"
     if high > LUT_MAX_ROWS:
         lut_reason = f"{high} rows (the lookup template serves at most {LUT_MAX_ROWS})"
@@ -55,6 +63,8 @@ def enumerate_candidates(spec: Matmul, n: int, k: int, bucket: tuple[int, int], 
     found: list[Candidate] = []
     if reasons["amx"] is None:
         found += _amx(spec, k, bucket, device, hint)
+    if reasons["dot"] is None:
+        found += _dot(spec, bucket, device)
     if reasons["lut"] is None:
         found += _lut(spec, k, device)
     if reasons["generic"] is None:
@@ -97,6 +107,35 @@ def _amx(spec: Matmul, k: int, bucket: tuple[int, int], device, hint: Hint) -> l
                                 found.append(Candidate("amx", AmxConfig(n_tiles, m_tiles, small,
                                                                         max(chunk, 16 * m_tiles), stage, prefetch,
                                                                         decode, chunk_prologue)))
+    return found
+
+
+def _dot(spec: Matmul, bucket: tuple[int, int], device) -> list[Candidate]:
+    """AVX512-BF16 configurations: register blocks (rows x n_tiles C rows, plus the n_tiles weight rows) that
+    fit the vector registers, decoded stages that fit half of L1, and bodies LLVM compiles in well under a
+    second (DOT_BROADCASTS, DOT_BODY)."""
+    nibbles = amx.nibbles(spec)
+    planes = amx.PLANES[spec.activation_dtype]
+    small = bucket[1] <= SMALL_M
+    broadcasts = DOT_BROADCASTS[small]
+    prologues = (False, True) if bucket[1] > LARGE_M else (False,)
+    found = []
+    for rows in [r for r in _doublings(1, SMALL_M) if r * planes <= broadcasts and (r <= bucket[1] or not small)]:
+        for n_tiles in range(1, DOT_REGISTERS):
+            if (rows + 1) * n_tiles * nibbles > DOT_REGISTERS:
+                break
+            for stage in _doublings(1, 8):
+                decoded = stage * n_tiles * nibbles * 1024
+                if stage * rows * planes * n_tiles * nibbles > DOT_BODY:
+                    break
+                for chunk in [SMALL_M] if small else [c for c in _doublings(32, 256) if c % rows == 0]:
+                    if decoded > device.l1_bytes // 2 or decoded + chunk * n_tiles * 64 > device.l2_bytes // 2:
+                        continue
+                    for prefetch in PREFETCH_WORDS:
+                        for decode in amx.decode_strategies(spec):
+                            for chunk_prologue in prologues:
+                                found.append(Candidate("dot", DotConfig(n_tiles, rows, small, max(chunk, rows), stage,
+                                                                        prefetch, decode, chunk_prologue)))
     return found
 
 

@@ -15,6 +15,7 @@ ternary-logic op per 32 codes), "lut" for any type (a 32-entry bf16 table throug
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -196,15 +197,24 @@ class _Builder:
                 T.func_name(name)
                 self._arguments()
                 T.func_attr({"tirx.noalias": True})
-                if self.cfg.small_m:
-                    T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= SMALL_M_ROWS))
-                rows = self._padded_rows()
-                self.a = T.alloc_buffer((self.s.planes, rows, self.s.pairs), "int32")
-                self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
-                if not self.cfg.chunk_prologue:
-                    self._prologue(rows)
-                self._main(rows)
+                with self._body_scope():
+                    if self.cfg.small_m:
+                        T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= SMALL_M_ROWS))
+                    rows = self._padded_rows()
+                    self.a = T.alloc_buffer((self.s.planes, rows, self._plane_pitch()), "int32")
+                    self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
+                    if not self.cfg.chunk_prologue:
+                        self._prologue(rows)
+                    self._main(rows)
         return builder.get()
+
+    def _plane_pitch(self) -> int:
+        """int32 words (bf16 pairs) from one activation-plane row to the next."""
+        return self.s.pairs
+
+    def _body_scope(self):
+        """A scope around the function body (the AVX512-BF16 template imports LLVM code in one)."""
+        return contextlib.nullcontext()
 
     # -- arguments -------------------------------------------------------------------------------------
     def _arguments(self) -> None:
@@ -444,8 +454,8 @@ class _Builder:
             for plane in range(s.planes):
                 for m_i, a_tile in enumerate(self.a_tiles):
                     source = tile_pointer(self.a, (plane, row0 + local_row + m_i * AMX_TILE_ROWS, step * s.depth // 2),
-                                          AMX_TILE_ROWS, s.pairs, "r")
-                    intrinsic("llvm.x86.tileloadd64", tile(a_tile), source, stride(s.pairs * 4))
+                                          AMX_TILE_ROWS, self._plane_pitch(), "r")
+                    intrinsic("llvm.x86.tileloadd64", tile(a_tile), source, stride(self._plane_pitch() * 4))
                 for c in range(cfg.n_tiles):
                     for nibble in range(self.nibbles):
                         b_tile = self.b_tiles[(c * self.nibbles + nibble) % len(self.b_tiles)]
@@ -488,30 +498,46 @@ class _Builder:
 
     def _finish_group(self, cbuf, yacc, tiles, group, row0, local_row, tile_rows) -> None:
         """Store C and apply y += scale · (Σ_nibble alpha·C + beta·XS) to the block's rows."""
-        s, cfg, dec = self.s, self.cfg, self.dec
+        cfg = self.cfg
         for m_i, c, p, t in self._all_c():
             target = tile_pointer(cbuf, (m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, "w")
             intrinsic("llvm.x86.tilestored64", tile(t), target, stride(64))
-        scale_group = 0 if s.per_channel else tirx.min(group, s.scale_groups - 1)  # padding: C = XS = 0
-        needs_sums = dec.offset != 0.0 or self.group_args.zeros is not None
+        scale_group = self._scale_group(group)
         for c in range(cfg.n_tiles):
-            if not s.per_channel:
-                self.group_args.prefetch(tiles[c], scale_group, cfg.n_tiles)
-            scale = self.group_args.scale(tiles[c], scale_group)
-            beta = splat(dec.offset, "float32")
-            if self.group_args.zeros is not None:
-                beta = beta - self.group_args.zero(tiles[c], scale_group)
+            scale, beta = self._group_factors(tiles[c], scale_group)
             for m_i in range(cfg.m_tiles):
                 with T.serial(0, tile_rows) as r:
                     local = local_row + m_i * AMX_TILE_ROWS + r
-                    value = None
-                    for p, alpha in enumerate(dec.alpha[:self.nibbles]):
-                        term = load(cbuf, m_i, c, p, r, ramp(0))
-                        term = term if alpha == 1.0 else term * splat(alpha, "float32")
-                        value = term if value is None else value + term
-                    if needs_sums:
-                        value = value + beta * tirx.Broadcast(load(self.xs, row0 + local, group), LANES)
+                    value = self._combine([load(cbuf, m_i, c, p, r, ramp(0)) for p in range(self.nibbles)], beta,
+                                          row0 + local, group)
                     T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
+
+    def _scale_group(self, group):
+        """The scale group of quantization group `group` (padded groups read the last: their C = XS = 0)."""
+        return 0 if self.s.per_channel else tirx.min(group, self.s.scale_groups - 1)
+
+    def _group_factors(self, tile_index, scale_group):
+        """(scale, beta) lanes of one tile and group, prefetching the scales of groups ahead; beta folds the
+        decode offset and the zero point (None when there is neither)."""
+        if not self.s.per_channel:
+            self.group_args.prefetch(tile_index, scale_group, self.cfg.n_tiles)
+        scale = self.group_args.scale(tile_index, scale_group)
+        if self.dec.offset == 0.0 and self.group_args.zeros is None:
+            return scale, None
+        beta = splat(self.dec.offset, "float32")
+        if self.group_args.zeros is not None:
+            beta = beta - self.group_args.zero(tile_index, scale_group)
+        return scale, beta
+
+    def _combine(self, nibble_sums: list, beta, row, group):
+        """Σ_nibble alpha·C (+ beta·XS[row, group]): a row's group result before scaling."""
+        value = None
+        for term, alpha in zip(nibble_sums, self.dec.alpha):
+            term = term if alpha == 1.0 else term * splat(alpha, "float32")
+            value = term if value is None else value + term
+        if beta is not None:
+            value = value + beta * tirx.Broadcast(load(self.xs, row, group), LANES)
+        return value
 
     def _store_output(self, yacc, tiles, owned, row0, chunk_rows) -> None:
         s = self.s

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 from ...ops.matmul import Matmul
-from . import amx, generic, lut
+from . import amx, dot, generic, lut
 from .kernel import TEMPLATES, CpuKernel
 from .runtime import enable_amx
 
@@ -13,13 +15,18 @@ def build_kernel(spec: Matmul, n: int, k: int, template: str, config, layout: st
     """Generate the template's code for `config` and compile it for `device` (a tuner CpuDevice)."""
     import tvm
 
+    start = time.perf_counter()
     spec.check_shape(n, k)
-    if template in ("amx", "lut") and layout != "tile16":
+    if template in ("amx", "dot", "lut") and layout != "tile16":
         raise ValueError(f"the {template} template reads the tile16 layout, not {layout!r}")
     constants = []
     if template == "amx":
         func = amx.build(spec, n, k, config)
         enable_amx()
+        if config.decode == "lut":
+            constants.append(amx.lut_words(spec))
+    elif template == "dot":
+        func = dot.build(spec, n, k, config)
         if config.decode == "lut":
             constants.append(amx.lut_words(spec))
     elif template == "lut":
@@ -32,4 +39,5 @@ def build_kernel(spec: Matmul, n: int, k: int, template: str, config, layout: st
     # LLVM eliminates common subexpressions itself; TVM's pass is slow on the unrolled templates.
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
         module = tvm.compile(tvm.IRModule({"main": func}), target=device.tvm_target())
-    return CpuKernel(spec, n, k, template, config, layout, m_range, module["main"], constants, module=module)
+    return CpuKernel(spec, n, k, template, config, layout, m_range, module["main"], constants, module=module,
+                     build_seconds=time.perf_counter() - start)

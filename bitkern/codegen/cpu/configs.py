@@ -43,6 +43,42 @@ class AmxConfig:
             raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of {AMX_TILE_ROWS * self.m_tiles}")
 
 
+# zmm registers a register block may hold (C rows and the task's decoded weight rows, of 32): measured on
+# AMD Zen 4, 3 rows x 7 tiles (28) ran at half the speed of 4 x 5 (25)
+DOT_REGISTERS = 27
+
+
+@dataclass(frozen=True)
+class DotConfig:
+    """Tile configuration of the AVX512-BF16 template (chosen by the tuner).
+
+    n_tiles: 16-column weight tiles per task; rows: activation rows per register block (C rows held in
+    registers: rows x n_tiles, x2 for 8-bit codes); small_m: one chunk of all M <= 16 rows; m_chunk: rows
+    per task (large M); stage_steps, prefetch, decode, chunk_prologue: as in AmxConfig.
+    """
+
+    n_tiles: int = 2
+    rows: int = 8
+    small_m: bool = True
+    m_chunk: int = 64
+    stage_steps: int = 2
+    prefetch: int = 16
+    decode: str = "affine"
+    chunk_prologue: bool = False
+
+    def __post_init__(self):
+        if self.decode not in AMX_DECODES:
+            raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(AMX_DECODES)}")
+        if self.small_m and (self.chunk_prologue or AMX_TILE_ROWS % self.rows):
+            raise ValueError(f"small_m kernels take a divisor of {AMX_TILE_ROWS} rows per block and build their "
+                             f"planes in one pass")
+        if (self.rows + 1) * self.n_tiles > DOT_REGISTERS:
+            raise ValueError(f"rows={self.rows} x n_tiles={self.n_tiles} needs more than {DOT_REGISTERS} "
+                             f"vector registers")
+        if self.m_chunk % self.rows:
+            raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of rows={self.rows}")
+
+
 @dataclass(frozen=True)
 class LutConfig:
     """Tile configuration of the lookup template: `n_tiles` 16-row weight tiles per task (they share each
@@ -60,7 +96,7 @@ class GenericConfig:
 
 
 
-CONFIGS = {"amx": AmxConfig, "lut": LutConfig, "generic": GenericConfig}
+CONFIGS = {"amx": AmxConfig, "dot": DotConfig, "lut": LutConfig, "generic": GenericConfig}
 
 
 def config_from_dict(template: str, fields: dict):

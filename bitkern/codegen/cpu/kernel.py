@@ -9,7 +9,7 @@ import torch
 from ...ops.matmul import Matmul
 from .layout import PackedWeight, aligned
 
-TEMPLATES = ("amx", "lut", "generic")
+TEMPLATES = ("amx", "dot", "lut", "generic")
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -31,6 +31,7 @@ class CpuKernel:
     constants: list = field(default_factory=list)
     record: object = None
     module: object = None  # the TVM module, while it lives in the process that compiled it (for export)
+    build_seconds: float | None = None  # code generation and compilation, where this process compiled it
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y[M, N] for a contiguous x (x[M, K], or a convolution's NHWC image: M = its output pixels) with M

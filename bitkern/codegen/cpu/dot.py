@@ -1,0 +1,172 @@
+"""AVX-512 BF16 template: y = x · dequant(W)ᵀ on CPUs without AMX, with vdpbf16ps dot products.
+
+It runs the AMX template's typed expression with the AMX template's pieces (activation planes and group
+sums in the prologue, implicit-GEMM gather for convolutions, decode of 1-, 2-, 4- and 8-bit codes into
+bf16 B-tile rows, the per-group float32 epilogue).  A B-tile row — 16 weight columns, each holding the
+bf16 pair (k, k+1) — is exactly vdpbf16ps's operand, so the tile product becomes a register-blocked
+micro-kernel: per k pair, the task's `n_tiles` decoded rows are read once and multiplied with the
+broadcast activation pair of each of `rows` rows, C accumulating in registers.  A stage of decoded rows
+(in L1) serves every row block of the task's chunk, so the decode is amortized over all its rows.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from ...ops.matmul import Matmul
+from ...ttype import get
+from .amx import SMALL_M_ROWS, _Builder, _decode_for, _Shape, _when, decode_strategies, unsupported_reason
+from .configs import DotConfig
+from .tir import LANES, load, ramp, splat
+
+# vdpbf16ps through a wrapper of <16 x i32> operands: TVM legalizes bfloat16 vectors to float32 before
+# LLVM sees them, so the bf16 pairs travel as int32 lanes and are reinterpreted inside LLVM.
+_DOT = "bitkern_dpbf16"
+_DOT_IR = f"""
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+define linkonce_odr <16 x float> @{_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {{
+  %pairs_a = bitcast <16 x i32> %a to <32 x bfloat>
+  %pairs_b = bitcast <16 x i32> %b to <32 x bfloat>
+  %sum = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %pairs_a,
+                                                              <32 x bfloat> %pairs_b)
+  ret <16 x float> %sum
+}}
+"""
+CPU_FLAG = "avx512_bf16"
+
+
+def device_reason(device) -> str | None:
+    """Why `device` cannot run this template, or None."""
+    return None if CPU_FLAG in device.flags else "this CPU (no AVX512-BF16)"
+
+
+def build(spec: Matmul, n: int, k: int, config: DotConfig, name: str = "main"):
+    """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M (at
+    most 16 with small_m).  Arguments as the AMX template's (see `amx.build`)."""
+    reason = unsupported_reason(spec, k)
+    if reason:
+        raise ValueError(f"the AVX512-BF16 template does not support {reason}")
+    if config.decode not in decode_strategies(spec):
+        raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
+                         f"accepted: {list(decode_strategies(spec))}")
+    return _DotBuilder(spec, _Shape(spec, n, k, config), config, _decode_for(spec, config.decode)).build(name)
+
+
+class _DotBuilder(_Builder):
+    """The AMX builder with its tile products replaced by vdpbf16ps on register-held C rows."""
+
+    def __init__(self, spec: Matmul, shape: _Shape, config: DotConfig, decode):
+        self.spec, self.s, self.cfg, self.dec = spec, shape, config, decode
+        self.ttype = get(spec.weight_dtype)
+        if spec.geometry is None:
+            self.batch, self.m = None, tirx.Var("M", "int32")
+        else:
+            self.batch = tirx.Var("B", "int32")
+            self.m = self.batch * spec.geometry.pixels
+        self.nibbles = 2 if self.ttype.bits == 8 else 1
+
+    def _body_scope(self):
+        return T.attr(_DOT, "pragma_import_llvm", _DOT_IR)
+
+    def _plane_pitch(self) -> int:
+        """One cache line more than a row's pairs: the micro-kernel reads `rows` rows at once, and rows a
+        multiple of 4 KiB apart (K = 2048, 4096, ...) would all fall into one L1 set."""
+        return self.s.pairs + LANES
+
+    def _padded_rows(self):
+        """Rows of the activation planes: M rounded up to whole register blocks."""
+        return tirx.floordiv(self.m + (self.cfg.rows - 1), self.cfg.rows) * self.cfg.rows
+
+    def _main(self, rows) -> None:
+        cfg = self.cfg
+        blocks = -(-self.s.n_tiles // cfg.n_tiles)
+        chunks = 1 if cfg.small_m else tirx.floordiv(rows + (cfg.m_chunk - 1), cfg.m_chunk)
+        if cfg.chunk_prologue:
+            with T.parallel(0, chunks) as chunk:
+                row0 = chunk * cfg.m_chunk
+                with T.serial(0, tirx.min(cfg.m_chunk, rows - row0)) as r:
+                    self._prologue_row(row0 + r)
+                with T.serial(0, blocks) as block:
+                    self._task(rows, block, row0)
+            return
+        with T.parallel(0, blocks * chunks) as task:
+            if cfg.small_m:
+                self._task(rows, task, 0)
+            else:
+                self._task(rows, tirx.floordiv(task, chunks), tirx.floormod(task, chunks) * cfg.m_chunk)
+
+    def _task(self, rows, block, row0) -> None:
+        s, cfg = self.s, self.cfg
+        first_tile = block * cfg.n_tiles
+        tiles = [tirx.min(first_tile + c, s.n_tiles - 1) for c in range(cfg.n_tiles)]
+        owned = [first_tile + c < s.n_tiles for c in range(cfg.n_tiles)]
+        chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
+        row_blocks = tirx.floordiv(tirx.min(chunk_rows, rows - row0), cfg.rows)
+        gbuf = T.alloc_buffer((1, s.stage_steps, cfg.n_tiles, self.nibbles, s.depth // 2, LANES), "int32",
+                              scope="local", align=64)
+        yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
+        acc = T.alloc_buffer((cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local", align=64)
+        stash = None
+        if s.group_steps > s.stage_steps:  # a group spans stages: C leaves registers between them
+            stash = T.alloc_buffer((chunk_rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local",
+                                   align=64)
+        with T.serial(0, chunk_rows) as r:
+            for c in range(cfg.n_tiles):
+                T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
+        with T.serial(0, s.stages) as stage:
+            self._decode_stage(gbuf, tiles, stage, 0)
+            with T.serial(0, row_blocks) as rb:
+                self._stage_rows(gbuf, acc, yacc, stash, tiles, stage, row0, rb * cfg.rows)
+        self._store_output(yacc, tiles, owned, row0, chunk_rows)
+
+    def _stage_rows(self, gbuf, acc, yacc, stash, tiles, stage, row0, local_row) -> None:
+        """One stage's products for the `rows` rows from local_row, C held in `acc` (registers)."""
+        s, cfg = self.s, self.cfg
+        cells = [(r, c, p) for r in range(cfg.rows) for c in range(cfg.n_tiles) for p in range(self.nibbles)]
+
+        def zero_c():
+            for cell in cells:
+                T.buffer_store(acc, splat(0.0, "float32"), [*cell, ramp(0)])
+
+        def reload_c():
+            for r, c, p in cells:
+                T.buffer_store(acc, load(stash, local_row + r, c, p, ramp(0)), [r, c, p, ramp(0)])
+
+        def stash_c():
+            for r, c, p in cells:
+                T.buffer_store(stash, load(acc, r, c, p, ramp(0)), [local_row + r, c, p, ramp(0)])
+
+        for i in range(s.stage_steps):
+            starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
+            _when(starts, zero_c)
+            if stash is not None and i == 0:
+                _when(tirx.Not(starts), reload_c)
+            step = stage * s.stage_steps + i
+            with T.serial(0, s.depth // 2) as pair:
+                weights = {(c, p): load(gbuf, 0, i, c, p, pair, ramp(0))
+                           for c in range(cfg.n_tiles) for p in range(self.nibbles)}
+                for plane in range(s.planes):
+                    for r in range(cfg.rows):
+                        x_pair = tirx.Broadcast(load(self.a, plane, row0 + local_row + r, step * s.depth // 2 + pair),
+                                                LANES)
+                        for c in range(cfg.n_tiles):
+                            for p in range(self.nibbles):
+                                product = tirx.call_extern("float32x16", _DOT, load(acc, r, c, p, ramp(0)),
+                                                           weights[c, p], x_pair)
+                                T.buffer_store(acc, product, [r, c, p, ramp(0)])
+            group = tirx.floordiv(step, s.group_steps)
+            _when(ends, lambda: self._finish_rows(acc, yacc, tiles, group, row0, local_row))
+            if stash is not None and i == s.stage_steps - 1:
+                _when(tirx.Not(ends), stash_c)
+
+    def _finish_rows(self, acc, yacc, tiles, group, row0, local_row) -> None:
+        """y += scale · (Σ_nibble alpha·C + beta·XS) for the block's rows, C read from registers."""
+        scale_group = self._scale_group(group)
+        for c in range(self.cfg.n_tiles):
+            scale, beta = self._group_factors(tiles[c], scale_group)
+            for r in range(self.cfg.rows):
+                local = local_row + r
+                value = self._combine([load(acc, r, c, p, ramp(0)) for p in range(self.nibbles)], beta,
+                                      row0 + local, group)
+                T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
