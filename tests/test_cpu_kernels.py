@@ -231,7 +231,10 @@ def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, 
                                              decode="lut")),
     ("int1", "float32", None, 128, 131, dict(n_tiles=2, rows=2, stage_steps=4, small_m=False, m_chunk=32,
                                              decode="lut", chunk_prologue=True)),
-    ("nvfp4", "bfloat16", None, 16, 3, dict(n_tiles=2, rows=1, stage_steps=2, decode="lut"))])
+    ("nvfp4", "bfloat16", None, 16, 3, dict(n_tiles=2, rows=1, stage_steps=2, decode="lut")),
+    ("int4", "bfloat16", None, 128, 3, dict(n_tiles=3, rows=2, stage_steps=2, direct=True)),  # bodies for 2, then 1
+    ("nf4", "float32", None, 64, 4, dict(n_tiles=2, rows=4, stage_steps=1, decode="lut", direct=True)),
+    ("uint8", "bfloat16", "awq", -1, 1, dict(n_tiles=1, rows=1, stage_steps=4, direct=True))])
 def test_dot_template_register_blocks(name, activation, zero_mode, group, m, config):
     """The AVX512-BF16 template for register blocks of 1 to 16 rows, M not a multiple of them, N not a
     multiple of the column block, groups inside and across stages, per-chunk planes, every plane count."""
@@ -258,6 +261,8 @@ def test_dot_configurations_are_validated():
         DotConfig(rows=8, small_m=False, m_chunk=36)
     with pytest.raises(ValueError, match=r"decode='lop3' is not known"):
         DotConfig(decode="lop3")
+    with pytest.raises(ValueError, match=r"direct kernels serve few rows: they need small_m"):
+        DotConfig(small_m=False, direct=True)
 
 
 @pytest.mark.parametrize("name, k, group, zero_mode, activation", [

@@ -137,13 +137,18 @@ def _dot_cycles(config, spec, n, k, m, device):
     chunks = 1 if config.small_m else -(-rows // config.m_chunk)
     blocks = -(-tiles_n // config.n_tiles)
     row_blocks = rows // config.rows
+    group = k if spec.group_size == -1 else spec.group_size
+    groups = k_pad // min(group, k_pad)
+    if config.direct:  # each row block decodes all of K and multiplies only its real rows
+        b_rows = tiles_n * pairs * nibbles * row_blocks
+        work = b_rows * (DOT_DIRECT_ROW_CYCLES + planes * min(m, config.rows) * (1 + DOT_BROADCAST_CYCLES[1]))
+        epilogue = blocks * groups * m * config.n_tiles * (nibbles + DOT_GROUP_CYCLES)
+        return work + epilogue, blocks, {"direct_cycles": work}
     dots = config.rows * config.n_tiles * nibbles * planes
     broadcasts = config.rows * planes
     per_pair = max(dots, DOT_BROADCAST_CYCLES[0] * broadcasts) + DOT_BROADCAST_CYCLES[1] * broadcasts
     products = blocks * row_blocks * (pairs * per_pair + k_pad // 32 * DOT_STEP_CYCLES)
-    decode = tiles_n * k_pad // 32 * nibbles * chunks * DECODE_CYCLES[config.decode]
-    group = k if spec.group_size == -1 else spec.group_size
-    groups = k_pad // min(group, k_pad)
+    decode = tiles_n * k_pad // 32 * nibbles * chunks * DOT_DECODE_CYCLES
     epilogue = blocks * row_blocks * groups * config.rows * config.n_tiles * (nibbles + DOT_GROUP_CYCLES)
     group_steps = max(1, min(group, k_pad) // 32)
     stash = 0.0
@@ -173,6 +178,10 @@ def _lut_cycles(config, spec, n, k, m, device):
     return lookups + tables + table_reads, tasks, {"lookup_cycles": lookups, "table_l2_cycles": table_reads}
 
 
+DOT_DECODE_CYCLES = 40  # per 16 decoded B rows stored to L1 for the AVX512-BF16 micro-kernel (Zen 4 stores a
+#                         zmm in two cycles; fitted: 4096x4096 int1 GEMV 0.49 ms staged against 0.27 ms direct)
+DOT_DIRECT_ROW_CYCLES = 1.5  # per decoded B row fed straight into the products (load share, shift, mask, OR;
+#                              fitted on Zen 4: the direct int1 GEMV, decode-bound, took ~3 cycles per row)
 GENERIC_PRODUCT_CYCLES = 2.5  # per 16-lane vector of multiply-adds in the generic template (measured on Zen 4:
 #                              6.4 multiply-adds per cycle and core, int4 4096x4096 at M=16)
 

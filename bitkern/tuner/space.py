@@ -136,6 +136,9 @@ def _dot(spec: Matmul, bucket: tuple[int, int], device) -> list[Candidate]:
                             for chunk_prologue in prologues:
                                 found.append(Candidate("dot", DotConfig(n_tiles, rows, small, max(chunk, rows), stage,
                                                                         prefetch, decode, chunk_prologue)))
+                            if bucket[1] <= LUT_MAX_ROWS:
+                                found.append(Candidate("dot", DotConfig(n_tiles, rows, True, SMALL_M, stage, prefetch,
+                                                                        decode, direct=True)))
     return found
 
 

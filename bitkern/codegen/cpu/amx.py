@@ -411,16 +411,23 @@ class _Builder:
 
     def _decode_tile(self, gbuf, tiles, stage, slot, i, c) -> None:
         """Decode step i of `stage` for tile c into gbuf[slot, i, c] (a loop over the step's words)."""
-        s, cfg = self.s, self.cfg
+        s = self.s
         with T.serial(0, s.words_per_step) as w:
             word_index = (stage * s.stage_steps + i) * s.words_per_step + w
-            prefetch_ahead(self.qweight, tiles[c], word_index, cfg.prefetch, cfg.n_tiles)
-            word = tirx.reinterpret("uint32x16", load(self.qweight, tiles[c], word_index, ramp(0)))
-            for j in range(s.rows_per_word):
-                shifted = word if j == 0 else tirx.shift_right(word, u32(j * s.bits))
-                for nibble in range(self.nibbles):
-                    T.buffer_store(gbuf, self._decode_word(shifted, nibble),
-                                   [slot, i, c, nibble, w * s.rows_per_word + j, ramp(0)])
+            for j, nibble, row in self._decoded_word(tiles[c], word_index):
+                T.buffer_store(gbuf, row, [slot, i, c, nibble, w * s.rows_per_word + j, ramp(0)])
+
+    def _decoded_word(self, tile_index, word_index) -> list:
+        """(k pair j within the word, nibble, bf16 B-tile row) for every row one weight word yields; the word
+        `prefetch` words ahead is prefetched."""
+        s, cfg = self.s, self.cfg
+        prefetch_ahead(self.qweight, tile_index, word_index, cfg.prefetch, cfg.n_tiles)
+        word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
+        rows = []
+        for j in range(s.rows_per_word):
+            shifted = word if j == 0 else tirx.shift_right(word, u32(j * s.bits))
+            rows += [(j, nibble, self._decode_word(shifted, nibble)) for nibble in range(self.nibbles)]
+        return rows
 
     def _decode_word(self, shifted, nibble: int = 0):
         """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word shifted by j·bits (of 8-bit codes: the

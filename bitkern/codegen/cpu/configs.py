@@ -54,7 +54,9 @@ class DotConfig:
 
     n_tiles: 16-column weight tiles per task; rows: activation rows per register block (C rows held in
     registers: rows x n_tiles, x2 for 8-bit codes); small_m: one chunk of all M <= 16 rows; m_chunk: rows
-    per task (large M); stage_steps, prefetch, decode, chunk_prologue: as in AmxConfig.
+    per task (large M); stage_steps, prefetch, decode, chunk_prologue: as in AmxConfig; direct (few rows):
+    decoded weight rows go from registers straight into the products of a block of up to `rows` rows, one
+    body per row count, instead of through a decoded stage in L1 that serves every row block.
     """
 
     n_tiles: int = 2
@@ -65,10 +67,13 @@ class DotConfig:
     prefetch: int = 16
     decode: str = "affine"
     chunk_prologue: bool = False
+    direct: bool = False
 
     def __post_init__(self):
         if self.decode not in AMX_DECODES:
             raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(AMX_DECODES)}")
+        if self.direct and not self.small_m:
+            raise ValueError("direct kernels serve few rows: they need small_m")
         if self.small_m and (self.chunk_prologue or AMX_TILE_ROWS % self.rows):
             raise ValueError(f"small_m kernels take a divisor of {AMX_TILE_ROWS} rows per block and build their "
                              f"planes in one pass")

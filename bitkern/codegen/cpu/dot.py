@@ -91,16 +91,22 @@ class _DotBuilder(_Builder):
                     self._task(rows, block, row0)
             return
         with T.parallel(0, blocks * chunks) as task:
-            if cfg.small_m:
+            if cfg.direct:
+                self._direct_task(task)
+            elif cfg.small_m:
                 self._task(rows, task, 0)
             else:
                 self._task(rows, tirx.floordiv(task, chunks), tirx.floormod(task, chunks) * cfg.m_chunk)
 
+    def _block_tiles(self, block) -> tuple[list, list]:
+        """The column block's tile indices and whether each is its own (the last block repeats a tile)."""
+        first_tile = block * self.cfg.n_tiles
+        tiles = [tirx.min(first_tile + c, self.s.n_tiles - 1) for c in range(self.cfg.n_tiles)]
+        return tiles, [first_tile + c < self.s.n_tiles for c in range(self.cfg.n_tiles)]
+
     def _task(self, rows, block, row0) -> None:
         s, cfg = self.s, self.cfg
-        first_tile = block * cfg.n_tiles
-        tiles = [tirx.min(first_tile + c, s.n_tiles - 1) for c in range(cfg.n_tiles)]
-        owned = [first_tile + c < s.n_tiles for c in range(cfg.n_tiles)]
+        tiles, owned = self._block_tiles(block)
         chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
         row_blocks = tirx.floordiv(tirx.min(chunk_rows, rows - row0), cfg.rows)
         gbuf = T.alloc_buffer((1, s.stage_steps, cfg.n_tiles, self.nibbles, s.depth // 2, LANES), "int32",
@@ -144,28 +150,69 @@ class _DotBuilder(_Builder):
                 _when(tirx.Not(starts), reload_c)
             step = stage * s.stage_steps + i
             with T.serial(0, s.depth // 2) as pair:
-                weights = {(c, p): load(gbuf, 0, i, c, p, pair, ramp(0))
-                           for c in range(cfg.n_tiles) for p in range(self.nibbles)}
-                for plane in range(s.planes):
-                    for r in range(cfg.rows):
-                        x_pair = tirx.Broadcast(load(self.a, plane, row0 + local_row + r, step * s.depth // 2 + pair),
-                                                LANES)
-                        for c in range(cfg.n_tiles):
-                            for p in range(self.nibbles):
-                                product = tirx.call_extern("float32x16", _DOT, load(acc, r, c, p, ramp(0)),
-                                                           weights[c, p], x_pair)
-                                T.buffer_store(acc, product, [r, c, p, ramp(0)])
+                weights = [(c, p, load(gbuf, 0, i, c, p, pair, ramp(0)))
+                           for c in range(cfg.n_tiles) for p in range(self.nibbles)]
+                self._products(acc, weights, row0 + local_row, cfg.rows, step * s.depth // 2 + pair)
             group = tirx.floordiv(step, s.group_steps)
-            _when(ends, lambda: self._finish_rows(acc, yacc, tiles, group, row0, local_row))
+            _when(ends, lambda: self._finish_rows(acc, yacc, tiles, group, row0, local_row, cfg.rows))
             if stash is not None and i == s.stage_steps - 1:
                 _when(tirx.Not(ends), stash_c)
 
-    def _finish_rows(self, acc, yacc, tiles, group, row0, local_row) -> None:
-        """y += scale · (Σ_nibble alpha·C + beta·XS) for the block's rows, C read from registers."""
+    def _direct_task(self, block) -> None:
+        """Few rows (direct): each decoded weight row goes from registers to the products of every row of a
+        block, one body per row count (no padded row is computed); blocks of `rows` rows re-decode."""
+        cfg = self.cfg
+        tiles, owned = self._block_tiles(block)
+        yacc = T.alloc_buffer((SMALL_M_ROWS, cfg.n_tiles, LANES), "float32", scope="local", align=64)
+        acc = T.alloc_buffer((cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local", align=64)
+        with T.serial(0, SMALL_M_ROWS) as r:
+            for c in range(cfg.n_tiles):
+                T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
+        with T.serial(0, tirx.floordiv(self.m + (cfg.rows - 1), cfg.rows)) as rb:
+            left = self.m - rb * cfg.rows
+            for count in range(1, cfg.rows + 1):
+                with T.If(left == count if count < cfg.rows else left >= count):
+                    with T.Then():
+                        self._direct_rows(acc, yacc, tiles, rb * cfg.rows, count)
+        self._store_output(yacc, tiles, owned, 0, SMALL_M_ROWS)
+
+    def _direct_rows(self, acc, yacc, tiles, local_row, count: int) -> None:
+        """All of K for `count` rows from local_row, decoding word by word into the products."""
+        s, cfg = self.s, self.cfg
+        cells = [(r, c, p) for r in range(count) for c in range(cfg.n_tiles) for p in range(self.nibbles)]
+
+        def zero_c():
+            for cell in cells:
+                T.buffer_store(acc, splat(0.0, "float32"), [*cell, ramp(0)])
+
+        with T.serial(0, s.stages) as stage:
+            for i in range(s.stage_steps):
+                _when(self._group_edge(stage, i, start=True), zero_c)
+                step = stage * s.stage_steps + i
+                with T.serial(0, s.words_per_step) as w:
+                    for c in range(cfg.n_tiles):
+                        for j, p, weights in self._decoded_word(tiles[c], step * s.words_per_step + w):
+                            pair = step * s.depth // 2 + w * s.rows_per_word + j
+                            self._products(acc, [(c, p, weights)], local_row, count, pair)
+                group = tirx.floordiv(step, s.group_steps)
+                _when(self._group_edge(stage, i, start=False),
+                      lambda: self._finish_rows(acc, yacc, tiles, group, 0, local_row, count))
+
+    def _products(self, acc, weight_rows: list, local_row, count: int, pair) -> None:
+        """acc[r, c, p] += weights · x-pair of row r, for each (c, p, weights) and the `count` rows."""
+        for plane in range(self.s.planes):
+            for r in range(count):
+                x_pair = tirx.Broadcast(load(self.a, plane, local_row + r, pair), LANES)
+                for c, p, weights in weight_rows:
+                    product = tirx.call_extern("float32x16", _DOT, load(acc, r, c, p, ramp(0)), weights, x_pair)
+                    T.buffer_store(acc, product, [r, c, p, ramp(0)])
+
+    def _finish_rows(self, acc, yacc, tiles, group, row0, local_row, count: int) -> None:
+        """y += scale · (Σ_nibble alpha·C + beta·XS) for the block's `count` rows, C read from registers."""
         scale_group = self._scale_group(group)
         for c in range(self.cfg.n_tiles):
             scale, beta = self._group_factors(tiles[c], scale_group)
-            for r in range(self.cfg.rows):
+            for r in range(count):
                 local = local_row + r
                 value = self._combine([load(acc, r, c, p, ramp(0)) for p in range(self.nibbles)], beta,
                                       row0 + local, group)
