@@ -141,7 +141,9 @@ def _dot_cycles(config, spec, n, k, m, device):
     groups = k_pad // min(group, k_pad)
     if config.direct:  # each row block decodes all of K and multiplies only its real rows
         b_rows = tiles_n * pairs * nibbles * row_blocks
-        work = b_rows * (DOT_DIRECT_ROW_CYCLES + planes * min(m, config.rows) * (1 + DOT_BROADCAST_CYCLES[1]))
+        products = planes * min(m, config.rows)  # per B row; the broadcasts serve the block's tiles
+        broadcasts = blocks * row_blocks * pairs * products * DOT_BROADCAST_CYCLES[1]
+        work = b_rows * (DOT_DIRECT_ROW_CYCLES + products) + broadcasts
         epilogue = blocks * groups * m * config.n_tiles * (nibbles + DOT_GROUP_CYCLES)
         return work + epilogue, blocks, {"direct_cycles": work}
     dots = config.rows * config.n_tiles * nibbles * planes
