@@ -1,7 +1,7 @@
 """Code generation: weight layouts for each target's kernels and the TVM schedule templates.
 
 Entry points: `pack(weight)` (a QuantizedWeight in its device's kernel layout) and
-`PackedWeight.to_portable()`; templates live in `codegen.cpu` (amx, lut, generic; built by
+`PackedWeight.to_portable()`; templates live in `codegen.cpu` (amx, dot, lut, generic; built by
 `codegen.cpu.build`) and `codegen.cuda` (TensorCore GEMM, decode GEMV; built with nvcc).
 """
 

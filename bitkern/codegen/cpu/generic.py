@@ -1,7 +1,7 @@
 """Generic CPU template: the Matmul tensor expression scheduled for any weight type and any x86 CPU.
 
-It serves what the AMX template does not (3-, 5- to 8-bit and 16-bit weights, int8 and fp8 activations,
-CPUs without AMX).  Schedule: N split into vector-width tiles (parallel), K into blocks; each block's
+It serves what the AMX and AVX512-BF16 templates do not (3-, 5- to 8-bit and 16-bit weights, int8 and fp8
+activations, CPUs with neither AMX nor AVX512-BF16).  Schedule: N split into vector-width tiles (parallel), K into blocks; each block's
 [lanes x block] weight tile is decoded once into a local buffer and reused for every row of x; the
 accumulation is vectorized over N.
 """
