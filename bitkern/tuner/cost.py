@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..codegen.cpu.amx import PLANES, nibbles
 from ..codegen.cpu.layout import padded_k
 from ..ops.matmul import Matmul
 from ..ttype import codes_per_word, get
@@ -40,6 +41,10 @@ DOT_BROADCAST_CYCLES = (2, 0.25)  # per activation pair broadcast in the AVX512-
 DOT_GROUP_CYCLES = 4  # per C row and group: zeroing, scaling into the row's float32 accumulator
 DOT_STEP_CYCLES = 32  # per register block and 16-pair step: loop entry and exit, row pointers (fitted on Zen 4:
 #                       2 tiles x 4 rows took 1.13x the time per product of 5 x 4 at M=128)
+DOT_DECODE_CYCLES = 40  # per 16 decoded B rows stored to L1 for the AVX512-BF16 micro-kernel (Zen 4 stores a
+#                         zmm in two cycles; fitted: 4096x4096 int1 GEMV 0.49 ms staged against 0.27 ms direct)
+DOT_DIRECT_ROW_CYCLES = 1.5  # per decoded B row fed straight into the products (load share, shift, mask, OR;
+#                              fitted on Zen 4: the direct int1 GEMV, decode-bound, took ~3 cycles per row)
 OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
 PREFETCH_PENALTY = 0.04  # per doubling away from the ideal prefetch depth
 
@@ -87,7 +92,7 @@ def _amx_cycles(config, spec, n, k, m, device):
     k_pad = padded_k(k, get(spec.weight_dtype).bits)
     tiles_n = -(-n // 16)
     steps = k_pad // 32
-    planes = {"bfloat16": 1, "float16": 2, "float32": 3}[spec.activation_dtype]
+    planes = PLANES[spec.activation_dtype]
     b_tiles = tiles_n * steps
     if config.small_m:
         rows, blocks, chunks, tdp = m, 1, 1, TDP_CYCLES_FEW_ROWS if m <= 4 else TDP_CYCLES_FULL
@@ -97,8 +102,8 @@ def _amx_cycles(config, spec, n, k, m, device):
         chunks = -(-rows // config.m_chunk)
         blocks = rows // block
         tdp = TDP_CYCLES_FULL
-    nibbles = 2 if get(spec.weight_dtype).bits == 8 else 1  # 8-bit codes: a B and a C tile per nibble
-    b_tiles *= nibbles
+    nibble_planes = nibbles(spec)  # 8-bit codes: a B and a C tile per nibble
+    b_tiles *= nibble_planes
     decode = b_tiles * chunks * DECODE_CYCLES[config.decode]
     distance = config.stage_steps * config.n_tiles
     decode += b_tiles * chunks * STALL_CYCLES * max(0, PIPELINE_TILES - distance) / PIPELINE_TILES
@@ -111,7 +116,7 @@ def _amx_cycles(config, spec, n, k, m, device):
     group_steps = max(1, min(group, k_pad) // 32)
     if not config.small_m and group_steps > config.stage_steps:  # C tiles leave registers between stages
         inside = 1 - config.stage_steps / group_steps  # the share of stage ends that fall inside a group
-        stash = tiles_n * blocks * steps / config.stage_steps * inside * config.m_tiles * nibbles * 2 * STASH_CYCLES
+        stash = tiles_n * blocks * steps / config.stage_steps * inside * config.m_tiles * nibble_planes * 2 * STASH_CYCLES
     tasks = -(-tiles_n // config.n_tiles) * chunks
     plane_bytes = 0.0
     if config.chunk_prologue:  # a task per chunk; its planes stay in L2 for all its column blocks
@@ -119,7 +124,7 @@ def _amx_cycles(config, spec, n, k, m, device):
     elif not config.small_m and rows * k_pad * 2 * planes > device.l2_bytes:
         # the planes of all rows leave the caches near the cores: written, then read once per column block
         plane_bytes = rows * k_pad * 2 * planes * (1 + -(-tiles_n // config.n_tiles))
-    footprint = 2 * config.stage_steps * config.n_tiles * 1024 * nibbles + \
+    footprint = 2 * config.stage_steps * config.n_tiles * 1024 * nibble_planes + \
         (config.m_chunk if not config.small_m else 16) * config.n_tiles * 64
     pressure = 1 + L1_PRESSURE * max(0.0, footprint - device.l1_bytes / 4) / device.l1_bytes
     return (decode + products + epilogue + stash) * pressure, tasks, \
@@ -131,8 +136,7 @@ def _dot_cycles(config, spec, n, k, m, device):
     k_pad = padded_k(k, get(spec.weight_dtype).bits)
     tiles_n = -(-n // 16)
     pairs = k_pad // 2
-    planes = {"bfloat16": 1, "float16": 2, "float32": 3}[spec.activation_dtype]
-    nibbles = 2 if get(spec.weight_dtype).bits == 8 else 1
+    planes, nibble_planes = PLANES[spec.activation_dtype], nibbles(spec)
     rows = -(-m // config.rows) * config.rows
     chunks = 1 if config.small_m else -(-rows // config.m_chunk)
     blocks = -(-tiles_n // config.n_tiles)
@@ -140,29 +144,29 @@ def _dot_cycles(config, spec, n, k, m, device):
     group = k if spec.group_size == -1 else spec.group_size
     groups = k_pad // min(group, k_pad)
     if config.direct:  # each row block decodes all of K and multiplies only its real rows
-        b_rows = tiles_n * pairs * nibbles * row_blocks
+        b_rows = tiles_n * pairs * nibble_planes * row_blocks
         products = planes * min(m, config.rows)  # per B row; the broadcasts serve the block's tiles
         broadcasts = blocks * row_blocks * pairs * products * DOT_BROADCAST_CYCLES[1]
         work = b_rows * (DOT_DIRECT_ROW_CYCLES + products) + broadcasts
-        epilogue = blocks * groups * m * config.n_tiles * (nibbles + DOT_GROUP_CYCLES)
+        epilogue = blocks * groups * m * config.n_tiles * (nibble_planes + DOT_GROUP_CYCLES)
         return work + epilogue, blocks, {"direct_cycles": work}
-    dots = config.rows * config.n_tiles * nibbles * planes
+    dots = config.rows * config.n_tiles * nibble_planes * planes
     broadcasts = config.rows * planes
     per_pair = max(dots, DOT_BROADCAST_CYCLES[0] * broadcasts) + DOT_BROADCAST_CYCLES[1] * broadcasts
     products = blocks * row_blocks * (pairs * per_pair + k_pad // 32 * DOT_STEP_CYCLES)
-    decode = tiles_n * k_pad // 32 * nibbles * chunks * DOT_DECODE_CYCLES
-    epilogue = blocks * row_blocks * groups * config.rows * config.n_tiles * (nibbles + DOT_GROUP_CYCLES)
+    decode = tiles_n * k_pad // 32 * nibble_planes * chunks * DOT_DECODE_CYCLES
+    epilogue = blocks * row_blocks * groups * config.rows * config.n_tiles * (nibble_planes + DOT_GROUP_CYCLES)
     group_steps = max(1, min(group, k_pad) // 32)
     stash = 0.0
     if group_steps > config.stage_steps:  # C rows are stored and reloaded at stage ends inside a group
-        stash = blocks * row_blocks * k_pad // 32 / config.stage_steps * config.rows * config.n_tiles * nibbles * 2
+        stash = blocks * row_blocks * k_pad // 32 / config.stage_steps * config.rows * config.n_tiles * nibble_planes * 2
     tasks = chunks if config.chunk_prologue else blocks * chunks
     plane_bytes = 0.0
     if not config.chunk_prologue and not config.small_m and rows * k_pad * 2 * planes > device.l2_bytes:
         plane_bytes = rows * k_pad * 2 * planes * (1 + blocks)
     # The micro-kernel streams the decoded stage from L1 (accumulator rows are touched once per group): measured
     # on Zen 4, 4 steps x 5 tiles (20 KiB) ran fastest; 8 x 5 (40 KiB, past L1) 7% slower.
-    decoded = config.stage_steps * config.n_tiles * nibbles * 1024
+    decoded = config.stage_steps * config.n_tiles * nibble_planes * 1024
     pressure = 1 + L1_PRESSURE * max(0.0, decoded - device.l1_bytes / 2) / device.l1_bytes
     return (products + decode + epilogue + stash) * pressure, tasks, \
         {"dot_cycles": products, "decode_cycles": decode, "stash_cycles": stash, "l1_pressure": pressure,
@@ -180,10 +184,6 @@ def _lut_cycles(config, spec, n, k, m, device):
     return lookups + tables + table_reads, tasks, {"lookup_cycles": lookups, "table_l2_cycles": table_reads}
 
 
-DOT_DECODE_CYCLES = 40  # per 16 decoded B rows stored to L1 for the AVX512-BF16 micro-kernel (Zen 4 stores a
-#                         zmm in two cycles; fitted: 4096x4096 int1 GEMV 0.49 ms staged against 0.27 ms direct)
-DOT_DIRECT_ROW_CYCLES = 1.5  # per decoded B row fed straight into the products (load share, shift, mask, OR;
-#                              fitted on Zen 4: the direct int1 GEMV, decode-bound, took ~3 cycles per row)
 GENERIC_PRODUCT_CYCLES = 2.5  # per 16-lane vector of multiply-adds in the generic template (measured on Zen 4:
 #                              6.4 multiply-adds per cycle and core, int4 4096x4096 at M=16)
 

@@ -3,7 +3,8 @@
 Tiles are multiples of the device hint on every axis (16-column weight tiles, 32-deep k steps, 16-row
 AMX blocks); each axis grows by doubling from the hint until the footprint exceeds the level that must
 hold it (AMX tile registers for C/A/B tiles, vector registers for AVX512-BF16 register blocks, L1 for
-decoded stages and lookup tables, L2 for activation planes).  Knobs the traffic model cannot see (prefetch distance, decode strategy) vary alongside.
+decoded stages and lookup tables, L2 for activation planes).  Knobs the traffic model cannot see (prefetch
+distance, decode strategy) vary alongside.
 """
 
 from __future__ import annotations

@@ -181,10 +181,12 @@ class _Builder:
         else:  # a convolution: M = B · output pixels
             self.batch = tirx.Var("B", "int32")
             self.m = self.batch * spec.geometry.pixels
-        mt, nc = config.m_tiles, config.n_tiles
         self.nibbles = nibbles(spec)
-        nb = self.nibbles
-        # C tiles: [m tile][n tile][nibble]; then the A tiles; the rest is a ring for B tiles.
+        self._assign_tile_registers()
+
+    def _assign_tile_registers(self) -> None:
+        """C tiles: [m tile][n tile][nibble]; then the A tiles; the rest is a ring for B tiles."""
+        mt, nc, nb = self.cfg.m_tiles, self.cfg.n_tiles, self.nibbles
         self.c_tiles = [[[(i * nc + c) * nb + p for p in range(nb)] for c in range(nc)] for i in range(mt)]
         self.a_tiles = [mt * nc * nb + i for i in range(mt)]
         self.b_tiles = list(range(mt * nc * nb + mt, TILE_REGISTERS))
@@ -354,11 +356,15 @@ class _Builder:
             else:
                 self._task(rows, tirx.floordiv(task, chunks), tirx.floormod(task, chunks) * cfg.m_chunk)
 
+    def _block_tiles(self, block) -> tuple[list, list]:
+        """The column block's tile indices and whether each is its own (the last block repeats a tile)."""
+        first_tile = block * self.cfg.n_tiles
+        tiles = [tirx.min(first_tile + c, self.s.n_tiles - 1) for c in range(self.cfg.n_tiles)]
+        return tiles, [first_tile + c < self.s.n_tiles for c in range(self.cfg.n_tiles)]
+
     def _task(self, rows, block, row0) -> None:
         s, cfg = self.s, self.cfg
-        first_tile = block * cfg.n_tiles
-        tiles = [tirx.min(first_tile + c, s.n_tiles - 1) for c in range(cfg.n_tiles)]
-        owned = [first_tile + c < s.n_tiles for c in range(cfg.n_tiles)]  # the last block repeats a tile
+        tiles, owned = self._block_tiles(block)
         tile_rows = self.m if cfg.small_m else AMX_TILE_ROWS
         block_rows = AMX_TILE_ROWS * cfg.m_tiles
         chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk

@@ -10,6 +10,11 @@ TILE_REGISTERS = 8  # AMX tile registers
 AMX_DECODES = ("affine", "lut")
 
 
+def _check_decode(decode: str) -> None:
+    if decode not in AMX_DECODES:
+        raise ValueError(f"decode={decode!r} is not known; accepted: {list(AMX_DECODES)}")
+
+
 @dataclass(frozen=True)
 class AmxConfig:
     """Tile configuration of the AMX template (chosen by the tuner).
@@ -32,8 +37,7 @@ class AmxConfig:
     chunk_prologue: bool = False
 
     def __post_init__(self):
-        if self.decode not in AMX_DECODES:
-            raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(AMX_DECODES)}")
+        _check_decode(self.decode)
         if self.small_m and (self.m_tiles != 1 or self.chunk_prologue):
             raise ValueError("small_m kernels use m_tiles=1 and build their planes in one pass")
         if self.m_tiles * self.n_tiles + self.m_tiles + 1 > TILE_REGISTERS:
@@ -70,8 +74,7 @@ class DotConfig:
     direct: bool = False
 
     def __post_init__(self):
-        if self.decode not in AMX_DECODES:
-            raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(AMX_DECODES)}")
+        _check_decode(self.decode)
         if self.direct and not self.small_m:
             raise ValueError("direct kernels serve few rows: they need small_m")
         if self.small_m and (self.chunk_prologue or AMX_TILE_ROWS % self.rows):

@@ -15,7 +15,6 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from ...ops.matmul import Matmul
-from ...ttype import get
 from .amx import SMALL_M_ROWS, _Builder, _decode_for, _Shape, _when, decode_strategies, unsupported_reason
 from .configs import DotConfig
 from .tir import LANES, load, ramp, splat
@@ -56,15 +55,8 @@ def build(spec: Matmul, n: int, k: int, config: DotConfig, name: str = "main"):
 class _DotBuilder(_Builder):
     """The AMX builder with its tile products replaced by vdpbf16ps on register-held C rows."""
 
-    def __init__(self, spec: Matmul, shape: _Shape, config: DotConfig, decode):
-        self.spec, self.s, self.cfg, self.dec = spec, shape, config, decode
-        self.ttype = get(spec.weight_dtype)
-        if spec.geometry is None:
-            self.batch, self.m = None, tirx.Var("M", "int32")
-        else:
-            self.batch = tirx.Var("B", "int32")
-            self.m = self.batch * spec.geometry.pixels
-        self.nibbles = 2 if self.ttype.bits == 8 else 1
+    def _assign_tile_registers(self) -> None:
+        """None to assign: C rows live in zmm registers, which LLVM allocates."""
 
     def _body_scope(self):
         return T.attr(_DOT, "pragma_import_llvm", _DOT_IR)
@@ -78,33 +70,10 @@ class _DotBuilder(_Builder):
         """Rows of the activation planes: M rounded up to whole register blocks."""
         return tirx.floordiv(self.m + (self.cfg.rows - 1), self.cfg.rows) * self.cfg.rows
 
-    def _main(self, rows) -> None:
-        cfg = self.cfg
-        blocks = -(-self.s.n_tiles // cfg.n_tiles)
-        chunks = 1 if cfg.small_m else tirx.floordiv(rows + (cfg.m_chunk - 1), cfg.m_chunk)
-        if cfg.chunk_prologue:
-            with T.parallel(0, chunks) as chunk:
-                row0 = chunk * cfg.m_chunk
-                with T.serial(0, tirx.min(cfg.m_chunk, rows - row0)) as r:
-                    self._prologue_row(row0 + r)
-                with T.serial(0, blocks) as block:
-                    self._task(rows, block, row0)
-            return
-        with T.parallel(0, blocks * chunks) as task:
-            if cfg.direct:
-                self._direct_task(task)
-            elif cfg.small_m:
-                self._task(rows, task, 0)
-            else:
-                self._task(rows, tirx.floordiv(task, chunks), tirx.floormod(task, chunks) * cfg.m_chunk)
-
-    def _block_tiles(self, block) -> tuple[list, list]:
-        """The column block's tile indices and whether each is its own (the last block repeats a tile)."""
-        first_tile = block * self.cfg.n_tiles
-        tiles = [tirx.min(first_tile + c, self.s.n_tiles - 1) for c in range(self.cfg.n_tiles)]
-        return tiles, [first_tile + c < self.s.n_tiles for c in range(self.cfg.n_tiles)]
-
     def _task(self, rows, block, row0) -> None:
+        if self.cfg.direct:
+            self._direct_task(block)
+            return
         s, cfg = self.s, self.cfg
         tiles, owned = self._block_tiles(block)
         chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
@@ -129,11 +98,7 @@ class _DotBuilder(_Builder):
     def _stage_rows(self, gbuf, acc, yacc, stash, tiles, stage, row0, local_row) -> None:
         """One stage's products for the `rows` rows from local_row, C held in `acc` (registers)."""
         s, cfg = self.s, self.cfg
-        cells = [(r, c, p) for r in range(cfg.rows) for c in range(cfg.n_tiles) for p in range(self.nibbles)]
-
-        def zero_c():
-            for cell in cells:
-                T.buffer_store(acc, splat(0.0, "float32"), [*cell, ramp(0)])
+        cells = self._cells(cfg.rows)
 
         def reload_c():
             for r, c, p in cells:
@@ -145,7 +110,7 @@ class _DotBuilder(_Builder):
 
         for i in range(s.stage_steps):
             starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
-            _when(starts, zero_c)
+            _when(starts, lambda: self._zero(acc, cells))
             if stash is not None and i == 0:
                 _when(tirx.Not(starts), reload_c)
             step = stage * s.stage_steps + i
@@ -179,15 +144,10 @@ class _DotBuilder(_Builder):
     def _direct_rows(self, acc, yacc, tiles, local_row, count: int) -> None:
         """All of K for `count` rows from local_row, decoding word by word into the products."""
         s, cfg = self.s, self.cfg
-        cells = [(r, c, p) for r in range(count) for c in range(cfg.n_tiles) for p in range(self.nibbles)]
-
-        def zero_c():
-            for cell in cells:
-                T.buffer_store(acc, splat(0.0, "float32"), [*cell, ramp(0)])
-
+        cells = self._cells(count)
         with T.serial(0, s.stages) as stage:
             for i in range(s.stage_steps):
-                _when(self._group_edge(stage, i, start=True), zero_c)
+                _when(self._group_edge(stage, i, start=True), lambda: self._zero(acc, cells))
                 step = stage * s.stage_steps + i
                 with T.serial(0, s.words_per_step) as w:
                     for c in range(cfg.n_tiles):
@@ -197,6 +157,15 @@ class _DotBuilder(_Builder):
                 group = tirx.floordiv(step, s.group_steps)
                 _when(self._group_edge(stage, i, start=False),
                       lambda: self._finish_rows(acc, yacc, tiles, group, 0, local_row, count))
+
+    def _cells(self, count: int) -> list:
+        """(row, tile, nibble) of every C row of a block of `count` rows."""
+        return [(r, c, p) for r in range(count) for c in range(self.cfg.n_tiles) for p in range(self.nibbles)]
+
+    @staticmethod
+    def _zero(acc, cells) -> None:
+        for cell in cells:
+            T.buffer_store(acc, splat(0.0, "float32"), [*cell, ramp(0)])
 
     def _products(self, acc, weight_rows: list, local_row, count: int, pair) -> None:
         """acc[r, c, p] += weights · x-pair of row r, for each (c, p, weights) and the `count` rows."""
