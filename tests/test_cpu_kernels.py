@@ -1,6 +1,8 @@
 """Compiled CPU kernels (AMX, AVX512-BF16, lookup and generic templates) against the float64 reference of
 bitkern.ops."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -203,10 +205,12 @@ def _spread(candidates):
 @pytest.mark.parametrize("name, activation, zero_mode, group, m, bucket", [
     ("int4", "bfloat16", None, 128, 3, (1, 4)), ("nf4", "float32", None, 64, 11, (5, 16)),
     ("int8", "bfloat16", None, 128, 3, (1, 4)), ("uint8", "bfloat16", "hqq", 64, 40, (17, 128)),
-    ("uint2", "float16", "gptq", 128, 40, (17, 128)), ("int1", "bfloat16", None, -1, 130, (129, 1 << 30))])
+    ("uint2", "float16", "gptq", 128, 40, (17, 128)), ("int1", "bfloat16", None, -1, 130, (129, 1 << 30)),
+    ("uint8", "float16", "awq", 64, 7, (5, 16)), ("int8", "float32", None, -1, 40, (17, 128))])
 def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, zero_mode, group, m, bucket):
     """The tuner may pick any candidate, so each family of the space (templates, decodes, small/large-M
-    tiles, 8-bit nibble planes) must be correct, not only the one the model ranks first."""
+    tiles, 8-bit nibble planes or converted 8-bit codes) must be correct, not only the one the model ranks
+    first."""
     from bitkern.codegen.cpu.build import build_kernel
     from bitkern.tuner.space import enumerate_candidates
 
@@ -234,10 +238,14 @@ def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, 
     ("nvfp4", "bfloat16", None, 16, 3, dict(n_tiles=2, rows=1, stage_steps=2, decode="lut")),
     ("int4", "bfloat16", None, 128, 3, dict(n_tiles=3, rows=2, stage_steps=2, direct=True)),  # bodies for 2, then 1
     ("nf4", "float32", None, 64, 4, dict(n_tiles=2, rows=4, stage_steps=1, decode="lut", direct=True)),
-    ("uint8", "bfloat16", "awq", -1, 1, dict(n_tiles=1, rows=1, stage_steps=4, direct=True))])
+    ("uint8", "bfloat16", "awq", -1, 1, dict(n_tiles=1, rows=1, stage_steps=4, direct=True)),
+    ("int1", "bfloat16", None, 128, 2, dict(n_tiles=1, rows=2, stage_steps=2, direct=True)),  # 4 and 8 splits
+    ("int8", "float16", None, 64, 9, dict(n_tiles=3, rows=4, stage_steps=2, decode="convert")),
+    ("uint8", "float32", "gptq", 128, 3, dict(n_tiles=2, rows=2, stage_steps=1, decode="convert", direct=True))])
 def test_dot_template_register_blocks(name, activation, zero_mode, group, m, config):
     """The AVX512-BF16 template for register blocks of 1 to 16 rows, M not a multiple of them, N not a
-    multiple of the column block, groups inside and across stages, per-chunk planes, every plane count."""
+    multiple of the column block, groups inside and across stages, per-chunk planes, every plane count, direct
+    blocks whose rows accumulate in 1 to 8 splits, 8-bit codes as nibbles and converted."""
     from bitkern.codegen.cpu.build import build_kernel
     from bitkern.codegen.cpu.configs import DotConfig
 
@@ -263,6 +271,20 @@ def test_dot_configurations_are_validated():
         DotConfig(decode="lop3")
     with pytest.raises(ValueError, match=r"direct kernels serve few rows: they need small_m"):
         DotConfig(small_m=False, direct=True)
+
+
+@pytest.mark.parametrize("name, activation, decode, accepted", [
+    ("int4", "bfloat16", "convert", "['affine', 'lut']"), ("int8", "float32", "affine", "['convert']")])
+def test_matrix_templates_reject_decodes_that_do_not_apply(name, activation, decode, accepted):
+    """The convert decode is for 8-bit codes; the affine decode of 8-bit codes for bf16 activations only."""
+    from bitkern.codegen.cpu import amx, dot
+    from bitkern.codegen.cpu.configs import AmxConfig, DotConfig
+
+    spec, *_ = _case(name, 32, 128, 1, activation)
+    for build, config in ((amx.build, AmxConfig(decode=decode)), (dot.build, DotConfig(decode=decode))):
+        with pytest.raises(ValueError, match=rf"decode='{decode}' does not apply to {name}; accepted: "
+                                             rf"{re.escape(accepted)}"):
+            build(spec, 32, 128, config)
 
 
 @pytest.mark.parametrize("name, k, group, zero_mode, activation", [

@@ -26,7 +26,9 @@ from ..ttype import codes_per_word, get
 TILE_LOAD_CYCLES = 8
 TDP_CYCLES_FULL = 16
 TDP_CYCLES_FEW_ROWS = 9
-DECODE_CYCLES = {"affine": 19, "lut": 21}  # per decoded B tile: 16 stores, shifts, ternlog or vpermw
+DECODE_CYCLES = {"affine": 19, "lut": 21, "convert": 56}  # per decoded B tile: 16 stores, shifts, ternlog or
+#   vpermw; convert (estimated from its ~7 vector ops per row on two ports, not measured on AMX) four shifts, two
+#   int-to-float conversions, a shift and an OR
 PIPELINE_TILES = 4  # decoded tiles needed between a tile's stores and its AMX load to avoid a stall
 STALL_CYCLES = 12  # per tile, when the decode runs closer than that
 STASH_CYCLES = 12  # per C tile stored to or reloaded from L1 when a stage ends inside a quantization group
@@ -41,10 +43,13 @@ DOT_BROADCAST_CYCLES = (2, 0.25)  # per activation pair broadcast in the AVX512-
 DOT_GROUP_CYCLES = 4  # per C row and group: zeroing, scaling into the row's float32 accumulator
 DOT_STEP_CYCLES = 32  # per register block and 16-pair step: loop entry and exit, row pointers (fitted on Zen 4:
 #                       2 tiles x 4 rows took 1.13x the time per product of 5 x 4 at M=128)
-DOT_DECODE_CYCLES = 40  # per 16 decoded B rows stored to L1 for the AVX512-BF16 micro-kernel (Zen 4 stores a
-#                         zmm in two cycles; fitted: 4096x4096 int1 GEMV 0.49 ms staged against 0.27 ms direct)
-DOT_DIRECT_ROW_CYCLES = 1.5  # per decoded B row fed straight into the products (load share, shift, mask, OR;
-#                              fitted on Zen 4: the direct int1 GEMV, decode-bound, took ~3 cycles per row)
+# per 16 decoded B rows stored to L1 for the AVX512-BF16 micro-kernel (Zen 4 stores a zmm in two cycles; fitted:
+# 4096x4096 int1 GEMV 0.49 ms staged against 0.27 ms direct); convert adds its ~7 vector ops per row (estimated)
+DOT_DECODE_CYCLES = {"affine": 40, "lut": 40, "convert": 100}
+# per decoded B row fed straight into the products (load share, shift, mask, OR; fitted on Zen 4: the direct int1
+# GEMV, decode-bound, took ~3 cycles per row); convert fitted on Zen 4 from int8 4096x4096 M=1 with the weights
+# in cache: 0.47 ms against 0.28-0.33 ms for the affine decode's two nibble rows
+DOT_DIRECT_ROW_CYCLES = {"affine": 1.5, "lut": 1.5, "convert": 6}
 OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
 PREFETCH_PENALTY = 0.04  # per doubling away from the ideal prefetch depth
 
@@ -102,7 +107,7 @@ def _amx_cycles(config, spec, n, k, m, device):
         chunks = -(-rows // config.m_chunk)
         blocks = rows // block
         tdp = TDP_CYCLES_FULL
-    nibble_planes = nibbles(spec)  # 8-bit codes: a B and a C tile per nibble
+    nibble_planes = nibbles(spec, config.decode)  # affine 8-bit codes: a B and a C tile per nibble
     b_tiles *= nibble_planes
     decode = b_tiles * chunks * DECODE_CYCLES[config.decode]
     distance = config.stage_steps * config.n_tiles
@@ -136,7 +141,7 @@ def _dot_cycles(config, spec, n, k, m, device):
     k_pad = padded_k(k, get(spec.weight_dtype).bits)
     tiles_n = -(-n // 16)
     pairs = k_pad // 2
-    planes, nibble_planes = PLANES[spec.activation_dtype], nibbles(spec)
+    planes, nibble_planes = PLANES[spec.activation_dtype], nibbles(spec, config.decode)
     rows = -(-m // config.rows) * config.rows
     chunks = 1 if config.small_m else -(-rows // config.m_chunk)
     blocks = -(-tiles_n // config.n_tiles)
@@ -147,14 +152,14 @@ def _dot_cycles(config, spec, n, k, m, device):
         b_rows = tiles_n * pairs * nibble_planes * row_blocks
         products = planes * min(m, config.rows)  # per B row; the broadcasts serve the block's tiles
         broadcasts = blocks * row_blocks * pairs * products * DOT_BROADCAST_CYCLES[1]
-        work = b_rows * (DOT_DIRECT_ROW_CYCLES + products) + broadcasts
+        work = b_rows * (DOT_DIRECT_ROW_CYCLES[config.decode] + products) + broadcasts
         epilogue = blocks * groups * m * config.n_tiles * (nibble_planes + DOT_GROUP_CYCLES)
         return work + epilogue, blocks, {"direct_cycles": work}
     dots = config.rows * config.n_tiles * nibble_planes * planes
     broadcasts = config.rows * planes
     per_pair = max(dots, DOT_BROADCAST_CYCLES[0] * broadcasts) + DOT_BROADCAST_CYCLES[1] * broadcasts
     products = blocks * row_blocks * (pairs * per_pair + k_pad // 32 * DOT_STEP_CYCLES)
-    decode = tiles_n * k_pad // 32 * nibble_planes * chunks * DOT_DECODE_CYCLES
+    decode = tiles_n * k_pad // 32 * nibble_planes * chunks * DOT_DECODE_CYCLES[config.decode]
     epilogue = blocks * row_blocks * groups * config.rows * config.n_tiles * (nibble_planes + DOT_GROUP_CYCLES)
     group_steps = max(1, min(group, k_pad) // 32)
     stash = 0.0

@@ -9,6 +9,7 @@ distance, decode strategy) vary alongside.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ..codegen.cpu import amx, dot, lut
@@ -84,14 +85,13 @@ def _doublings(start: int, limit: int) -> list[int]:
 
 
 def _amx(spec: Matmul, k: int, bucket: tuple[int, int], device, hint: Hint) -> list[Candidate]:
-    decodes = amx.decode_strategies(spec)
-    planes = amx.nibbles(spec)  # 8-bit codes: a B and a C tile per nibble
     tile_bytes = 16 * 64  # a decoded bf16 B tile, a float32 C tile
     found = []
     small = bucket[1] <= SMALL_M
     # Per-chunk planes pay off where all rows' planes outgrow L2: only the open-ended bucket gets them.
     prologues = (False, True) if bucket[1] > LARGE_M else (False,)
-    for m_tiles in (1,) if small else (1, 2):
+    for decode, m_tiles in itertools.product(amx.decode_strategies(spec), (1,) if small else (1, 2)):
+        planes = amx.nibbles(spec, decode)  # the affine decode of 8-bit codes: a B and a C tile per nibble
         for n_tiles in range(1, TILE_REGISTERS):
             if m_tiles * n_tiles * planes + m_tiles + 1 > TILE_REGISTERS:
                 break
@@ -102,12 +102,9 @@ def _amx(spec: Matmul, k: int, bucket: tuple[int, int], device, hint: Hint) -> l
                 for chunk in chunks:
                     if footprint + chunk * n_tiles * 64 > device.l1_bytes:
                         continue
-                    for prefetch in PREFETCH_WORDS:
-                        for decode in decodes:
-                            for chunk_prologue in prologues:
-                                found.append(Candidate("amx", AmxConfig(n_tiles, m_tiles, small,
-                                                                        max(chunk, 16 * m_tiles), stage, prefetch,
-                                                                        decode, chunk_prologue)))
+                    for prefetch, chunk_prologue in itertools.product(PREFETCH_WORDS, prologues):
+                        found.append(Candidate("amx", AmxConfig(n_tiles, m_tiles, small, max(chunk, 16 * m_tiles),
+                                                                stage, prefetch, decode, chunk_prologue)))
     return found
 
 
@@ -115,13 +112,14 @@ def _dot(spec: Matmul, bucket: tuple[int, int], device) -> list[Candidate]:
     """AVX512-BF16 configurations: register blocks (rows x n_tiles C rows, plus the n_tiles weight rows) that
     fit the vector registers, decoded stages that fit half of L1, and bodies LLVM compiles in well under a
     second (DOT_BROADCASTS, DOT_BODY)."""
-    nibbles = amx.nibbles(spec)
     planes = amx.PLANES[spec.activation_dtype]
     small = bucket[1] <= SMALL_M
     broadcasts = DOT_BROADCASTS[small]
     prologues = (False, True) if bucket[1] > LARGE_M else (False,)
     found = []
-    for rows in [r for r in _doublings(1, SMALL_M) if r * planes <= broadcasts and (r <= bucket[1] or not small)]:
+    all_rows = [r for r in _doublings(1, SMALL_M) if r * planes <= broadcasts and (r <= bucket[1] or not small)]
+    for decode, rows in itertools.product(amx.decode_strategies(spec), all_rows):
+        nibbles = amx.nibbles(spec, decode)
         for n_tiles in range(1, DOT_REGISTERS):
             if (rows + 1) * n_tiles * nibbles > DOT_REGISTERS:
                 break
@@ -133,13 +131,12 @@ def _dot(spec: Matmul, bucket: tuple[int, int], device) -> list[Candidate]:
                     if decoded > device.l1_bytes // 2 or decoded + chunk * n_tiles * 64 > device.l2_bytes // 2:
                         continue
                     for prefetch in PREFETCH_WORDS:
-                        for decode in amx.decode_strategies(spec):
-                            for chunk_prologue in prologues:
-                                found.append(Candidate("dot", DotConfig(n_tiles, rows, small, max(chunk, rows), stage,
-                                                                        prefetch, decode, chunk_prologue)))
-                            if bucket[1] <= LUT_MAX_ROWS:
-                                found.append(Candidate("dot", DotConfig(n_tiles, rows, True, SMALL_M, stage, prefetch,
-                                                                        decode, direct=True)))
+                        for chunk_prologue in prologues:
+                            found.append(Candidate("dot", DotConfig(n_tiles, rows, small, max(chunk, rows), stage,
+                                                                    prefetch, decode, chunk_prologue)))
+                        if bucket[1] <= LUT_MAX_ROWS:
+                            found.append(Candidate("dot", DotConfig(n_tiles, rows, True, SMALL_M, stage, prefetch,
+                                                                    decode, direct=True)))
     return found
 
 

@@ -10,7 +10,9 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
   epilogue  per group, in float32: y += scale · (alpha·C + beta·XS), where C = Σ x·d over the group's
             decoded values d, and alpha/beta fold the decode offset and the zero point exactly.
 Decode strategies: "affine" for integer types (d = bf16(128 + u) by OR-ing the code into 0x4300, one
-ternary-logic op per 32 codes), "lut" for any type (a 32-entry bf16 table through vpermw).
+ternary-logic op per 32 codes), "lut" for any type (a 32-entry bf16 table through vpermw), "convert" for
+8-bit integer codes (each code extended to int32, converted to float32 and truncated to bf16, exact: one B
+tile per 16 columns where "affine" multiplies two nibbles).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def unsupported_reason(spec: Matmul, k: int) -> str | None:
     if ttype.bits not in AMX_BITS:
         return f"{ttype.bits}-bit codes (it decodes {AMX_BITS}-bit codes)"
     if ttype.bits == 8 and ttype.kind not in (INT, UINT):
-        return f"8-bit {ttype.kind} codes (8-bit codes decode as two nibbles of an integer)"
+        return f"8-bit {ttype.kind} codes (8-bit codes decode as integers)"
     if spec.activation_dtype not in PLANES:
         return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"
     depth = _step_depth(group, k)
@@ -61,19 +63,20 @@ def unsupported_reason(spec: Matmul, k: int) -> str | None:
     return None
 
 
-def nibbles(spec: Matmul) -> int:
-    """B tiles per 16 weight columns and 32-deep step: 8-bit codes are multiplied as two 4-bit nibbles."""
-    return 2 if get(spec.weight_dtype).bits == 8 else 1
+def nibbles(spec: Matmul, decode: str) -> int:
+    """B tiles per 16 weight columns and 32-deep step: the affine decode multiplies 8-bit codes as two 4-bit
+    nibbles."""
+    return 2 if get(spec.weight_dtype).bits == 8 and decode == "affine" else 1
 
 
 def decode_strategies(spec: Matmul) -> tuple[str, ...]:
     """Decode strategies that apply to the spec.  "affine" folds a 128 offset out of float32 sums, which
     costs up to ~2^-16 relative accuracy: below bf16 activations' own rounding, so it is offered for them
-    only; 8-bit codes (two nibbles) have no table decode."""
+    only; 8-bit codes have no table decode, and convert (exact) serves every activation type."""
     ttype = get(spec.weight_dtype)
     affine = ttype.kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
     if ttype.bits == 8:
-        return ("affine",) if affine else ()
+        return ("affine", "convert") if affine else ("convert",)
     return ("affine", "lut") if affine else ("lut",)
 
 
@@ -116,6 +119,7 @@ class _Decode:
 
     strategy: str
     bits: int
+    signed: bool = False  # convert: the codes are two's complement
     xor: tuple = (0,)
     alpha: tuple = (1.0,)
     offset: float = 0.0
@@ -125,6 +129,8 @@ def _decode_for(spec: Matmul, strategy: str) -> _Decode:
     ttype = get(spec.weight_dtype)
     if strategy == "lut":
         return _Decode("lut", ttype.bits)
+    if strategy == "convert":
+        return _Decode("convert", 8, signed=ttype.kind == INT)
     if ttype.bits == 8:  # code = 16·h + l: v = 16·(d_hi - 128 - 8·signed) + (d_lo - 128)
         flip = 8 if ttype.kind == INT else 0
         return _Decode("affine", 8, xor=(0, flip), alpha=(1.0, 16.0), offset=-128.0 - 16.0 * (128 + flip))
@@ -181,7 +187,7 @@ class _Builder:
         else:  # a convolution: M = B · output pixels
             self.batch = tirx.Var("B", "int32")
             self.m = self.batch * spec.geometry.pixels
-        self.nibbles = nibbles(spec)
+        self.nibbles = nibbles(spec, config.decode)
         self._assign_tile_registers()
 
     def _assign_tile_registers(self) -> None:
@@ -429,6 +435,8 @@ class _Builder:
         s, cfg = self.s, self.cfg
         prefetch_ahead(self.qweight, tile_index, word_index, cfg.prefetch, cfg.n_tiles)
         word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
+        if self.dec.strategy == "convert":
+            return [(j, 0, self._converted(word, j)) for j in range(s.rows_per_word)]
         rows = []
         for j in range(s.rows_per_word):
             shifted = word if j == 0 else tirx.shift_right(word, u32(j * s.bits))
@@ -451,6 +459,20 @@ class _Builder:
         if dec.xor[nibble]:
             code = tirx.bitwise_xor(code, u32(dec.xor[nibble] | (dec.xor[nibble] << 16)))
         return tirx.reinterpret("int32x16", tirx.bitwise_or(code, u32(_BF16_128 | (_BF16_128 << 16))))
+
+    def _converted(self, word, j: int):
+        """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word of 8-bit codes (k = 2j in byte j, 2j + 1 in
+        byte 2 + j): each code shifted to the top byte and back (arithmetically for signed codes), converted
+        to float32, whose upper half is the code's exact bf16."""
+        lane = "int32" if self.dec.signed else "uint32"
+        word = tirx.reinterpret(f"{lane}x{LANES}", word)
+        halves = []
+        for byte in (j, 2 + j):
+            code = word if byte == 3 else tirx.shift_left(word, splat(24 - 8 * byte, lane))
+            code = tirx.shift_right(code, splat(24, lane))
+            halves.append(tirx.reinterpret("uint32x16", tirx.Cast("float32x16", code)))
+        low = tirx.shift_right(halves[0], u32(16))
+        return tirx.reinterpret("int32x16", tirx.bitwise_or(low, tirx.bitwise_and(halves[1], u32(0xFFFF0000))))
 
     def _stage(self, gbuf, cbuf, yacc, stash, tiles, stage, row0, mb, tile_rows, upcoming=None) -> None:
         """AMX products of one stage for one m-block, with group starts and ends and C stashing; with

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .layout import AMX_TILE_ROWS
 
 TILE_REGISTERS = 8  # AMX tile registers
-AMX_DECODES = ("affine", "lut")
+AMX_DECODES = ("affine", "lut", "convert")
 
 
 def _check_decode(decode: str) -> None:

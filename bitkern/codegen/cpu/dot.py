@@ -11,6 +11,9 @@ broadcast activation pair of each of `rows` rows, C accumulating in registers.  
 
 from __future__ import annotations
 
+import operator
+from functools import reduce
+
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
@@ -33,6 +36,9 @@ define linkonce_odr <16 x float> @{_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x
 }}
 """
 CPU_FLAG = "avx512_bf16"
+# Independent vdpbf16ps accumulation chains a block keeps in flight: its latency (6 cycles on Zen 4) times
+# its issue rate (1 per cycle) rounded up; direct blocks with fewer C rows split each row's sum by k pair.
+DOT_CHAINS = 8
 
 
 def device_reason(device) -> str | None:
@@ -81,7 +87,7 @@ class _DotBuilder(_Builder):
         gbuf = T.alloc_buffer((1, s.stage_steps, cfg.n_tiles, self.nibbles, s.depth // 2, LANES), "int32",
                               scope="local", align=64)
         yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        acc = T.alloc_buffer((cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local", align=64)
+        acc = T.alloc_buffer((1, cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local", align=64)
         stash = None
         if s.group_steps > s.stage_steps:  # a group spans stages: C leaves registers between them
             stash = T.alloc_buffer((chunk_rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local",
@@ -98,15 +104,15 @@ class _DotBuilder(_Builder):
     def _stage_rows(self, gbuf, acc, yacc, stash, tiles, stage, row0, local_row) -> None:
         """One stage's products for the `rows` rows from local_row, C held in `acc` (registers)."""
         s, cfg = self.s, self.cfg
-        cells = self._cells(cfg.rows)
+        cells = self._cells(cfg.rows, 1)
 
         def reload_c():
-            for r, c, p in cells:
-                T.buffer_store(acc, load(stash, local_row + r, c, p, ramp(0)), [r, c, p, ramp(0)])
+            for cell in cells:
+                T.buffer_store(acc, load(stash, local_row + cell[1], *cell[2:], ramp(0)), [*cell, ramp(0)])
 
         def stash_c():
-            for r, c, p in cells:
-                T.buffer_store(stash, load(acc, r, c, p, ramp(0)), [local_row + r, c, p, ramp(0)])
+            for cell in cells:
+                T.buffer_store(stash, load(acc, *cell, ramp(0)), [local_row + cell[1], *cell[2:], ramp(0)])
 
         for i in range(s.stage_steps):
             starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
@@ -117,9 +123,9 @@ class _DotBuilder(_Builder):
             with T.serial(0, s.depth // 2) as pair:
                 weights = [(c, p, load(gbuf, 0, i, c, p, pair, ramp(0)))
                            for c in range(cfg.n_tiles) for p in range(self.nibbles)]
-                self._products(acc, weights, row0 + local_row, cfg.rows, step * s.depth // 2 + pair)
+                self._products(acc, weights, row0 + local_row, cfg.rows, step * s.depth // 2 + pair, 0)
             group = tirx.floordiv(step, s.group_steps)
-            _when(ends, lambda: self._finish_rows(acc, yacc, tiles, group, row0, local_row, cfg.rows))
+            _when(ends, lambda: self._finish_rows(acc, yacc, tiles, group, row0, local_row, cfg.rows, 1))
             if stash is not None and i == s.stage_steps - 1:
                 _when(tirx.Not(ends), stash_c)
 
@@ -129,7 +135,8 @@ class _DotBuilder(_Builder):
         cfg = self.cfg
         tiles, owned = self._block_tiles(block)
         yacc = T.alloc_buffer((SMALL_M_ROWS, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        acc = T.alloc_buffer((cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local", align=64)
+        acc = T.alloc_buffer((self._splits(1), cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32",
+                             scope="local", align=64)
         with T.serial(0, SMALL_M_ROWS) as r:
             for c in range(cfg.n_tiles):
                 T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
@@ -142,9 +149,11 @@ class _DotBuilder(_Builder):
         self._store_output(yacc, tiles, owned, 0, SMALL_M_ROWS)
 
     def _direct_rows(self, acc, yacc, tiles, local_row, count: int) -> None:
-        """All of K for `count` rows from local_row, decoding word by word into the products."""
+        """All of K for `count` rows from local_row, decoding word by word into the products (the word's k
+        pair j accumulating into split j mod splits)."""
         s, cfg = self.s, self.cfg
-        cells = self._cells(count)
+        splits = self._splits(count)
+        cells = self._cells(count, splits)
         with T.serial(0, s.stages) as stage:
             for i in range(s.stage_steps):
                 _when(self._group_edge(stage, i, start=True), lambda: self._zero(acc, cells))
@@ -153,36 +162,48 @@ class _DotBuilder(_Builder):
                     for c in range(cfg.n_tiles):
                         for j, p, weights in self._decoded_word(tiles[c], step * s.words_per_step + w):
                             pair = step * s.depth // 2 + w * s.rows_per_word + j
-                            self._products(acc, [(c, p, weights)], local_row, count, pair)
+                            self._products(acc, [(c, p, weights)], local_row, count, pair, j % splits)
                 group = tirx.floordiv(step, s.group_steps)
                 _when(self._group_edge(stage, i, start=False),
-                      lambda: self._finish_rows(acc, yacc, tiles, group, 0, local_row, count))
+                      lambda: self._finish_rows(acc, yacc, tiles, group, 0, local_row, count, splits))
 
-    def _cells(self, count: int) -> list:
-        """(row, tile, nibble) of every C row of a block of `count` rows."""
-        return [(r, c, p) for r in range(count) for c in range(self.cfg.n_tiles) for p in range(self.nibbles)]
+    def _splits(self, count: int) -> int:
+        """Accumulators per C row of a direct block of `count` rows: enough for DOT_CHAINS chains, at most the
+        k pairs one word yields."""
+        chains = count * self.cfg.n_tiles * self.nibbles
+        splits = 1
+        while chains * splits < DOT_CHAINS and splits * 2 <= self.s.rows_per_word:
+            splits *= 2
+        return splits
+
+    def _cells(self, count: int, splits: int) -> list:
+        """(split, row, tile, nibble) of every C accumulator of a block of `count` rows."""
+        return [(q, r, c, p) for q in range(splits) for r in range(count) for c in range(self.cfg.n_tiles)
+                for p in range(self.nibbles)]
 
     @staticmethod
     def _zero(acc, cells) -> None:
         for cell in cells:
             T.buffer_store(acc, splat(0.0, "float32"), [*cell, ramp(0)])
 
-    def _products(self, acc, weight_rows: list, local_row, count: int, pair) -> None:
-        """acc[r, c, p] += weights · x-pair of row r, for each (c, p, weights) and the `count` rows."""
+    def _products(self, acc, weight_rows: list, local_row, count: int, pair, split: int) -> None:
+        """acc[split, r, c, p] += weights · x-pair of row r, for each (c, p, weights) and the `count` rows."""
         for plane in range(self.s.planes):
             for r in range(count):
                 x_pair = tirx.Broadcast(load(self.a, plane, local_row + r, pair), LANES)
                 for c, p, weights in weight_rows:
-                    product = tirx.call_extern("float32x16", _DOT, load(acc, r, c, p, ramp(0)), weights, x_pair)
-                    T.buffer_store(acc, product, [r, c, p, ramp(0)])
+                    cell = [split, r, c, p, ramp(0)]
+                    T.buffer_store(acc, tirx.call_extern("float32x16", _DOT, load(acc, *cell), weights, x_pair), cell)
 
-    def _finish_rows(self, acc, yacc, tiles, group, row0, local_row, count: int) -> None:
-        """y += scale · (Σ_nibble alpha·C + beta·XS) for the block's `count` rows, C read from registers."""
+    def _finish_rows(self, acc, yacc, tiles, group, row0, local_row, count: int, splits: int) -> None:
+        """y += scale · (Σ_nibble alpha·C + beta·XS) for the block's `count` rows, C (the sum of its splits)
+        read from registers."""
         scale_group = self._scale_group(group)
         for c in range(self.cfg.n_tiles):
             scale, beta = self._group_factors(tiles[c], scale_group)
             for r in range(count):
                 local = local_row + r
-                value = self._combine([load(acc, r, c, p, ramp(0)) for p in range(self.nibbles)], beta,
-                                      row0 + local, group)
+                sums = [reduce(operator.add, (load(acc, q, r, c, p, ramp(0)) for q in range(splits))) for p in range(self.nibbles)]
+                value = self._combine(sums, beta, row0 + local, group)
                 T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
+
