@@ -16,9 +16,9 @@ import pytest
 
 from bitkern.cache import forget, kernel_for
 from bitkern.ops import Matmul
-from bitkern.tuner.buckets import TUNED_M
+from bitkern.tuner.buckets import M_BUCKETS, TUNED_M
 
-BUCKETS = [(1, 4), (5, 16), (17, 128)]
+BUCKETS = [bucket for bucket in M_BUCKETS if bucket[1] <= 128]
 CASES = [(dtype, "bfloat16") for dtype in ("int4", "nf4", "int8", "int2", "int1")] + [("int4", "float32")]
 
 

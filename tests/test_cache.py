@@ -59,14 +59,14 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
 
 def test_entry_holds_module_manifest_and_checksums(tmp_path):
     store = DiskStore(tmp_path)
-    kernel = kernel_for(SPEC, 64, 256, 1, "tile16", store=store)
-    key = _key()
+    kernel = kernel_for(SPEC, 64, 256, 3, "tile16", store=store)
+    key = _key(m=3)
     directory = store.entry_dir(key)
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["versions"] == versions() and KernelKey.from_dict(manifest["key"]) == key
     assert set(manifest["files"]) >= {"kernel.so"} and manifest["record"]["summary"]
     assert str(directory).startswith(str(store.version_dir)) and store.version_dir.name.startswith("bitkern-")
-    assert kernel_for(SPEC, 64, 256, 3, "tile16", store=store) is kernel  # same bucket: no new kernel
+    assert kernel_for(SPEC, 64, 256, 2, "tile16", store=store) is kernel  # same bucket: no new kernel
     forget()
     loaded = store.load(key)
     assert isinstance(loaded.record, dict) and loaded.config == kernel.config
@@ -284,7 +284,7 @@ def test_cuda_prebuild_cross_compiles_and_loads_without_the_compiler(tmp_path, a
         import sys
         from bitkern.cache import DiskStore, KernelKey
         from bitkern.ops import Matmul
-        key = KernelKey(Matmul("int4", "float16"), 256, 512, (1, 4), "lop3", "cuda-{arch}")
+        key = KernelKey(Matmul("int4", "float16"), 256, 512, (1, 1), "lop3", "cuda-{arch}")
         kernel = DiskStore().load(key)
         print(type(kernel).__name__, kernel.arch, "tvm.tirx" in sys.modules)
     """, tmp_path)
@@ -298,7 +298,7 @@ def test_row_shortcut_serves_the_bucket_kernel_until_forget(tmp_path, monkeypatc
     monkeypatch.setenv("BITKERN_CACHE_DIR", str(tmp_path))
     first = kernel_for(SPEC, 64, 256, 3, "tile16")
     assert kernel_for(SPEC, 64, 256, 3, "tile16") is first
-    assert kernel_for(SPEC, 64, 256, 1, "tile16") is first  # same bucket, another M
+    assert kernel_for(SPEC, 64, 256, 2, "tile16") is first  # same bucket, another M
     assert kernel_for(SPEC, 64, 256, 3, "tile16", host_cpu()) is first
     forget()
     again = kernel_for(SPEC, 64, 256, 3, "tile16")

@@ -305,17 +305,30 @@ def test_lookup_template_sums_x_over_each_group_only(name, k, group, zero_mode, 
 @pytest.mark.parametrize("name, group, zero_mode", [("int1", 128, None), ("int2", 64, None), ("nf4", -1, None),
                                                      ("uint2", 32, "awq")])
 def test_lookup_template_serves_every_row_count(name, group, zero_mode):
-    """The lookup kernel emits one body per row count (M = 1..4); each must compute the reference, with a
-    last task that repeats a tile (6 tiles in tasks of 4) and scale prefetches that run past the last group."""
+    """The lookup kernel emits one body per row count of its range (within M = 1..4); each must compute the
+    reference, with a last task that repeats a tile (6 tiles in tasks of 4) and scale prefetches that run past
+    the last group."""
     from bitkern.codegen.cpu.build import build_kernel
     from bitkern.codegen.cpu.configs import LutConfig
 
     spec, q, _, b = _case(name, 88, 384, 1, group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
-    kernel = build_kernel(spec, 88, 384, "lut", LutConfig(n_tiles=4, prefetch=16), packed.layout, (1, 4), host_cpu())
-    for m in range(1, 5):
-        x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m)).bfloat16()
-        assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
+    for rows in ((1, 4), (1, 1), (2, 4)):  # the bodies of a bucket's row counts only
+        kernel = build_kernel(spec, 88, 384, "lut", LutConfig(n_tiles=4, prefetch=16), packed.layout, rows, host_cpu())
+        for m in range(rows[0], rows[1] + 1):
+            x = torch.randn(m, 384, generator=torch.Generator().manual_seed(m)).bfloat16()
+            assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
+
+
+@pytest.mark.parametrize("rows, message", [((1, 5), r"serves at most 4 rows"),
+                                           ((3, 2), r"is not a range of row counts")])
+def test_lookup_template_rejects_row_ranges_it_cannot_serve(rows, message):
+    from bitkern.codegen.cpu import lut
+    from bitkern.codegen.cpu.configs import LutConfig
+
+    spec, *_ = _case("int2", 32, 128, 1)
+    with pytest.raises(ValueError, match=re.escape(f"rows={rows}") + ".*" + message):
+        lut.build(spec, 32, 128, LutConfig(), 2, rows)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -344,13 +357,15 @@ def test_kernels_are_built_once_per_bucket():
     spec, q, x, _ = _case("uint4", 64, 256, 1)
     packed = pack(q)
     first = kernel_for(spec, 64, 256, 1, packed.layout)
-    assert kernel_for(spec, 64, 256, 4, packed.layout) is first
+    assert kernel_for(spec, 64, 256, 1, packed.layout) is first
+    few = kernel_for(spec, 64, 256, 4, packed.layout)
+    assert few is not first and kernel_for(spec, 64, 256, 2, packed.layout) is few
     middle = kernel_for(spec, 64, 256, 16, packed.layout)
-    assert middle is not first and kernel_for(spec, 64, 256, 5, packed.layout) is middle
+    assert middle is not few and kernel_for(spec, 64, 256, 5, packed.layout) is middle
     large = kernel_for(spec, 64, 256, 4096, packed.layout)
     assert kernel_for(spec, 64, 256, 129, packed.layout) is large
-    assert (first.m_range, middle.m_range, large.m_range[0]) == ((1, 4), (5, 16), 129)
-    assert first.record.bucket == (1, 4) and first.record.chosen is not None
+    assert (first.m_range, few.m_range, middle.m_range, large.m_range[0]) == ((1, 1), (2, 4), (5, 16), 129)
+    assert first.record.bucket == (1, 1) and first.record.chosen is not None
 
 
 @pytest.mark.parametrize("name", ["int4", "uint2", "int1", "nf4", "uint3", "int8", "mxfp4"])

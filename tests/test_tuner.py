@@ -168,7 +168,7 @@ def test_candidates_are_timed_taking_turns():
 
 
 def test_m_buckets_cover_every_m():
-    assert m_bucket(1) == (1, 4) and m_bucket(4) == (1, 4) and m_bucket(5) == (5, 16)
+    assert m_bucket(1) == (1, 1) and m_bucket(2) == (2, 4) and m_bucket(4) == (2, 4) and m_bucket(5) == (5, 16)
     assert m_bucket(17) == (17, 128) and m_bucket(100000)[0] == 129
     with pytest.raises(ValueError, match="m=0"):
         m_bucket(0)

@@ -49,9 +49,11 @@ def value_table(spec: Matmul) -> torch.Tensor:
     return ttype.values.clone()
 
 
-def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, name: str = "main"):
-    """The PrimFunc for a [N, K] weight in the tile16 layout and M <= 4 rows, split into `threads` parallel
-    chunks (the runtime's thread count: each chunk tabulates x itself, see `_Builder._main`).
+def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int],
+          name: str = "main"):
+    """The PrimFunc for a [N, K] weight in the tile16 layout and M in `rows` (inclusive, within 1..4), split
+    into `threads` parallel chunks (the runtime's thread count: each chunk tabulates x itself, see
+    `_Builder._main`).  Other row counts compute nothing: the body is emitted per row count of the range.
 
     Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), values
     (see `value_table`), bias [N] float32 (bias specs), y [M, N].
@@ -61,12 +63,16 @@ def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, name: s
         raise ValueError(f"the lookup template does not support {reason}")
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
-    return _Builder(spec, n, k, config, threads).build(name)
+    if not 1 <= rows[0] <= rows[1]:
+        raise ValueError(f"rows={rows} is not a range of row counts")
+    if rows[1] > MAX_ROWS:
+        raise ValueError(f"rows={rows}: the lookup template serves at most {MAX_ROWS} rows")
+    return _Builder(spec, n, k, config, threads, rows).build(name)
 
 
 class _Builder:
-    def __init__(self, spec: Matmul, n: int, k: int, config: LutConfig, threads: int):
-        self.spec, self.cfg, self.threads = spec, config, threads
+    def __init__(self, spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int]):
+        self.spec, self.cfg, self.threads, self.rows = spec, config, threads, rows
         self.ttype = get(spec.weight_dtype)
         self.bits = self.ttype.bits
         self.n, self.k = n, k
@@ -89,7 +95,7 @@ class _Builder:
                 T.func_name(name)
                 self._arguments()
                 T.func_attr({"tirx.noalias": True})
-                T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= MAX_ROWS))
+                T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= self.rows[1]))
                 self._main()
         return builder.get()
 
@@ -177,7 +183,7 @@ class _Builder:
         n_tiles weight tiles.  Each chunk builds its own tables: tables built once by one thread and read by
         the others cross between the cores' caches line by line (measured on a 4096x4096 int1 GEMV: 105 ->
         98 µs from DRAM, 19 -> 8 µs for 256 rows in cache).  Per group, the group's tables (L1) serve every
-        tile of a task.  The task body is emitted once per row count (M is 1..4): rows and tiles unroll, so
+        tile of a task.  The task body is emitted once per row count of the range: rows and tiles unroll, so
         a word position's 8 tables are loaded once into registers for all the task's tiles and the partial
         sums stay in registers."""
         blocks = -(-self.n_tiles // self.cfg.n_tiles)
@@ -188,7 +194,7 @@ class _Builder:
             self.xs = T.alloc_buffer((self.m, self.groups), "float32")
             self._prologue([tirx.min(first * self.cfg.n_tiles + c, self.n_tiles - 1) for c in range(self.cfg.n_tiles)])
             with T.serial(first, end) as block:
-                for rows in range(1, MAX_ROWS + 1):
+                for rows in range(self.rows[0], self.rows[1] + 1):
                     with T.If(self.m == rows):
                         with T.Then():
                             self._task(block, rows)
