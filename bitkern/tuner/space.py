@@ -114,7 +114,7 @@ def _amx(spec: Matmul, k: int, bucket: tuple[int, int], device, hint: Hint) -> l
 def _dot(spec: Matmul, bucket: tuple[int, int], device) -> list[Candidate]:
     """AVX512-BF16 configurations: register blocks (rows x n_tiles C rows, plus the n_tiles weight rows) that
     fit the vector registers, decoded stages that fit half of L1, and bodies LLVM compiles in well under a
-    second (DOT_BROADCASTS, DOT_BODY)."""
+    second (DOT_BROADCASTS, DOT_BODY; a direct kernel's bodies for every row count up to its rows count)."""
     planes = amx.PLANES[spec.activation_dtype]
     small = bucket[1] <= SMALL_M
     broadcasts = DOT_BROADCASTS[small]
@@ -137,7 +137,9 @@ def _dot(spec: Matmul, bucket: tuple[int, int], device) -> list[Candidate]:
                         for chunk_prologue in prologues:
                             found.append(Candidate("dot", DotConfig(n_tiles, rows, small, max(chunk, rows), stage,
                                                                     prefetch, decode, chunk_prologue)))
-                        if bucket[1] <= LUT_MAX_ROWS:
+                        # a direct kernel has a body for each row count up to `rows`
+                        direct_body = stage * rows * (rows + 1) // 2 * planes * n_tiles * nibbles
+                        if bucket[1] <= LUT_MAX_ROWS and direct_body <= DOT_BODY:
                             found.append(Candidate("dot", DotConfig(n_tiles, rows, True, SMALL_M, stage, prefetch,
                                                                     decode, direct=True)))
     return found
