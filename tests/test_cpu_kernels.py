@@ -1,6 +1,7 @@
 """Compiled CPU kernels (AMX, AVX512-BF16, lookup and generic templates) against the float64 reference of
 bitkern.ops."""
 
+import dataclasses
 import re
 
 import pytest
@@ -271,6 +272,32 @@ def test_dot_configurations_are_validated():
         DotConfig(decode="lop3")
     with pytest.raises(ValueError, match=r"direct kernels serve few rows: they need small_m"):
         DotConfig(small_m=False, direct=True)
+
+
+@pytest.mark.parametrize("name, activation, config", [
+    ("int8", "float32", dict(n_tiles=4, decode="convert")),
+    ("uint8", "bfloat16", dict(n_tiles=2, m_tiles=2, small_m=False, m_chunk=64, decode="convert")),
+    ("int8", "bfloat16", dict(n_tiles=2, decode="affine")),
+    ("nf4", "float16", dict(n_tiles=3, small_m=False, m_chunk=32, decode="lut", chunk_prologue=True))])
+def test_amx_kernels_build_for_sapphire_rapids_on_any_host(name, activation, config):
+    """The AMX template builds where AMX is absent (the tile permission is asked on a kernel's first call):
+    its code for a Sapphire Rapids target holds the tile products, and for converted 8-bit codes the
+    int-to-float conversions; on an AMX host the kernel also computes the reference."""
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen.cpu.configs import AmxConfig
+
+    cpu = host_cpu()
+    spr = dataclasses.replace(cpu, llvm_cpu="sapphirerapids", has_amx_bf16=True,
+                              flags=cpu.flags | {"amx_tile", "amx_bf16", "avx512_bf16"})
+    spec, q, x, b = _case(name, 64, 256, 3 if config.get("small_m", True) else 40, activation, group=64, bias=True)
+    bucket = (1, 16) if config.get("small_m", True) else (17, 128)
+    kernel = build_kernel(spec, 64, 256, "amx", AmxConfig(**config), "tile16", bucket, spr)
+    assembly = kernel.module.mod.inspect_source("asm")
+    assert "tdpbf16ps" in assembly and "tileloadd" in assembly
+    if config["decode"] == "convert":
+        assert "vcvtdq2ps" in assembly
+    if cpu.has_amx_bf16:
+        assert_matches_reference(spec, q, x, b, kernel(x, pack(q), b))
 
 
 @pytest.mark.parametrize("name, activation, decode, accepted", [

@@ -232,7 +232,6 @@ def _cpu_kernel_from(directory: Path, manifest: dict, key: KernelKey):
     from ..codegen.cpu.configs import config_from_dict
     from ..codegen.cpu.kernel import CpuKernel
     from ..codegen.cpu.layout import aligned
-    from ..codegen.cpu.runtime import enable_amx
     from .runtime import load_function
 
     constants = []
@@ -241,8 +240,6 @@ def _cpu_kernel_from(directory: Path, manifest: dict, key: KernelKey):
 
         loaded = load_file(str(directory / CONSTANTS))
         constants = [aligned(loaded[f"c{i}"]) for i in range(len(loaded))]  # file offsets are not aligned
-    if manifest["template"] == "amx":
-        enable_amx()
     function = load_function(str(directory / LIBRARY))
     kernel = CpuKernel(key.spec, key.n, key.k, manifest["template"],
                        config_from_dict(manifest["template"], manifest["config"]), key.layout,

@@ -7,7 +7,6 @@ import time
 from ...ops.matmul import Matmul
 from . import amx, dot, generic, lut
 from .kernel import TEMPLATES, CpuKernel
-from .runtime import enable_amx
 
 
 def build_kernel(spec: Matmul, n: int, k: int, template: str, config, layout: str, m_range: tuple[int, int],
@@ -22,7 +21,6 @@ def build_kernel(spec: Matmul, n: int, k: int, template: str, config, layout: st
     constants = []
     if template == "amx":
         func = amx.build(spec, n, k, config)
-        enable_amx()
         if config.decode == "lut":
             constants.append(amx.lut_words(spec))
     elif template == "dot":

@@ -8,6 +8,7 @@ import torch
 
 from ...ops.matmul import Matmul
 from .layout import PackedWeight, aligned
+from .runtime import enable_amx
 
 TEMPLATES = ("amx", "dot", "lut", "generic")
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -35,7 +36,10 @@ class CpuKernel:
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y[M, N] for a contiguous x (x[M, K], or a convolution's NHWC image: M = its output pixels) with M
-        in m_range (inputs already validated by the caller)."""
+        in m_range (inputs already validated by the caller).  AMX kernels ask for the tile permission here, on
+        their first call, so that they can be built for a CPU that is not this one."""
+        if self.template == "amx":
+            enable_amx()
         y = torch.empty(self.spec.rows(x), self.n, dtype=_TORCH[self.spec.output_dtype], device=x.device)
         bias_argument = () if bias is None else \
             (aligned(bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()),)
