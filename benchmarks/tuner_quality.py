@@ -22,7 +22,7 @@ from bitkern.tuner.buckets import TUNED_M
 from bitkern.tuner.space import enumerate_candidates
 
 CASES = [
-    (Matmul("int4", "bfloat16"), 4096, 4096, (1, 4)),
+    (Matmul("int4", "bfloat16"), 4096, 4096, (1, 1)),
     (Matmul("nf4", "bfloat16"), 11008, 4096, (5, 16)),
     (Matmul("int4", "bfloat16"), 4096, 11008, (17, 128)),
 ]
