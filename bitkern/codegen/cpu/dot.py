@@ -107,12 +107,12 @@ class _DotBuilder(_Builder):
         cells = self._cells(cfg.rows, 1)
 
         def reload_c():
-            for cell in cells:
-                T.buffer_store(acc, load(stash, local_row + cell[1], *cell[2:], ramp(0)), [*cell, ramp(0)])
+            for _, r, c, p in cells:
+                T.buffer_store(acc, load(stash, local_row + r, c, p, ramp(0)), [0, r, c, p, ramp(0)])
 
         def stash_c():
-            for cell in cells:
-                T.buffer_store(stash, load(acc, *cell, ramp(0)), [local_row + cell[1], *cell[2:], ramp(0)])
+            for _, r, c, p in cells:
+                T.buffer_store(stash, load(acc, 0, r, c, p, ramp(0)), [local_row + r, c, p, ramp(0)])
 
         for i in range(s.stage_steps):
             starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
@@ -203,7 +203,8 @@ class _DotBuilder(_Builder):
             scale, beta = self._group_factors(tiles[c], scale_group)
             for r in range(count):
                 local = local_row + r
-                sums = [reduce(operator.add, (load(acc, q, r, c, p, ramp(0)) for q in range(splits))) for p in range(self.nibbles)]
+                sums = [reduce(operator.add, (load(acc, q, r, c, p, ramp(0)) for q in range(splits)))
+                        for p in range(self.nibbles)]
                 value = self._combine(sums, beta, row0 + local, group)
                 T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
 
