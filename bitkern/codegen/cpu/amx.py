@@ -87,13 +87,7 @@ def build(spec: Matmul, n: int, k: int, config: AmxConfig, name: str = "main"):
     Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), lut (lut
     decode), bias [N] float32 (bias specs), y [M, N].
     """
-    reason = unsupported_reason(spec, k)
-    if reason:
-        raise ValueError(f"the AMX template does not support {reason}")
-    if config.decode not in decode_strategies(spec):
-        raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
-                         f"accepted: {list(decode_strategies(spec))}")
-    return _Builder(spec, _Shape(spec, n, k, config), config, _decode_for(spec, config.decode)).build(name)
+    return _Builder.checked(spec, n, k, config, "AMX").build(name)
 
 
 def lut_words(spec: Matmul) -> torch.Tensor:
@@ -189,6 +183,18 @@ class _Builder:
             self.m = self.batch * spec.geometry.pixels
         self.nibbles = nibbles(spec, config.decode)
         self._assign_tile_registers()
+
+    @classmethod
+    def checked(cls, spec: Matmul, n: int, k: int, config, template: str) -> "_Builder":
+        """The builder for `spec` with `config`, once the `template` (named in the errors) is known to serve
+        them: bad input is refused before any code is generated."""
+        reason = unsupported_reason(spec, k)
+        if reason:
+            raise ValueError(f"the {template} template does not support {reason}")
+        if config.decode not in decode_strategies(spec):
+            raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
+                             f"accepted: {list(decode_strategies(spec))}")
+        return cls(spec, _Shape(spec, n, k, config), config, _decode_for(spec, config.decode))
 
     def _assign_tile_registers(self) -> None:
         """C tiles: [m tile][n tile][nibble]; then the A tiles; the rest is a ring for B tiles."""

@@ -18,7 +18,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from ...ops.matmul import Matmul
-from .amx import SMALL_M_ROWS, _Builder, _decode_for, _Shape, _when, decode_strategies, unsupported_reason
+from .amx import SMALL_M_ROWS, _Builder, _when
 from .configs import DotConfig
 from .tir import LANES, load, ramp, splat
 
@@ -49,13 +49,7 @@ def device_reason(device) -> str | None:
 def build(spec: Matmul, n: int, k: int, config: DotConfig, name: str = "main"):
     """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M (at
     most 16 with small_m).  Arguments as the AMX template's (see `amx.build`)."""
-    reason = unsupported_reason(spec, k)
-    if reason:
-        raise ValueError(f"the AVX512-BF16 template does not support {reason}")
-    if config.decode not in decode_strategies(spec):
-        raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
-                         f"accepted: {list(decode_strategies(spec))}")
-    return _DotBuilder(spec, _Shape(spec, n, k, config), config, _decode_for(spec, config.decode)).build(name)
+    return _DotBuilder.checked(spec, n, k, config, "AVX512-BF16").build(name)
 
 
 class _DotBuilder(_Builder):
