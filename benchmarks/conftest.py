@@ -4,6 +4,7 @@ table of every case, printed at the end of the run and written to benchmarks/res
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -60,34 +61,70 @@ def recorded(table: str) -> list[dict]:
     return [row for row in _rows if row["table"] == table]
 
 
+def interleaved(calls: dict, rounds: int = 15, round_s: float = 0.03) -> dict[str, list[float]]:
+    """Median seconds per call of each entry, round by round, the entries taking turns within every round.  On
+    this shared VM the memory bandwidth drifts by up to 1.5x within a minute: a ratio taken round by round
+    (`round_ratio`) compares two entries under the same conditions, where two separate measurements may not."""
+    repeats = {}
+    for name, call in calls.items():
+        start = time.perf_counter()
+        while time.perf_counter() - start < WARMUP_S:
+            call()
+        start = time.perf_counter()
+        call()
+        repeats[name] = max(2, min(50, int(round_s / max(time.perf_counter() - start, 1e-6))))
+    medians = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            samples = []
+            for _ in range(repeats[name]):
+                start = time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - start)
+            medians[name].append(statistics.median(samples))
+    return medians
+
+
+def round_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median over rounds of numerator / denominator (per-round values from `interleaved`)."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
 @pytest.fixture(scope="session")
-def dram_read_gbs() -> float:
-    """The machine's DRAM read bandwidth (GB/s): the best of torch.sum and a TVM streaming-read kernel
-    (vector loads with software prefetch, all threads) over a buffer of ROTATION_BYTES, best of 7 each."""
+def dram_probes() -> tuple[dict, int]:
+    """Calls that each read ROTATION_BYTES once from DRAM, and that byte count: torch.sum and a TVM streaming
+    reader (vector loads, all threads).  Neither always wins on this VM; the bandwidth is the faster one's."""
     words = ROTATION_BYTES // 4 // 1024 * 1024
     buffer = torch.ones(words, dtype=torch.int32)
-    probes = {"torch.sum": lambda view=buffer.view(torch.float32): view.sum(), "tvm stream": _stream_reader(buffer)}
+    return {"torch.sum": lambda view=buffer.view(torch.float32): view.sum(),
+            "tvm stream": _stream_reader(buffer)}, words * 4
+
+
+@pytest.fixture(scope="session")
+def dram_read_gbs(dram_probes) -> float:
+    """The machine's DRAM read bandwidth (GB/s) at the start of the run: the best of 7 reads of each probe."""
+    probes, nbytes = dram_probes
     best = 0.0
     for probe in probes.values():
         probe()
         for _ in range(7):
             start = time.perf_counter()
             probe()
-            best = max(best, words * 4 / (time.perf_counter() - start) / 1e9)
+            best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
     return best
 
 
 def _stream_reader(buffer: torch.Tensor):
-    """A compiled kernel that reads `buffer` once (64-byte vectors, 4 accumulators, prefetch), in parallel."""
+    """A compiled kernel that reads `buffer` once (64-byte vectors, 4 accumulators), in parallel chunks.  It
+    leaves the streams to the hardware prefetchers: in probes, software prefetch made it ~20% slower."""
     import tvm
-    from tvm import tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
     from bitkern.codegen.cpu.tir import load, ramp, splat
     from bitkern.tuner import host_cpu
 
-    chunks = 64
+    chunks = 1024
     per_chunk = buffer.numel() // chunks
     with IRBuilder() as builder:
         with T.prim_func():
@@ -100,14 +137,9 @@ def _stream_reader(buffer: torch.Tensor):
                 for a in range(4):
                     T.buffer_store(acc, splat(0, "int32"), [a, ramp(0)])
                 with T.serial(0, per_chunk // 64) as i:
-                    ahead = tirx.address_of(load(data, c, tirx.min(i * 64 + 4096, per_chunk - 1)))
-                    T.evaluate(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", ahead, tirx.const(0, "int32"),
-                                                     tirx.const(3, "int32"), tirx.const(1, "int32")))
                     for a in range(4):
-                        T.buffer_store(acc, tirx.bitwise_xor(load(acc, a, ramp(0)), load(data, c, ramp(i * 64 + a * 16))),
-                                       [a, ramp(0)])
-                total = tirx.bitwise_xor(tirx.bitwise_xor(load(acc, 0, ramp(0)), load(acc, 1, ramp(0))),
-                                         tirx.bitwise_xor(load(acc, 2, ramp(0)), load(acc, 3, ramp(0))))
+                        T.buffer_store(acc, load(acc, a, ramp(0)) ^ load(data, c, ramp(i * 64 + a * 16)), [a, ramp(0)])
+                total = (load(acc, 0, ramp(0)) ^ load(acc, 1, ramp(0))) ^ (load(acc, 2, ramp(0)) ^ load(acc, 3, ramp(0)))
                 T.buffer_store(out, total, [c, ramp(0)])
     function = tvm.compile(tvm.IRModule({"main": builder.get()}), target=host_cpu().tvm_target())["main"]
     view, out = buffer[:chunks * per_chunk].view(chunks, per_chunk), torch.empty(chunks, 16, dtype=torch.int32)

@@ -272,6 +272,29 @@ def test_dot_configurations_are_validated():
         DotConfig(decode="lop3")
     with pytest.raises(ValueError, match=r"direct kernels serve few rows: they need small_m"):
         DotConfig(small_m=False, direct=True)
+    with pytest.raises(ValueError, match=r"prefetch=-16 is not accepted: weight words ahead, an int >= 0"):
+        DotConfig(prefetch=-16)
+
+
+@pytest.mark.parametrize("template, config", [
+    ("dot", dict(n_tiles=2, rows=1, stage_steps=1, direct=True)), ("dot", dict(n_tiles=2, rows=4, stage_steps=2)),
+    ("lut", dict(n_tiles=4))])
+def test_kernels_without_software_prefetch(template, config):
+    """prefetch=0 leaves the weight stream to the hardware prefetchers (the tuner times it against software
+    prefetch): the kernel computes the reference, and its code has fewer prefetches (the scales' remain)."""
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen.cpu.configs import CONFIGS
+
+    if template == "dot" and "avx512_bf16" not in host_cpu().flags:
+        pytest.skip("this CPU has no AVX512-BF16")
+    spec, q, x, b = _case("int4", 88, 384, 3, "bfloat16", group=64, bias=True)
+    packed = pack(q)
+    kernels = {prefetch: build_kernel(spec, 88, 384, template, CONFIGS[template](**config, prefetch=prefetch),
+                                      packed.layout, (1, 4), host_cpu()) for prefetch in (0, 16)}
+    assert_matches_reference(spec, q, x, b, kernels[0](x, packed, b))
+    prefetches = {prefetch: kernel.module.mod.inspect_source("asm").count("prefetcht0")
+                  for prefetch, kernel in kernels.items()}
+    assert 0 < prefetches[0] < prefetches[16]
 
 
 @pytest.mark.parametrize("name, activation, config", [

@@ -97,6 +97,19 @@ def test_cost_model_tracks_traffic_and_parallelism():
     assert wider.seconds > int4.seconds
 
 
+def test_shortlist_times_the_best_without_software_prefetch():
+    """The model cannot tell whether the hardware prefetchers keep up: it ranks prefetch=0 below the ideal depth,
+    and the shortlist always times the best candidate's twin without software prefetch."""
+    cpu, spec = host_cpu(), Matmul("int4", "bfloat16")
+    configs = [AmxConfig(n_tiles=n, prefetch=p) for n in (1, 2) for p in (0, 16, 32, 64)]
+    trials = [Trial("amx", c, estimate("amx", c, spec, 4096, 4096, 1, cpu).seconds) for c in configs]
+    order = _ranked(trials)
+    assert trials[order[0]].config.prefetch != 0
+    shortlist = _shortlist(trials, order, 2)
+    assert [trials[i].config for i in shortlist] == [trials[order[0]].config,
+                                                     dataclasses.replace(trials[order[0]].config, prefetch=0)]
+
+
 def test_shortlist_is_deterministic_and_spans_templates():
     trials = [Trial("amx", AmxConfig(n_tiles=n, prefetch=p), 1.0 + 0.01 * n) for n in (1, 2) for p in (16, 32)]
     trials += [Trial("lut", "lut-config", 1.5), Trial("generic", "generic-config", 9.0)]

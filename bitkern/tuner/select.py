@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
@@ -82,15 +82,18 @@ CONTENDER = 2.0  # another template's best is worth building if modeled within t
 
 
 def _shortlist(trials: list[Trial], order: list[int], top_k: int) -> list[int]:
-    """The best candidate of each template the model rates a contender; then, in model order, candidates
-    that differ in the tile shape or prefetch depth from those taken (the model is least sure of these);
-    then the next best, up to top_k."""
+    """The best candidate of each template the model rates a contender, and the best's twin without software
+    prefetch (which the model cannot rank); then, in model order, candidates that differ in the tile shape or
+    prefetch depth from those taken (the model is least sure of these); then the next best, up to top_k."""
     best = trials[order[0]].modeled_s
     chosen: list[int] = []
     for template in dict.fromkeys(trials[i].template for i in order):
         first = next(i for i in order if trials[i].template == template)
         if len(chosen) < top_k and trials[first].modeled_s <= CONTENDER * best:
             chosen.append(first)
+    twin = _without_prefetch(trials, order[0])
+    if twin is not None and twin not in chosen and len(chosen) < top_k:
+        chosen.append(twin)
     for distinct in (True, False):
         for i in order:
             if len(chosen) >= top_k:
@@ -98,6 +101,16 @@ def _shortlist(trials: list[Trial], order: list[int], top_k: int) -> list[int]:
             if i not in chosen and (not distinct or _shape(trials[i]) not in {_shape(trials[j]) for j in chosen}):
                 chosen.append(i)
     return sorted(chosen, key=order.index)
+
+
+def _without_prefetch(trials: list[Trial], index: int) -> int | None:
+    """The candidate identical to trials[index] but for prefetch=0, if there is one."""
+    config = trials[index].config
+    if not getattr(config, "prefetch", 0):
+        return None
+    twin = replace(config, prefetch=0)
+    return next((i for i, trial in enumerate(trials)
+                 if trial.template == trials[index].template and trial.config == twin), None)
 
 
 def _shape(trial: Trial) -> tuple:

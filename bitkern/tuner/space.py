@@ -18,7 +18,7 @@ from ..ops.matmul import Matmul
 from ..ttype import codes_per_word, get
 from .hints import Hint, cpu_hint
 
-PREFETCH_WORDS = (16, 32, 64, 128)
+PREFETCH_WORDS = (0, 16, 32, 64, 128)  # software prefetch depths; 0: the hardware prefetchers alone
 # LLVM's compile time grows steeply with the AVX512-BF16 template's unrolled register block (measured: float32
 # activations, 8 rows x 2 tiles x 4 steps, 11 s; bfloat16, 16 rows x 1 tile x 4 steps for large M, 3.2 s):
 DOT_BROADCASTS = {True: 8, False: 4}  # rows x activation planes per block (small-M kernels, large-M kernels)

@@ -15,13 +15,19 @@ def _check_decode(decode: str) -> None:
         raise ValueError(f"decode={decode!r} is not known; accepted: {list(AMX_DECODES)}")
 
 
+def _check_prefetch(prefetch: int) -> None:
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r} is not accepted: weight words ahead, an int >= 0 (0: no software "
+                         f"prefetch, the hardware prefetchers alone)")
+
+
 @dataclass(frozen=True)
 class AmxConfig:
     """Tile configuration of the AMX template (chosen by the tuner).
 
     n_tiles: 16-column C tiles per task; m_tiles: 16-row A tiles per m-block (large M); small_m: one
     block of all M <= 16 rows (tile rows = M) instead of 16-row tiles; m_chunk: rows per task (large M);
-    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead; decode: strategy;
+    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead (0: none); decode: strategy;
     chunk_prologue (large M): each task builds its row chunk's activation planes itself and runs every
     column block over them while they sit in L2, instead of one pass over all rows before the main loop
     (whose planes outgrow the caches at large M and are re-read once per column block).
@@ -38,6 +44,7 @@ class AmxConfig:
 
     def __post_init__(self):
         _check_decode(self.decode)
+        _check_prefetch(self.prefetch)
         if self.small_m and (self.m_tiles != 1 or self.chunk_prologue):
             raise ValueError("small_m kernels use m_tiles=1 and build their planes in one pass")
         if self.m_tiles * self.n_tiles + self.m_tiles + 1 > TILE_REGISTERS:
@@ -75,6 +82,7 @@ class DotConfig:
 
     def __post_init__(self):
         _check_decode(self.decode)
+        _check_prefetch(self.prefetch)
         if self.direct and not self.small_m:
             raise ValueError("direct kernels serve few rows: they need small_m")
         if self.small_m and (self.chunk_prologue or AMX_TILE_ROWS % self.rows):
@@ -90,10 +98,13 @@ class DotConfig:
 @dataclass(frozen=True)
 class LutConfig:
     """Tile configuration of the lookup template: `n_tiles` 16-row weight tiles per task (they share each
-    group's tables while those sit in L1), `prefetch` words ahead."""
+    group's tables while those sit in L1), `prefetch` words ahead (0: none)."""
 
     n_tiles: int = 8
     prefetch: int = 32
+
+    def __post_init__(self):
+        _check_prefetch(self.prefetch)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,9 @@ def prefetch_ahead(buffer, tile_index, index, distance: int, tiles_per_task: int
     """Prefetch the line `distance` rows past (tile, index) of a per-tile buffer [tiles, rows, lanes] (tile16
     weight words, or the per-group scales and zeros).  Past a tile's end it reaches the same stream of the
     next task (`tiles_per_task` tiles on; consecutive tasks run on the same thread), so a task starts on
-    prefetched lines instead of cold misses."""
+    prefetched lines instead of cold misses.  Distance 0 emits nothing: the hardware prefetchers alone."""
+    if distance == 0:
+        return
     tiles, rows = buffer.shape[0], buffer.shape[1]
     ahead = index + distance
     tile_ahead = tirx.min(tile_index + tirx.floordiv(ahead, rows) * tiles_per_task, tiles - 1)
