@@ -53,7 +53,7 @@ DOT_DIRECT_ROW_CYCLES = {"affine": 1.5, "lut": 1.5, "convert": 6}
 OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
 PREFETCH_PENALTY = 0.04  # per doubling away from the ideal prefetch depth
 # No software prefetch (prefetch=0): the model cannot tell whether the hardware prefetchers keep up (measured on
-# Zen 4: 5-9% faster at M=1 int4/nf4, 7-11% slower at M=16 int4 and M=1 int2).  It ranks it below every depth
+# Zen 4, in probes: 5-9% faster at M=1 int4/nf4, 7-11% slower at M=16 int4 and M=1 int2).  It ranks it below every depth
 # within a doubling of the ideal, and profiling decides (the shortlist always times the best one's twin without it)
 HARDWARE_PREFETCH_DOUBLINGS = 1.5
 
