@@ -121,11 +121,11 @@ def test_targets(record, dram_probes, n, k):
     times = interleaved(cases)
     dram_s = [min(t) / probe_bytes for t in zip(*(times[(name, 1)] for name in probes))]  # seconds per byte
     for target, case, other, bound in PAIRED_TARGETS:
-        dtype = case[0].removeprefix("bitkern_")
+        dtype, other_dtype = (c[0].removeprefix("bitkern_") for c in (case, other))
         other_times = [s * nbytes[dtype] for s in dram_s] if other[0] == "dram" else times[other]
         value = round_ratio(other_times, times[case])
-        if target.startswith(("int2", "int1")):
-            value /= nbytes["int4"] / nbytes[dtype]
+        if other_dtype in nbytes and other_dtype != dtype:  # two weight types: relative to their bytes
+            value /= nbytes[other_dtype] / nbytes[dtype]
         record("cpu_matmul_targets", shape=f"{n}x{k}", target=target, value=value, bound=bound, met=value >= bound)
     record("cpu_matmul_targets", shape=f"{n}x{k}", target="DRAM read GB/s in these rounds (median)",
            value=statistics.median(1 / s / 1e9 for s in dram_s), bound=None, met=None)

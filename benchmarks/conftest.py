@@ -43,6 +43,14 @@ def measure(benchmark, call, rounds: tuple[int, int], warmup_rounds: int) -> flo
     WARMUP_S (the first compiles) and a one-call estimate.  Right after a kernel is tuned, calls ran up to 2x
     slower for ~0.1 s (a transient seen in probes on this VM, cause not found): three warm-up calls let it into
     the median of the first case measured after tuning."""
+    estimate = _warmed_up(call)
+    benchmark.pedantic(call, rounds=max(rounds[0], min(rounds[1], int(0.5 / max(estimate, 1e-6)))),
+                       warmup_rounds=warmup_rounds)
+    return benchmark.stats.stats.median
+
+
+def _warmed_up(call) -> float:
+    """Call `call` for WARMUP_S (at least three times), then once more: that call's seconds, an estimate."""
     start = time.perf_counter()
     calls = 0
     while calls < 3 or time.perf_counter() - start < WARMUP_S:
@@ -50,10 +58,7 @@ def measure(benchmark, call, rounds: tuple[int, int], warmup_rounds: int) -> flo
         calls += 1
     start = time.perf_counter()
     call()
-    estimate = time.perf_counter() - start
-    benchmark.pedantic(call, rounds=max(rounds[0], min(rounds[1], int(0.5 / max(estimate, 1e-6)))),
-                       warmup_rounds=warmup_rounds)
-    return benchmark.stats.stats.median
+    return time.perf_counter() - start
 
 
 def recorded(table: str) -> list[dict]:
@@ -65,14 +70,7 @@ def interleaved(calls: dict, rounds: int = 15, round_s: float = 0.03) -> dict[st
     """Median seconds per call of each entry, round by round, the entries taking turns within every round.  On
     this shared VM the memory bandwidth drifts by up to 1.5x within a minute: a ratio taken round by round
     (`round_ratio`) compares two entries under the same conditions, where two separate measurements may not."""
-    repeats = {}
-    for name, call in calls.items():
-        start = time.perf_counter()
-        while time.perf_counter() - start < WARMUP_S:
-            call()
-        start = time.perf_counter()
-        call()
-        repeats[name] = max(2, min(50, int(round_s / max(time.perf_counter() - start, 1e-6))))
+    repeats = {name: max(2, min(50, int(round_s / max(_warmed_up(call), 1e-6)))) for name, call in calls.items()}
     medians = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
