@@ -259,6 +259,31 @@ def test_dot_template_register_blocks(name, activation, zero_mode, group, m, con
     assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
 
 
+@pytest.mark.parametrize("name, zero_mode, group, m, config", [
+    ("int2", None, 128, 1, dict(n_tiles=2, rows=1, stage_steps=1, direct=True)),
+    ("uint2", "gptq", 64, 5, dict(n_tiles=3, rows=2, stage_steps=2, direct=True)),
+    ("int2", None, 16, 3, dict(n_tiles=1, rows=4, stage_steps=2)),
+    ("uint2", "hqq", -1, 20, dict(n_tiles=2, rows=4, stage_steps=2, small_m=False, m_chunk=32)),
+    ("uint2", "awq", 32, 40, dict(n_tiles=2, rows=4, stage_steps=1, small_m=False, m_chunk=32, chunk_prologue=True))])
+def test_two_bit_codes_decode_three_k_pairs_per_shift(name, zero_mode, group, m, config):
+    """The affine decode takes 2-bit codes where they lie (bits 0, 2 and 4 of a shifted word) and folds their
+    smaller offsets back per group: each kernel computes the reference, with under half the shifts of the
+    table decode, which shifts every k pair's codes to bit 0."""
+    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen.cpu.configs import DotConfig
+
+    if "avx512_bf16" not in host_cpu().flags:
+        pytest.skip("this CPU has no AVX512-BF16")
+    spec, q, x, b = _case(name, 88, 384, m, "bfloat16", group=group, zero_mode=zero_mode, bias=True)
+    packed = pack(q)
+    bucket = (1, 16) if config.get("small_m", True) else (17, 1 << 30)
+    kernels = {decode: build_kernel(spec, 88, 384, "dot", DotConfig(**config, decode=decode), packed.layout, bucket,
+                                    host_cpu()) for decode in ("affine", "lut")}
+    assert_matches_reference(spec, q, x, b, kernels["affine"](x, packed, b))
+    shifts = {decode: kernel.module.mod.inspect_source("asm").count("vpsrld") for decode, kernel in kernels.items()}
+    assert 0 < shifts["affine"] < shifts["lut"] / 2
+
+
 def test_dot_configurations_are_validated():
     from bitkern.codegen.cpu.configs import DotConfig
 
@@ -301,6 +326,7 @@ def test_kernels_without_software_prefetch(template, config):
     ("int8", "float32", dict(n_tiles=4, decode="convert")),
     ("uint8", "bfloat16", dict(n_tiles=2, m_tiles=2, small_m=False, m_chunk=64, decode="convert")),
     ("int8", "bfloat16", dict(n_tiles=2, decode="affine")),
+    ("uint2", "bfloat16", dict(n_tiles=2, small_m=False, m_chunk=64, decode="affine")),
     ("nf4", "float16", dict(n_tiles=3, small_m=False, m_chunk=32, decode="lut", chunk_prologue=True))])
 def test_amx_kernels_build_for_sapphire_rapids_on_any_host(name, activation, config):
     """The AMX template builds where AMX is absent (the tile permission is asked on a kernel's first call):

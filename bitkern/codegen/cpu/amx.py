@@ -10,9 +10,11 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
   epilogue  per group, in float32: y += scale · (alpha·C + beta·XS), where C = Σ x·d over the group's
             decoded values d, and alpha/beta fold the decode offset and the zero point exactly.
 Decode strategies: "affine" for integer types (d = bf16(128 + u) by OR-ing the code into 0x4300, one
-ternary-logic op per 32 codes), "lut" for any type (a 32-entry bf16 table through vpermw), "convert" for
-8-bit integer codes (each code extended to int32, converted to float32 and truncated to bf16, exact: one B
-tile per 16 columns where "affine" multiplies two nibbles).
+ternary-logic op per 32 codes; 2-bit codes are taken where they lie in the word, at bit 0, 2 or 4, into the
+power of two whose mantissa puts them at weight 1 — d = 2^(7-at) + u — so one shift serves three k pairs,
+and per-group activation sums XD fold the smaller offsets back), "lut" for any type (a 32-entry bf16 table
+through vpermw), "convert" for 8-bit integer codes (each code extended to int32, converted to float32 and
+truncated to bf16, exact: one B tile per 16 columns where "affine" multiplies two nibbles).
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, i
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
 AMX_BITS = (*TILE16_BITS, 8)
 SMALL_M_ROWS = AMX_TILE_ROWS
-_BF16_128 = 0x4300  # bfloat16 128.0: OR-ing a code u < 128 into its mantissa gives 128 + u exactly
+_MANTISSA_BITS = 7  # of bfloat16: a code u < 2^(7-at) OR-ed in at bit `at` of 2^(7-at) gives 2^(7-at) + u
+# k pairs an affine decode takes from one shifted word (each position costs a mask and a base register).
+# Measured on Zen 4, 4096x4096 M=1: 2-bit codes 3 per shift (all the mantissa holds), 5-7% faster than 1;
+# 1-bit codes 7 or 3 per shift, 2.2x and 1.1x slower (spills: a word feeds 16 activation broadcasts).
+_PAIRS_PER_SHIFT = {2: 3}
 
 
 def unsupported_reason(spec: Matmul, k: int) -> str | None:
@@ -108,7 +114,8 @@ def _step_depth(group: int, k: int) -> int | None:
 
 @dataclass(frozen=True)
 class _Decode:
-    """How the B tile elements d relate to the weight value v: v = Σ_nibble alpha[nibble]·d + offset.
+    """How the B tile elements d relate to the weight value v: v = Σ_nibble alpha[nibble]·d + offset, d the
+    decode of the code at bit 0 (128 + u for affine).
     xor: bits flipped in each code (per nibble: low, high) to make two's complement offset binary."""
 
     strategy: str
@@ -117,6 +124,18 @@ class _Decode:
     xor: tuple = (0,)
     alpha: tuple = (1.0,)
     offset: float = 0.0
+
+    def positions(self, rows: int) -> tuple:
+        """(shift, at) of each of a word's `rows` k pairs: its codes (bit j·bits of each 16-bit half) sit at
+        bit `at` of the word shifted right by `shift`.  Affine 2-bit codes are taken anywhere in the mantissa
+        (at 0, 2 or 4), so one shift serves 3 k pairs; other codes are shifted to bit 0."""
+        per_shift = _PAIRS_PER_SHIFT.get(self.bits, 1) if self.strategy == "affine" else 1
+        return tuple((j // per_shift * per_shift * self.bits, j % per_shift * self.bits) for j in range(rows))
+
+
+def _bf16_power_of_two(exponent: int) -> int:
+    """The bfloat16 bit pattern of 2^exponent (0x4300 for 128)."""
+    return (127 + exponent) << _MANTISSA_BITS
 
 
 def _decode_for(spec: Matmul, strategy: str) -> _Decode:
@@ -182,6 +201,10 @@ class _Builder:
             self.batch = tirx.Var("B", "int32")
             self.m = self.batch * spec.geometry.pixels
         self.nibbles = nibbles(spec, config.decode)
+        # Per k pair j of a word, 128 - 2^(7-at): what its decoded values lack of the 128 offset the epilogue
+        # folds (None when every code sits at bit 0).
+        shortfall = [128.0 - 2.0 ** (_MANTISSA_BITS - at) for _, at in decode.positions(shape.rows_per_word)]
+        self.offset_shortfall = shortfall if any(shortfall) else None
         self._assign_tile_registers()
 
     @classmethod
@@ -217,6 +240,9 @@ class _Builder:
                     rows = self._padded_rows()
                     self.a = T.alloc_buffer((self.s.planes, rows, self._plane_pitch()), "int32")
                     self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
+                    self.xd = None  # XD[row, group] = Σ x·shortfall over the group's k's
+                    if self.offset_shortfall is not None:
+                        self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
                     if not self.cfg.chunk_prologue:
                         self._prologue(rows)
                     self._main(rows)
@@ -329,7 +355,8 @@ class _Builder:
         return tirx.Cast(f"float32x{lanes(value)}" if lanes(value) > 1 else "float32", value)
 
     def _store_planes(self, row, chunk, even, odd) -> None:
-        """A[plane, row, 16·chunk + i] = bf16 pair of plane `plane` of x[2i], x[2i+1]; XS sums their total."""
+        """A[plane, row, 16·chunk + i] = bf16 pair of plane `plane` of x[2i], x[2i+1]; XS sums their total (and
+        XD, weighted by the offset shortfall of their k pair)."""
         total_even = total_odd = None
         for plane in range(self.s.planes):
             bits_even, bits_odd = bf16_bits(even), bf16_bits(odd)
@@ -340,14 +367,22 @@ class _Builder:
             total_odd = kept_odd if total_odd is None else total_odd + kept_odd
             even, odd = even - kept_even, odd - kept_odd
         pair_sums = total_even + total_odd
+        self._add_to_group_sums(self.xs, row, chunk, pair_sums)
+        if self.xd is not None:
+            per_lane = [self.offset_shortfall[i % self.s.rows_per_word] for i in range(LANES)]
+            weights = tirx.Shuffle([tirx.const(w, "float32") for w in per_lane], list(range(LANES)))
+            self._add_to_group_sums(self.xd, row, chunk, pair_sums * weights)
+
+    def _add_to_group_sums(self, sums, row, chunk, pair_values) -> None:
+        """sums[row, group] += Σ of a 32-k chunk's 16 pair values, per group (the group's first chunk sets it)."""
         parts = max(1, 32 // self.s.kgroup)  # 16-k groups (nvfp4) split a 32-k chunk in two
         for part in range(parts):
             width = LANES // parts
-            part_sum = horizontal_sum(tirx.Shuffle([pair_sums], list(range(part * width, (part + 1) * width))))
+            part_sum = horizontal_sum(tirx.Shuffle([pair_values], list(range(part * width, (part + 1) * width))))
             k_start = chunk * 32 + part * (32 // parts)
             group = tirx.floordiv(k_start, self.s.kgroup)
             first = tirx.floormod(k_start, self.s.kgroup) == 0
-            T.buffer_store(self.xs, tirx.Select(first, part_sum, load(self.xs, row, group) + part_sum), [row, group])
+            T.buffer_store(sums, tirx.Select(first, part_sum, load(sums, row, group) + part_sum), [row, group])
 
     # -- main loop ---------------------------------------------------------------------------------------
     def _main(self, rows) -> None:
@@ -443,28 +478,32 @@ class _Builder:
         word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
         if self.dec.strategy == "convert":
             return [(j, 0, self._converted(word, j)) for j in range(s.rows_per_word)]
-        rows = []
-        for j in range(s.rows_per_word):
-            shifted = word if j == 0 else tirx.shift_right(word, u32(j * s.bits))
-            rows += [(j, nibble, self._decode_word(shifted, nibble)) for nibble in range(self.nibbles)]
+        rows, shifted = [], {}
+        for j, (shift, at) in enumerate(self.dec.positions(s.rows_per_word)):
+            if shift not in shifted:
+                shifted[shift] = word if shift == 0 else tirx.shift_right(word, u32(shift))
+            rows += [(j, nibble, self._decode_word(shifted[shift], nibble, at)) for nibble in range(self.nibbles)]
         return rows
 
-    def _decode_word(self, shifted, nibble: int = 0):
-        """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word shifted by j·bits (of 8-bit codes: the
-        low or high nibble)."""
+    def _decode_word(self, shifted, nibble: int = 0, at: int = 0):
+        """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word whose codes for them sit at bit `at` (of
+        8-bit codes: the low or high nibble): 2^(7-at) + u, as the code's bits fill that power of two's
+        mantissa from the bit of weight 1."""
         dec = self.dec
         if dec.strategy == "lut":
             table = tirx.reinterpret("int16x32", load(self.lut, ramp(0)))
             picked = tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.permvar.hi.512", table,
                                                 tirx.reinterpret("int16x32", shifted))
             return tirx.reinterpret("int32x16", picked)
-        mask = (1 << min(dec.bits, 4)) - 1
+        mask = ((1 << min(dec.bits, 4)) - 1) << at
         if nibble:
             shifted = tirx.shift_right(shifted, u32(4))
         code = tirx.bitwise_and(shifted, u32(mask | (mask << 16)))
         if dec.xor[nibble]:
-            code = tirx.bitwise_xor(code, u32(dec.xor[nibble] | (dec.xor[nibble] << 16)))
-        return tirx.reinterpret("int32x16", tirx.bitwise_or(code, u32(_BF16_128 | (_BF16_128 << 16))))
+            flip = dec.xor[nibble] << at
+            code = tirx.bitwise_xor(code, u32(flip | (flip << 16)))
+        base = _bf16_power_of_two(_MANTISSA_BITS - at)
+        return tirx.reinterpret("int32x16", tirx.bitwise_or(code, u32(base | (base << 16))))
 
     def _converted(self, word, j: int):
         """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word of 8-bit codes (k = 2j in byte j, 2j + 1 in
@@ -571,8 +610,11 @@ class _Builder:
         return scale, beta
 
     def _combine(self, nibble_sums: list, beta, row, group):
-        """Σ_nibble alpha·C (+ beta·XS[row, group]): a row's group result before scaling."""
+        """Σ_nibble alpha·C (+ beta·XS[row, group]): a row's group result before scaling (C + XD[row, group]
+        where codes sit above bit 0)."""
         value = None
+        if self.xd is not None:  # one nibble plane: C + XD is Σ x·(128 + u)
+            nibble_sums = [nibble_sums[0] + tirx.Broadcast(load(self.xd, row, group), LANES)]
         for term, alpha in zip(nibble_sums, self.dec.alpha):
             term = term if alpha == 1.0 else term * splat(alpha, "float32")
             value = term if value is None else value + term
