@@ -18,7 +18,7 @@ from .. import ttype
 from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, to_layout
 from ..codegen.cpu.layout import aligned
 from ..codegen.cpu.layout import LAYOUTS as CPU_LAYOUTS
-from ..ttype import QuantizedWeight, packed_length
+from ..ttype import QuantizedWeight, dtype_name, packed_length
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
 from . import library
@@ -37,10 +37,6 @@ _BITS = {2: torch.int16, 4: torch.int32}
 def weight_dtypes() -> list[str]:
     """Registered types a module can store its weight in (at most 8 bits per element)."""
     return [name for name in ttype.names() if ttype.get(name).bits <= 8]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def check_weight_dtype(dtype) -> str:

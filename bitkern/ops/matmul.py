@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ttype import QuantizedWeight, get
+from ..ttype import QuantizedWeight, dtype_name, effective_group_size, get, torch_dtype
 from ..ttype.quantize import check_zero_mode
-from ..ttype.types import COMPUTE_DTYPES, check_compute_dtype
 
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 ACCUMULATE_DTYPES = ("float32", "float16", "int32")
@@ -22,7 +21,6 @@ SCALE_DTYPES = ("float16", "bfloat16", "float32")
 LAYOUTS = ("nt",)  # x [M, K] row-major, weight [N, K] (nn.Linear's layout)
 _SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
                 "bias", "layout", "scale_dtype")
-_TORCH_DTYPES = {**{name: pair[0] for name, pair in COMPUTE_DTYPES.items()}, "int32": torch.int32}
 
 
 @dataclass(frozen=True)
@@ -51,15 +49,15 @@ class Matmul:
     def __post_init__(self):
         weight = get(self.weight_dtype)
         object.__setattr__(self, "weight_dtype", weight.name)
-        activation = _choice("activation_dtype", _dtype_name(self.activation_dtype), ACTIVATION_DTYPES)
+        activation = _choice("activation_dtype", dtype_name(self.activation_dtype), ACTIVATION_DTYPES)
         object.__setattr__(self, "activation_dtype", activation)
-        accumulate = _choice("accumulate_dtype", _dtype_name(self.accumulate_dtype), ACCUMULATE_DTYPES)
+        accumulate = _choice("accumulate_dtype", dtype_name(self.accumulate_dtype), ACCUMULATE_DTYPES)
         object.__setattr__(self, "accumulate_dtype", accumulate)
         default_output = "float32" if activation == "int8" else activation
-        output = default_output if self.output_dtype is None else _dtype_name(self.output_dtype)
+        output = default_output if self.output_dtype is None else dtype_name(self.output_dtype)
         object.__setattr__(self, "output_dtype", _choice("output_dtype", output, OUTPUT_DTYPES))
         _choice("layout", self.layout, LAYOUTS)
-        object.__setattr__(self, "scale_dtype", _choice("scale_dtype", _dtype_name(self.scale_dtype), SCALE_DTYPES))
+        object.__setattr__(self, "scale_dtype", _choice("scale_dtype", dtype_name(self.scale_dtype), SCALE_DTYPES))
         check_zero_mode(weight, self.zero_mode)
         if weight.block_size > 1 and self.group_size != weight.block_size:
             raise ValueError(f"group_size={self.group_size}: type {weight.name!r} has a fixed block; "
@@ -73,15 +71,15 @@ class Matmul:
         if activation == "int8" and "int8" not in weight.compute_types:
             raise ValueError(f"activation_dtype='int8' needs a weight type that converts to int8 exactly; "
                              f"{weight.name!r} converts to {list(weight.compute_types)}")
-        scale = None if weight.block_size > 1 else _TORCH_DTYPES[self.scale_dtype]
-        object.__setattr__(self, "_quick", (weight.name, self.zero_mode, scale, _TORCH_DTYPES[activation]))
+        scale = None if weight.block_size > 1 else torch_dtype(self.scale_dtype)
+        object.__setattr__(self, "_quick", (weight.name, self.zero_mode, scale, torch_dtype(activation)))
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _SPEC_FIELDS)))
 
     def check_shape(self, n: int, k: int) -> None:
         """Raise unless a [N, K] weight can have this spec (positive sizes, group size dividing K)."""
         if n < 1 or k < 1:
             raise ValueError(f"weight shape ({n}, {k}) must be positive")
-        group = k if self.group_size == -1 else self.group_size
+        group = effective_group_size(self.group_size, k)
         if k % group:
             raise ValueError(f"group_size={self.group_size} does not divide in_features={k}; accepted: a divisor "
                              f"of {k}, or -1 for per-channel")
@@ -106,7 +104,7 @@ class Matmul:
         n, k = weight.shape
         spec, data, shape = self._kernel_input(x, n, k)
         if data.shape[0] == 0:
-            return torch.empty(shape, dtype=_TORCH_DTYPES[self.output_dtype], device=x.device)
+            return torch.empty(shape, dtype=torch_dtype(self.output_dtype), device=x.device)
         kernel = kernel_for(spec, n, k, spec.rows(data), weight.layout, None if quick else _device_of(x))
         y = kernel(data, weight, bias)
         return y if y.shape == shape else y.reshape(shape)
@@ -118,7 +116,7 @@ class Matmul:
         name, zero_mode, scale, activation = self._quick
         n, k = weight.shape
         return (weight.ttype.name == name and weight.zero_mode == zero_mode
-                and weight.group_size == (k if self.group_size == -1 else self.group_size)
+                and weight.group_size == effective_group_size(self.group_size, k)
                 and (scale is None or weight.scales.dtype is scale)
                 and type(x) is torch.Tensor and x.dtype is activation and x.dim() >= 1 and x.shape[-1] == k
                 and x.is_cpu and weight.qweight.is_cpu
@@ -138,9 +136,9 @@ class Matmul:
         if not isinstance(weight, (QuantizedWeight, _pipeline()[1])):
             raise TypeError(f"weight must be a bitkern QuantizedWeight, got {type(weight).__name__}")
         n, k = weight.shape
-        expected_group = k if self.group_size == -1 else self.group_size
+        expected_group = effective_group_size(self.group_size, k)
         scale_dtype = self.scale_dtype if weight.ttype.block_size == 1 else "float16"
-        have_scale = _dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
+        have_scale = dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         for field, have, want in (("weight_dtype", weight.ttype.name, self.weight_dtype),
                                   ("group_size", weight.group_size, expected_group),
                                   ("zero_mode", weight.zero_mode, self.zero_mode),
@@ -149,7 +147,7 @@ class Matmul:
                 raise ValueError(f"weight has {field}={have!r} but the Matmul spec has {field}={want!r}")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != _TORCH_DTYPES[self.activation_dtype]:
+        if x.dtype != torch_dtype(self.activation_dtype):
             raise TypeError(f"x has dtype {x.dtype}; this Matmul takes activation_dtype={self.activation_dtype}")
         if x.dim() < 1 or x.shape[-1] != k:
             raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be in_features={k}")
@@ -166,7 +164,7 @@ class Matmul:
 
     def reference(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The reference result: `exact` cast to the output type."""
-        return self.exact(x, weight, bias).to(_TORCH_DTYPES[self.output_dtype])
+        return self.exact(x, weight, bias).to(torch_dtype(self.output_dtype))
 
     def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The result in float64 before output rounding (dequantized weight, float64 sums)."""
@@ -179,7 +177,7 @@ class Matmul:
     @classmethod
     def for_weight(cls, weight: QuantizedWeight, activation_dtype="float16", bias: bool = False, **options) -> "Matmul":
         """The spec that fits a quantized weight (its type, group size and zero mode)."""
-        scale_dtype = _dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
+        scale_dtype = dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         return cls(weight.ttype.name, activation_dtype, group_size=weight.group_size, zero_mode=weight.zero_mode,
                    bias=bias, scale_dtype=scale_dtype, **options)
 
@@ -203,16 +201,6 @@ def _pipeline():
     from ..codegen import PackedWeight
 
     return kernel_for, PackedWeight
-
-
-def _dtype_name(dtype):
-    """A bitkern dtype name for a torch dtype or name (int32 included for accumulators)."""
-    if dtype is torch.int32 or dtype == "int32":
-        return "int32"
-    try:
-        return check_compute_dtype(dtype)
-    except ValueError:
-        return dtype
 
 
 def _choice(argument: str, value, accepted: tuple):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
+from .dtypes import dtype_name
 from .types import TType, block_scaled, codebook, floating, integer
 
 # QLoRA's NormalFloat4 (Dettmers et al. 2023, appendix E), as bitsandbytes stores it.
@@ -43,9 +42,6 @@ def _builtins() -> list[TType]:
     ]
 
 
-_TORCH_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float8_e4m3fn: "float8_e4m3", torch.float8_e5m2: "float8_e5m2",
-                torch.int8: "int8", torch.uint8: "uint8"}
 _lock = threading.Lock()
 _registry: dict[str, TType] = {t.name: t for t in _builtins()}
 
@@ -59,7 +55,7 @@ def get(name) -> TType:
     """The TType for a name (or a TType, or a torch dtype with a bitkern type)."""
     if isinstance(name, TType):
         return name
-    key = _TORCH_NAMES.get(name, name) if isinstance(name, torch.dtype) else name
+    key = dtype_name(name)
     if isinstance(key, str) and key in _registry:
         return _registry[key]
     raise ValueError(f"unknown type {name!r}; known types: {', '.join(names())}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..codegen.cpu.amx import PLANES, nibbles
 from ..codegen.cpu.layout import padded_k
 from ..ops.matmul import Matmul
-from ..ttype import codes_per_word, get
+from ..ttype import codes_per_word, effective_group_size, get, itemsize
 
 TILE_LOAD_CYCLES = 8
 TDP_CYCLES_FULL = 16
@@ -73,9 +73,9 @@ def estimate(template: str, config, spec: Matmul, n: int, k: int, m: int, device
     """Modeled time of `template` with `config` for M rows of a [N, K] weight on a CPU `device`."""
     ttype = get(spec.weight_dtype)
     bits = ttype.bits
-    groups = k // (k if spec.group_size == -1 else spec.group_size)
-    scale_bytes = 1 if ttype.block_size > 1 else (4 if spec.scale_dtype == "float32" else 2)
-    activation_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}.get(spec.activation_dtype, 2)
+    groups = k // effective_group_size(spec.group_size, k)
+    scale_bytes = 1 if ttype.block_size > 1 else itemsize(spec.scale_dtype)
+    activation_bytes = itemsize(spec.activation_dtype)
     dram = n * k * bits / 8 + n * groups * scale_bytes + m * k * activation_bytes + m * n * 4
     work = {"amx": _amx_cycles, "dot": _dot_cycles, "lut": _lut_cycles, "generic": _generic_cycles}[template]
     cycles, tasks, extra = work(config, spec, n, k, m, device)
@@ -121,7 +121,7 @@ def _amx_cycles(config, spec, n, k, m, device):
     per_step_block = planes * (config.m_tiles * TILE_LOAD_CYCLES + config.n_tiles * TILE_LOAD_CYCLES
                                + config.m_tiles * config.n_tiles * tdp)
     products = b_tiles / config.n_tiles * blocks * per_step_block
-    group = k if spec.group_size == -1 else spec.group_size
+    group = effective_group_size(spec.group_size, k)
     epilogue = tiles_n * (k_pad // max(group, 16)) * (TDP_CYCLES_FULL + rows * 3)
     stash = 0.0
     group_steps = max(1, min(group, k_pad) // 32)
@@ -152,7 +152,7 @@ def _dot_cycles(config, spec, n, k, m, device):
     chunks = 1 if config.small_m else -(-rows // config.m_chunk)
     blocks = -(-tiles_n // config.n_tiles)
     row_blocks = rows // config.rows
-    group = k if spec.group_size == -1 else spec.group_size
+    group = effective_group_size(spec.group_size, k)
     groups = k_pad // min(group, k_pad)
     if config.direct:  # each row block decodes all of K and multiplies only its real rows
         b_rows = tiles_n * pairs * nibble_planes * row_blocks
@@ -221,8 +221,7 @@ def estimate_cuda(template: str, config, spec: Matmul, n: int, k: int, m: int, d
 
     ttype = get(spec.weight_dtype)
     n_pad, k_pad = padded_shape(n, k)
-    activation_bytes = 1 if spec.activation_dtype in ("int8", "float8_e4m3") else 2 if \
-        spec.activation_dtype != "float32" else 4
+    activation_bytes = itemsize(spec.activation_dtype)
     weight_bytes = n_pad * k_pad * ttype.bits / 8 + n_pad * (k_pad // max(16, abs(spec.group_size))) * 2
     used = resources(spec, k, config)
     per_sm = min(device.blocks_per_sm, device.threads_per_sm // max(1, used.threads),

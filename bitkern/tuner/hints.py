@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..ops.matmul import Matmul
-from ..ttype import codes_per_word, get
+from ..ttype import codes_per_word, effective_group_size, get, itemsize
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def cpu_hint(spec: Matmul, k: int, device) -> Hint:
     (16 rows x 16 columns of float32 C, 32-deep bf16 steps) or AVX512-BF16 dot products (16 columns, bf16
     pairs), the quantization group along k."""
     bits = get(spec.weight_dtype).bits
-    group = k if spec.group_size == -1 else spec.group_size
+    group = effective_group_size(spec.group_size, k)
     lanes = device.vector_bytes // 4
     levels = {
         "cache line/vector": (1, lanes, codes_per_word(bits) if bits <= 32 else 1),
@@ -53,7 +53,7 @@ def cuda_hint(spec: Matmul, device) -> Hint:
     32-byte global transactions (in codes of the weight type), 32 banks x 4 bytes of shared memory."""
     bits = get(spec.weight_dtype).bits
     mma = device.mma.get(spec.activation_dtype) or device.mma["float16"]
-    activation_bytes = 1 if spec.activation_dtype in ("int8", "float8_e4m3") else 2
+    activation_bytes = itemsize(spec.activation_dtype)
     levels = {
         "mma": (mma.m, mma.n, mma.k),
         "ldmatrix": (8, 8, device.ldmatrix_bytes // activation_bytes),

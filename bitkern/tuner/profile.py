@@ -11,9 +11,8 @@ import torch
 from ..codegen.cpu.build import build_kernel
 from ..codegen.cpu.layout import PackedWeight, to_layout
 from ..ops.matmul import Matmul
-from ..ttype import get, quantize
+from ..ttype import get, quantize, torch_dtype
 
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PROFILE_MAX_BYTES = 2 << 30
 
 
@@ -41,7 +40,7 @@ def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
     copies = [packed] + [_clone(packed) for _ in range(max(1, profile_bytes(device) // max(1, packed.nbytes)) - 1)]
     x = torch.randn(spec.input_shape(m, k), generator=generator)
     x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
-        x.to(_TORCH[spec.activation_dtype])
+        x.to(torch_dtype(spec.activation_dtype))
     bias = torch.randn(n, generator=generator) if spec.bias else None
     return x, copies, bias
 
@@ -134,7 +133,7 @@ def cuda_inputs(spec: Matmul, n: int, k: int, m: int):
     copies = [packed] + [_clone(packed) for _ in range(max(1, 4 * l2 // max(1, packed.nbytes)))]
     x = torch.randn(m, k, generator=generator).to("cuda")
     x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
-        x.to(_TORCH.get(spec.activation_dtype, torch.float16))
+        x.to(torch_dtype(spec.activation_dtype))
     bias = torch.randn(n, generator=generator).to("cuda") if spec.bias else None
     return x, copies, bias
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..codegen.cpu import amx, dot, lut
 from ..codegen.cpu.configs import DOT_REGISTERS, TILE_REGISTERS, AmxConfig, DotConfig, GenericConfig, LutConfig
 from ..ops.matmul import Matmul
-from ..ttype import codes_per_word, get
+from ..ttype import codes_per_word, effective_group_size, get
 from .hints import Hint, cpu_hint
 
 PREFETCH_WORDS = (0, 16, 32, 64, 128)  # software prefetch depths; 0: the hardware prefetchers alone
@@ -148,7 +148,7 @@ def _dot(spec: Matmul, bucket: tuple[int, int], device) -> list[Candidate]:
 def _lut(spec: Matmul, k: int, bucket: tuple[int, int], device) -> list[Candidate]:
     bits = get(spec.weight_dtype).bits
     row_counts = sum(range(bucket[0], bucket[1] + 1))
-    group = k if spec.group_size == -1 else spec.group_size
+    group = effective_group_size(spec.group_size, k)
     tables_per_group = group // codes_per_word(bits) * lut.NIBBLES_PER_WORD * 64
     found = []
     for n_tiles in _doublings(1, 16):

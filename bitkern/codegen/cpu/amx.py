@@ -29,7 +29,7 @@ from tvm.script.ir_builder import tirx as T
 
 from ...ops.expr import tap_source
 from ...ops.matmul import Matmul
-from ...ttype import get
+from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
 from .configs import TILE_REGISTERS, AmxConfig
 from .groups import GroupArguments, to_output
@@ -51,7 +51,7 @@ _PAIRS_PER_SHIFT = {2: 3}
 def unsupported_reason(spec: Matmul, k: int) -> str | None:
     """Why the AMX template cannot run `spec` with reduction length k, or None if it can."""
     ttype = get(spec.weight_dtype)
-    group = k if spec.group_size == -1 else spec.group_size
+    group = effective_group_size(spec.group_size, k)
     if ttype.bits not in AMX_BITS:
         return f"{ttype.bits}-bit codes (it decodes {AMX_BITS}-bit codes)"
     if ttype.bits == 8 and ttype.kind not in (INT, UINT):
@@ -159,7 +159,7 @@ class _Shape:
     """Static sizes of one kernel."""
 
     def __init__(self, spec: Matmul, n: int, k: int, config: AmxConfig):
-        group = k if spec.group_size == -1 else spec.group_size
+        group = effective_group_size(spec.group_size, k)
         self.bits = get(spec.weight_dtype).bits
         self.n, self.k = n, k
         self.k_pad = padded_k(k, self.bits)

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ...ops.matmul import Matmul
+from ...ttype import torch_dtype
 from .layout import PackedWeight, aligned
 from .runtime import enable_amx
 
 TEMPLATES = ("amx", "dot", "lut", "generic")
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -40,7 +40,7 @@ class CpuKernel:
         their first call, so that they can be built for a CPU that is not this one."""
         if self.template == "amx":
             enable_amx()
-        y = torch.empty(self.spec.rows(x), self.n, dtype=_TORCH[self.spec.output_dtype], device=x.device)
+        y = torch.empty(self.spec.rows(x), self.n, dtype=torch_dtype(self.spec.output_dtype), device=x.device)
         bias_argument = () if bias is None else \
             (aligned(bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()),)
         self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *bias_argument, y)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ...ttype import QuantizedWeight, codes_per_word, pack, unpack
+from ...ttype import QuantizedWeight, StoredWeight, codes_per_word, effective_group_size, pack, unpack
+from ...ttype.weight import weight_format
 
 AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
@@ -28,28 +28,13 @@ ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned v
 log = logging.getLogger("bitkern")
 
 
-@dataclass(eq=False)
-class PackedWeight:
+class PackedWeight(StoredWeight):
     """A QuantizedWeight in a kernel layout; `to_portable()` gives back the portable QuantizedWeight."""
 
-    layout: str
-    ttype: object
-    shape: tuple[int, int]
-    group_size: int
-    zero_mode: str
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None = None
-    tensor_scale: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
-
-    @property
-    def nbytes(self) -> int:
-        parts = (self.qweight, self.scales, self.zeros, self.tensor_scale)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def __init__(self, layout, ttype, shape, group_size: int, zero_mode: str, qweight: torch.Tensor,
+                 scales: torch.Tensor, zeros: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+        super().__init__(weight_format(ttype, shape, group_size, zero_mode, scales, layout), qweight, scales, zeros,
+                         tensor_scale)
 
     @property
     def padded_k(self) -> int:
@@ -144,7 +129,7 @@ class Tile16Storage:
 
         self.bits = get(spec.weight_dtype).bits
         self.per_word = codes_per_word(self.bits)
-        group = k if spec.group_size == -1 else spec.group_size
+        group = effective_group_size(spec.group_size, k)
         tiles, groups = math.ceil(n / AMX_TILE_ROWS), k // group
         self.qweight = te.placeholder((tiles, padded_k(k, self.bits) // self.per_word, AMX_TILE_ROWS), "int32",
                                       name="qweight")

@@ -17,7 +17,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ...ops.matmul import Matmul
-from ...ttype import codes_per_word, get
+from ...ttype import codes_per_word, effective_group_size, get
 from .amx import PLANES
 from .configs import LutConfig
 from .groups import GroupArguments, to_output
@@ -31,7 +31,7 @@ NIBBLES_PER_WORD = 8
 def unsupported_reason(spec: Matmul, k: int) -> str | None:
     """Why the lookup template cannot run `spec` with reduction length k, or None if it can."""
     ttype = get(spec.weight_dtype)
-    group = k if spec.group_size == -1 else spec.group_size
+    group = effective_group_size(spec.group_size, k)
     if ttype.bits not in TILE16_BITS:
         return f"{ttype.bits}-bit codes (it reads {TILE16_BITS}-bit codes)"
     if spec.activation_dtype not in PLANES:
@@ -77,7 +77,7 @@ class _Builder:
         self.bits = self.ttype.bits
         self.n, self.k = n, k
         self.k_pad = padded_k(k, self.bits)
-        group = k if spec.group_size == -1 else spec.group_size
+        group = effective_group_size(spec.group_size, k)
         self.per_channel = group == k
         self.kgroup = self.k_pad if self.per_channel else group
         self.groups = k // group  # a group below 32 leaves padding words past the last: they add 0

@@ -18,14 +18,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ...ops.expr import TVM_DTYPES
 from ...ops.matmul import Matmul
-from ...ttype import get
+from ...ttype import effective_group_size, get, itemsize
 from .decode import FLOAT_OUTPUTS, library
 from .expr import cuda_matmul_expr
 from .intrin import MMA_DTYPES, decode_intrinsic, mma_intrinsics, mma_k
 from .layout import K_GRAIN, check_type, layout_group, padded_shape
-from .sched import ITEM_BYTES, loops_under, read_index, vector_lanes
+from .sched import loops_under, read_index, vector_lanes
 
 log = logging.getLogger("bitkern")
 
@@ -104,7 +103,7 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
     if spec.accumulate_dtype not in ("float32", "int32"):
         return f"accumulate_dtype={spec.accumulate_dtype} (mma accumulates in float32 / int32 here)"
     if activation not in FLOAT_OUTPUTS:
-        group = k if spec.group_size == -1 else spec.group_size
+        group = effective_group_size(spec.group_size, k)
         if group != k:
             return (f"group_size={spec.group_size} with {activation} activations (the scale is applied after the "
                     f"product: per-channel scales only, group_size=-1)")
@@ -125,7 +124,7 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
     per_word = 32 // ttype.bits
     if config.block_k < per_word or WARP % (config.block_k // per_word):
         return f"block_k={config.block_k} with {per_word} codes per word (one word per thread per row)"
-    size = ITEM_BYTES[activation]
+    size = itemsize(activation)
     decoded_tile = config.block_n * (config.block_k + 16 // size) * size
     if decoded_tile > STATIC_SHARED_LIMIT:
         return (f"block_n={config.block_n} x block_k={config.block_k}: the decoded tile ({decoded_tile} bytes) is "
@@ -135,7 +134,7 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: s
         return (f"block_n={config.block_n} x block_k={config.block_k} holds {words} words of codes, not a multiple "
                 f"of the {config.threads} threads that decode one word each")
     if config.decode == "lop3":
-        group = layout_group(k if spec.group_size == -1 else spec.group_size, k)
+        group = layout_group(effective_group_size(spec.group_size, k), k)
         if group % per_word:
             return f"decode='lop3' with group_size={group} (a word of {per_word} codes needs one scale); use 'tir'"
     return None
@@ -151,7 +150,7 @@ def resources(spec: Matmul, k: int, config: GemmConfig) -> Resources:
     accumulators, two sets of ldmatrix fragments and the decode's temporaries; ptxas' count after the
     build is in `CudaKernel.binary.registers`."""
     ttype = get(spec.weight_dtype)
-    activation = ITEM_BYTES[spec.activation_dtype]
+    activation = itemsize(spec.activation_dtype)
     k_pad = padded_shape(1, k)[1]
     pad = 16 // activation
     x_tile = config.block_m * (config.block_k + pad) * activation
@@ -223,7 +222,7 @@ class _Schedule:
     def _fetch_x(self) -> None:
         """x tile -> shared (cp.async); the K padding stays a predicate inside the copy (zero fill)."""
         sch, cfg = self.sch, self.cfg
-        size = ITEM_BYTES[self.spec.activation_dtype]
+        size = itemsize(self.spec.activation_dtype)
         vector = vector_lanes(16 // size, self.k)
         fetch = sch.cache_read(self.outer, 0, "shared.dyn")
         sch.compute_at(fetch, self.k0)
@@ -239,7 +238,7 @@ class _Schedule:
         """packed tile -> shared (cp.async), then per thread: one word -> registers -> decode -> shared."""
         sch, cfg, spec = self.sch, self.cfg, self.spec
         per_word = 32 // self.ttype.bits
-        size = ITEM_BYTES[spec.activation_dtype]
+        size = itemsize(spec.activation_dtype)
         tile = sch.cache_read(self.outer, 1, "shared")  # static: its barriers then ignore the dynamic buffers
         sch.compute_at(tile, self.k0)
         rows, cols = sch.get_loops(tile)[-2:]
@@ -311,7 +310,7 @@ class _Schedule:
         sch.compute_inline(self.c_shared)
         store = sch.get_sblock("y")
         sch.reverse_compute_at(store, self.warp)
-        out_size = ITEM_BYTES[TVM_DTYPES[self.spec.output_dtype]]
+        out_size = itemsize(self.spec.output_dtype)
         fused = sch.fuse(*sch.get_loops(store)[-2:])
         _, lane, vec = sch.split(fused, [None, WARP, vector_lanes(16 // out_size, self.n)])
         sch.bind(lane, "threadIdx.x")

@@ -16,15 +16,14 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ...ops.expr import TVM_DTYPES
 from ...ops.matmul import Matmul
-from ...ttype import get
+from ...ttype import effective_group_size, get, itemsize, tvm_dtype
 from .decode import library
 from .expr import ACCUMULATE, MAX_ROWS, cuda_matmul_expr
 from .gemm import Resources
 from .intrin import decode_intrinsic
 from .layout import check_type, layout_group, padded_shape
-from .sched import ITEM_BYTES, read_index, vector_lanes
+from .sched import read_index, vector_lanes
 
 log = logging.getLogger("bitkern")
 
@@ -85,7 +84,7 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemvConfig) -> str 
     if spec.accumulate_dtype != ACCUMULATE[spec.activation_dtype]:
         return f"accumulate_dtype={spec.accumulate_dtype} (it accumulates in {ACCUMULATE[spec.activation_dtype]})"
     if spec.activation_dtype == "int8":
-        if (k if spec.group_size == -1 else spec.group_size) != k:
+        if effective_group_size(spec.group_size, k) != k:
             return f"group_size={spec.group_size} with int8 activations (per-channel scales only, group_size=-1)"
         if spec.zero_mode == "hqq":
             return "zero_mode=hqq with int8 activations"
@@ -99,7 +98,7 @@ def unsupported_reason(spec: Matmul, n: int, k: int, config: GemvConfig) -> str 
         return f"{config.columns} columns per block do not divide the padded N={n_pad}"
     if config.split_k > 1 and spec.activation_dtype == "int8":
         return "split_k with int8 activations"
-    if config.decode == "lop3" and layout_group(k if spec.group_size == -1 else spec.group_size, k) % per_word:
+    if config.decode == "lop3" and layout_group(effective_group_size(spec.group_size, k), k) % per_word:
         return f"decode='lop3' with group_size={spec.group_size} (a word of {per_word} codes needs one scale)"
     return None
 
@@ -108,7 +107,7 @@ def resources(spec: Matmul, k: int, config: GemvConfig) -> Resources:
     """Threads, shared memory (none: x is read through the cache, the reduction uses warp shuffles) and a
     register estimate (ptxas' count after the build is in `CudaKernel.binary.registers`)."""
     ttype = get(spec.weight_dtype)
-    x_cache = config.words * (32 // ttype.bits) * ITEM_BYTES[spec.activation_dtype] // 8 if config.rows == 1 else 0
+    x_cache = config.words * (32 // ttype.bits) * itemsize(spec.activation_dtype) // 8 if config.rows == 1 else 0
     registers = 32 + 2 * config.rows + 2 * config.words + x_cache
     return Resources(0, config.warps * WARP, registers)
 
@@ -150,7 +149,7 @@ def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce")
         value = total[r, i]
         if bias is not None:
             value = value + bias[i]
-        return value.astype(TVM_DTYPES[spec.output_dtype])
+        return value.astype(tvm_dtype(spec.output_dtype))
 
     y = te.compute((m, n), epilogue, name="y")
     inputs = [partial] + ([bias] if bias is not None else [])
@@ -231,7 +230,7 @@ class _Schedule:
         sch = self.sch
         cache = sch.cache_read(partial, read_index(sch, partial, "x"), "local")
         sch.compute_at(cache, k_step)
-        size = ITEM_BYTES[self.spec.activation_dtype]
+        size = itemsize(self.spec.activation_dtype)
         # lanes divide K too, so that every row of x starts on a vector boundary
         lanes = vector_lanes(16 // size, math.gcd(self.cfg.words * self.per_word, self.k))
         _, vector = sch.split(sch.get_loops(cache)[-1], [None, lanes])

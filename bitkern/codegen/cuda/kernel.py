@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...ops.matmul import Matmul
+from ...ttype import torch_dtype
 from . import gemm, gemv
 from .compile import Binary, Launch, check_arch, evaluate, lower, nvcc
 from .expr import MAX_ROWS
@@ -28,7 +29,6 @@ log = logging.getLogger("bitkern")
 
 TEMPLATES = ("gemm", "gemv")
 _ALIGNMENT = 16  # bytes: cp.async and 128-bit loads
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -57,7 +57,7 @@ class CudaKernel:
                             f"got {type(weight).__name__} layout {getattr(weight, 'layout', None)!r}")
         device = x.device
         self._check_device(device)
-        y = torch.empty(m, self.n, dtype=_TORCH[self.spec.output_dtype], device=device)
+        y = torch.empty(m, self.n, dtype=torch_dtype(self.spec.output_dtype), device=device)
         tensors = {"x": x, "qweight": weight.qweight, "scales": weight.scales, "y": y}
         if weight.zeros is not None:
             tensors["zeros"] = weight.zeros

@@ -13,7 +13,6 @@ Words are row-major, qweight[N_pad, K_pad / C]: a 128-bit load reads 4·C consec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -52,7 +51,6 @@ def check_type(ttype) -> None:
                          f"bits (it runs on the CPU kernels only)")
 
 
-@dataclass(eq=False)
 class Lop3Weight(PackedWeight):
     """A QuantizedWeight in the "lop3" layout (see the module docstring); `to_portable()` inverts it."""
 
@@ -67,12 +65,6 @@ class Lop3Weight(PackedWeight):
     @property
     def layout_group(self) -> int:
         return layout_group(self.group_size, self.shape[1])
-
-    def to(self, device) -> "Lop3Weight":
-        """A copy with every tensor on `device`."""
-        move = (lambda t: None if t is None else t.to(device))
-        return Lop3Weight(self.layout, self.ttype, self.shape, self.group_size, self.zero_mode, move(self.qweight),
-                          move(self.scales), move(self.zeros), move(self.tensor_scale))
 
     def to_portable(self) -> QuantizedWeight:
         """The same weight in the portable layout, bit for bit."""

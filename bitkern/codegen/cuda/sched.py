@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-ITEM_BYTES = {"float16": 2, "bfloat16": 2, "int8": 1, "float8_e4m3": 1, "float32": 4, "int32": 4}
-
 
 def vector_lanes(wanted: int, extent: int) -> int:
     """The widest vector up to `wanted` lanes that divides `extent`."""
