@@ -7,7 +7,7 @@ import torch
 # TVM sizes its thread pool once, from this variable; follow torch's intra-op thread count.
 os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 
-from . import ops, ttype  # noqa: E402  (the thread count must be set before TVM loads)
+from . import cache, ops, ttype  # noqa: E402  (after the thread count; importing cache attaches the dispatch to ops)
 from .codegen import PackedWeight, pack  # noqa: E402
 from .ttype import QuantizedWeight, quantize  # noqa: E402
 from . import nn  # noqa: E402

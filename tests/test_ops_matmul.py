@@ -120,5 +120,5 @@ def test_quick_check_accepts_only_what_the_full_check_accepts(changes):
         valid = True
     except (TypeError, ValueError):
         valid = False
-    assert spec._fits(x, weight, bias) <= valid
-    assert spec._fits(x, weight, bias) == (changes == {})  # these are the only valid case here
+    assert spec.fits(x, weight, bias) <= valid
+    assert spec.fits(x, weight, bias) == (changes == {})  # these are the only valid case here
