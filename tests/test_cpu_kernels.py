@@ -185,8 +185,8 @@ def test_matrix_and_generic_templates_agree():
     packed = pack(q)
     matrix_kernel = kernel_for(spec, 64, 256, 7, packed.layout)
     assert matrix_kernel.template == template
-    from bitkern.codegen.cpu.configs import GenericConfig
-    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen.cpu.generic import GenericConfig
 
     generic_kernel = build_kernel(spec, 64, 256, "generic", GenericConfig(), packed.layout, (1, 16), host_cpu())
     assert_matches_reference(spec, q, x, None, matrix_kernel(x, packed))
@@ -212,7 +212,7 @@ def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, 
     """The tuner may pick any candidate, so each family of the space (templates, decodes, small/large-M
     tiles, 8-bit nibble planes or converted 8-bit codes) must be correct, not only the one the model ranks
     first."""
-    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen import build_kernel
     from bitkern.tuner.space import enumerate_candidates
 
     cpu, template = host_cpu(), matrix_template()
@@ -247,8 +247,8 @@ def test_dot_template_register_blocks(name, activation, zero_mode, group, m, con
     """The AVX512-BF16 template for register blocks of 1 to 16 rows, M not a multiple of them, N not a
     multiple of the column block, groups inside and across stages, per-chunk planes, every plane count, direct
     blocks whose rows accumulate in 1 to 8 splits, 8-bit codes as nibbles and converted."""
-    from bitkern.codegen.cpu.build import build_kernel
-    from bitkern.codegen.cpu.configs import DotConfig
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen.cpu.dot import DotConfig
 
     if "avx512_bf16" not in host_cpu().flags:
         pytest.skip("this CPU has no AVX512-BF16")
@@ -269,8 +269,8 @@ def test_two_bit_codes_decode_three_k_pairs_per_shift(name, zero_mode, group, m,
     """The affine decode takes 2-bit codes where they lie (bits 0, 2 and 4 of a shifted word) and folds their
     smaller offsets back per group: each kernel computes the reference, with under half the shifts of the
     table decode, which shifts every k pair's codes to bit 0."""
-    from bitkern.codegen.cpu.build import build_kernel
-    from bitkern.codegen.cpu.configs import DotConfig
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen.cpu.dot import DotConfig
 
     if "avx512_bf16" not in host_cpu().flags:
         pytest.skip("this CPU has no AVX512-BF16")
@@ -285,7 +285,7 @@ def test_two_bit_codes_decode_three_k_pairs_per_shift(name, zero_mode, group, m,
 
 
 def test_dot_configurations_are_validated():
-    from bitkern.codegen.cpu.configs import DotConfig
+    from bitkern.codegen.cpu.dot import DotConfig
 
     with pytest.raises(ValueError, match=r"rows=8 x n_tiles=4 needs more than 27 vector registers"):
         DotConfig(n_tiles=4, rows=8)
@@ -307,14 +307,14 @@ def test_dot_configurations_are_validated():
 def test_kernels_without_software_prefetch(template, config):
     """prefetch=0 leaves the weight stream to the hardware prefetchers (the tuner times it against software
     prefetch): the kernel computes the reference, and its code has fewer prefetches (the scales' remain)."""
-    from bitkern.codegen.cpu.build import build_kernel
-    from bitkern.codegen.cpu.configs import CONFIGS
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen import template as template_named
 
     if template == "dot" and "avx512_bf16" not in host_cpu().flags:
         pytest.skip("this CPU has no AVX512-BF16")
     spec, q, x, b = _case("int4", 88, 384, 3, "bfloat16", group=64, bias=True)
     packed = pack(q)
-    kernels = {prefetch: build_kernel(spec, 88, 384, template, CONFIGS[template](**config, prefetch=prefetch),
+    kernels = {prefetch: build_kernel(spec, 88, 384, template, template_named(template).config_type(**config, prefetch=prefetch),
                                       packed.layout, (1, 4), host_cpu()) for prefetch in (0, 16)}
     assert_matches_reference(spec, q, x, b, kernels[0](x, packed, b))
     prefetches = {prefetch: kernel.module.mod.inspect_source("asm").count("prefetcht0")
@@ -332,8 +332,8 @@ def test_amx_kernels_build_for_sapphire_rapids_on_any_host(name, activation, con
     """The AMX template builds where AMX is absent (the tile permission is asked on a kernel's first call):
     its code for a Sapphire Rapids target holds the tile products, and for converted 8-bit codes the
     int-to-float conversions; on an AMX host the kernel also computes the reference."""
-    from bitkern.codegen.cpu.build import build_kernel
-    from bitkern.codegen.cpu.configs import AmxConfig
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen.cpu.amx import AmxConfig
 
     cpu = host_cpu()
     spr = dataclasses.replace(cpu, llvm_cpu="sapphirerapids", has_amx_bf16=True,
@@ -354,13 +354,12 @@ def test_amx_kernels_build_for_sapphire_rapids_on_any_host(name, activation, con
 def test_matrix_templates_reject_decodes_that_do_not_apply(name, activation, decode, accepted):
     """The convert decode is for 8-bit codes; the affine decode of 8-bit codes for bf16 activations only."""
     from bitkern.codegen.cpu import amx, dot
-    from bitkern.codegen.cpu.configs import AmxConfig, DotConfig
 
     spec, *_ = _case(name, 32, 128, 1, activation)
-    for build, config in ((amx.build, AmxConfig(decode=decode)), (dot.build, DotConfig(decode=decode))):
+    for template, config in ((amx.TEMPLATE, amx.AmxConfig(decode=decode)), (dot.TEMPLATE, dot.DotConfig(decode=decode))):
         with pytest.raises(ValueError, match=rf"decode='{decode}' does not apply to {name}; accepted: "
                                              rf"{re.escape(accepted)}"):
-            build(spec, 32, 128, config)
+            template.program(spec, 32, 128, config, "tile16", (1, 16), host_cpu())
 
 
 @pytest.mark.parametrize("name, k, group, zero_mode, activation", [
@@ -369,8 +368,8 @@ def test_matrix_templates_reject_decodes_that_do_not_apply(name, activation, dec
 def test_lookup_template_sums_x_over_each_group_only(name, k, group, zero_mode, activation):
     """The zero-point term needs Σx per group: over K below its padded length, and over groups shorter
     than a vector (found by the fuzz: a per-channel K=16 read x past its end)."""
-    from bitkern.codegen.cpu.build import build_kernel
-    from bitkern.codegen.cpu.configs import LutConfig
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen.cpu.lut import LutConfig
 
     spec, q, x, b = _case(name, 40, k, 3, activation, group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
@@ -384,8 +383,8 @@ def test_lookup_template_serves_every_row_count(name, group, zero_mode):
     """The lookup kernel emits one body per row count of its range (within M = 1..4); each must compute the
     reference, with a last task that repeats a tile (6 tiles in tasks of 4) and scale prefetches that run past
     the last group."""
-    from bitkern.codegen.cpu.build import build_kernel
-    from bitkern.codegen.cpu.configs import LutConfig
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen.cpu.lut import LutConfig
 
     spec, q, _, b = _case(name, 88, 384, 1, group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
@@ -399,8 +398,8 @@ def test_lookup_template_serves_every_row_count(name, group, zero_mode):
 @pytest.mark.parametrize("rows, message", [((1, 5), r"serves at most 4 rows"),
                                            ((3, 2), r"is not a range of row counts")])
 def test_lookup_template_rejects_row_ranges_it_cannot_serve(rows, message):
-    from bitkern.codegen.cpu import lut
-    from bitkern.codegen.cpu.configs import LutConfig
+    from bitkern.codegen.cpu.emit import lut
+    from bitkern.codegen.cpu.lut import LutConfig
 
     spec, *_ = _case("int2", 32, 128, 1)
     with pytest.raises(ValueError, match=re.escape(f"rows={rows}") + ".*" + message):
@@ -415,8 +414,8 @@ def test_lookup_kernels_split_into_any_number_of_chunks(threads, n):
     every tile is computed once, by the same arithmetic, so outputs are bit-identical across thread counts."""
     import dataclasses
 
-    from bitkern.codegen.cpu.build import build_kernel
-    from bitkern.codegen.cpu.configs import LutConfig
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen.cpu.lut import LutConfig
 
     spec, q, _, b = _case("int2", n, 256, 1, group=64, bias=True)
     packed = pack(q)

@@ -3,6 +3,7 @@ compile with nvcc to cubins for sm_80 and sm_90, and their PTX holds the instruc
 built around (mma.sync, ldmatrix, cp.async; lop3 for integer weights; warp shuffles and 128-bit loads in
 the GEMV).  All kernels of an architecture go into one .cu, compiled once per test session."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -10,11 +11,12 @@ import sys
 
 import pytest
 
-from bitkern.codegen.cuda import GemmConfig, GemvConfig, resources
+from bitkern.codegen import build_kernel, template as template_named
+from bitkern.codegen.cuda import GemmConfig, GemvConfig
 from bitkern.codegen.cuda.compile import evaluate, find_nvcc, lower, nvcc
 from bitkern.codegen.cuda.expr import decoder_for
-from bitkern.codegen.cuda.kernel import kernel_functions
 from bitkern.ops import Matmul
+from bitkern.tuner import cuda_device
 
 pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc is not installed")
 
@@ -88,7 +90,7 @@ def compiled(request):
     cases = _cases(arch)
     funcs, owners = {}, {}
     for name, (template, spec, n, k, config) in cases.items():
-        for symbol, func in kernel_functions(spec, n, k, template, config, arch, prefix=f"{name}_").items():
+        for symbol, func in template_named(template).functions(spec, n, k, config, arch, prefix=f"{name}_").items():
             funcs[symbol] = func
             owners[symbol] = name
     source, launches = lower(funcs, arch)
@@ -154,7 +156,7 @@ def test_resources_match_the_compiled_kernels(compiled):
     arch, cases, launches, binary, _ = compiled
     for name, (template, spec, n, k, config) in cases.items():
         launch = launches[name][0]
-        estimate = resources(spec, k, config)
+        estimate = template_named(template).resources(spec, k, config)
         epilogue = config.block_m * config.block_n * 4 if template == "gemm" else 0
         shared = launch.shared_bytes + launch.static_shared_bytes
         assert estimate.shared_bytes - epilogue <= shared <= estimate.shared_bytes, name
@@ -178,10 +180,11 @@ def test_kernel_checks_its_inputs_before_launching():
 
     import bitkern
     from bitkern.codegen import pack as pack_for_cpu
-    from bitkern.codegen.cuda import build_kernel, pack
+    from bitkern.codegen.cuda import pack
 
     spec = Matmul("int4", "float16", group_size=-1)
-    kernel = build_kernel(spec, 64, 128, "gemv", GemvConfig(k_threads=4, words=1, warps=2), "sm_80", (1, 4))
+    kernel = build_kernel(spec, 64, 128, "gemv", GemvConfig(k_threads=4, words=1, warps=2), "lop3", (1, 4),
+                          cuda_device("sm_80"))
     assert kernel.binary.cubin and "gemv_kernel" in kernel.source
     q = bitkern.quantize(torch.randn(64, 128), "int4", group_size=-1)
     x = torch.randn(2, 128).half()
@@ -194,28 +197,30 @@ def test_kernel_checks_its_inputs_before_launching():
 
 
 def test_build_errors_name_the_problem():
-    from bitkern.codegen.cuda import build_kernel
-
     spec = Matmul("int4", "float16", group_size=128)
+    sm_80, sm_90 = cuda_device("sm_80"), cuda_device("sm_90")
     with pytest.raises(ValueError, match="template='wmma' is not known"):
-        build_kernel(spec, 64, 256, "wmma", GemmConfig(), "sm_80", (1, 16))
+        build_kernel(spec, 64, 256, "wmma", GemmConfig(), "lop3", (1, 16), sm_80)
     with pytest.raises(TypeError, match="config must be a GemvConfig"):
-        build_kernel(spec, 64, 256, "gemv", GemmConfig(), "sm_80", (1, 16))
+        build_kernel(spec, 64, 256, "gemv", GemmConfig(), "lop3", (1, 16), sm_80)
     with pytest.raises(ValueError, match="arch='sm_75' is not supported"):
-        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "sm_75", (1, 16))
+        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "lop3", (1, 16), dataclasses.replace(sm_80, arch="sm_75"))
+    with pytest.raises(ValueError, match="the gemm template reads the lop3 layout, not 'tile16'"):
+        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "tile16", (1, 16), sm_80)
     with pytest.raises(ValueError, match="block_n=128 does not divide the padded N=64"):
-        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "sm_80", (1, 16))
+        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "lop3", (1, 16), sm_80)
     with pytest.raises(ValueError, match=r"the decoded tile \(69632 bytes\) is static shared memory"):
-        build_kernel(spec, 256, 512, "gemm", GemmConfig(block_n=256, block_k=128), "sm_90", (1, 16))
+        build_kernel(spec, 256, 512, "gemm", GemmConfig(block_n=256, block_k=128), "lop3", (1, 16), sm_90)
     with pytest.raises(ValueError, match="float8_e4m3 mma on sm_80"):
         build_kernel(Matmul("int4", "float8_e4m3", group_size=-1, output_dtype="float16"), 128, 256, "gemm",
-                     GemmConfig(), "sm_80", (1, 16))
+                     GemmConfig(), "lop3", (1, 16), sm_80)
     with pytest.raises(ValueError, match="group_size=128 with int8 activations"):
-        build_kernel(Matmul("int4", "int8", accumulate_dtype="int32"), 128, 256, "gemm", GemmConfig(), "sm_80", (1, 16))
+        build_kernel(Matmul("int4", "int8", accumulate_dtype="int32"), 128, 256, "gemm", GemmConfig(), "lop3",
+                     (1, 16), sm_80)
     with pytest.raises(ValueError, match=r"layout 'lop3' holds \[1, 2, 4, 8\]-bit types; 'int3'"):
-        build_kernel(Matmul("int3", "float16"), 128, 256, "gemv", GemvConfig(), "sm_80", (1, 16))
+        build_kernel(Matmul("int3", "float16"), 128, 256, "gemv", GemvConfig(), "lop3", (1, 16), sm_80)
     with pytest.raises(ValueError, match="activation_dtype=float32 \\(mma takes"):
-        build_kernel(Matmul("int4", "float32"), 128, 256, "gemm", GemmConfig(), "sm_80", (1, 16))
+        build_kernel(Matmul("int4", "float32"), 128, 256, "gemm", GemmConfig(), "lop3", (1, 16), sm_80)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -237,10 +242,11 @@ def test_gemv_config_validation(field, value, message):
 
 def test_saved_kernel_loads_without_tvm(tmp_path):
     """A built kernel round-trips through files, and loading it imports neither TVM nor the compiler path."""
-    from bitkern.codegen.cuda import build_kernel, load_kernel
+    from bitkern.codegen.cuda import load_kernel
 
     spec = Matmul("uint4", "bfloat16", group_size=64, zero_mode="gptq", scale_dtype="bfloat16", bias=True)
-    kernel = build_kernel(spec, 64, 256, "gemv", GemvConfig(rows=2, k_threads=8, words=2, split_k=2), "sm_90", (1, 8))
+    kernel = build_kernel(spec, 64, 256, "gemv", GemvConfig(rows=2, k_threads=8, words=2, split_k=2), "lop3", (1, 8),
+                          cuda_device("sm_90"))
     kernel.save(str(tmp_path))
     loaded = load_kernel(str(tmp_path))
     for field in ("spec", "n", "k", "template", "config", "arch", "m_range", "source", "launches"):

@@ -15,11 +15,15 @@ from hypothesis import strategies as st
 
 import bitkern
 from bitkern import ttype
-from bitkern.codegen.cuda import GemmConfig, GemvConfig, build_kernel, pack
+from bitkern.codegen import build_kernel
+from bitkern.codegen.cuda import GemmConfig, GemvConfig, pack
 from bitkern.codegen.cuda import gemm, gemv
 from bitkern.codegen.cuda.compile import find_nvcc, nvcc
 from bitkern.codegen.cuda.launcher import module
 from bitkern.ops import Matmul
+from bitkern.tuner import cuda_device
+
+TEMPLATES = {"gemm": gemm.TEMPLATE, "gemv": gemv.TEMPLATE}
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"),
               pytest.mark.skipif(find_nvcc() is None, reason="nvcc is not installed")]
@@ -51,10 +55,9 @@ def _kernel(spec, n, k, template, arch, m_range=(1, 1 << 30), prefer=None):
     configs = ([prefer] if prefer else []) + (GEMM_CONFIGS if template == "gemm" else GEMV_CONFIGS)
     candidates = configs + [dataclasses.replace(config, decode="tir") for config in configs]
     for config in candidates:
-        reason = gemm.unsupported_reason(spec, n, k, config, arch) if template == "gemm" else \
-            gemv.unsupported_reason(spec, n, k, config)
+        reason = TEMPLATES[template].reason(spec, n, k, config, arch)
         if reason is None:
-            return build_kernel(spec, n, k, template, config, arch, m_range)
+            return build_kernel(spec, n, k, template, config, "lop3", m_range, cuda_device(arch))
     pytest.skip(f"no {template} configuration fits {spec} with N={n}, K={k}: {reason}")
 
 

@@ -6,12 +6,16 @@ import pytest
 import torch
 
 import bitkern
-from bitkern.codegen.cpu.configs import DOT_REGISTERS, TILE_REGISTERS, AmxConfig, GenericConfig
-from bitkern.codegen.cpu.layout import to_layout
+from bitkern.codegen import template as template_named
+from bitkern.codegen import to_layout
+from bitkern.codegen.cpu.amx import TILE_REGISTERS, AmxConfig
+from bitkern.codegen.cpu.dot import REGISTERS as DOT_REGISTERS
+from bitkern.codegen.cpu.generic import GenericConfig
+from bitkern.codegen.cpu.lut import LutConfig
 from bitkern.ops import Matmul
 from bitkern.tuner import M_BUCKETS, cuda_device, device_for, host_cpu, m_bucket, tune
 from bitkern.tuner.cost import estimate
-from bitkern.tuner.hints import cpu_hint, cuda_hint
+from bitkern.tuner.hints import device_hint
 from bitkern.tuner.record import Trial
 from bitkern.tuner.select import _ranked, _shortlist, is_present
 from bitkern.tuner.space import enumerate_candidates
@@ -45,11 +49,11 @@ def test_unknown_cuda_arch_is_refused():
 
 def test_hints_are_common_multiples_of_every_level():
     cpu = host_cpu()
-    hint = cpu_hint(Matmul("int4", "bfloat16"), 4096, cpu)
+    hint = device_hint(Matmul("int4", "bfloat16"), 4096, cpu)
     if cpu.has_amx_bf16:
         assert (hint.m, hint.n, hint.k) == (16, 16, 32)
     assert hint.k % 8 == 0 and hint.n % (cpu.vector_bytes // 4) == 0
-    gpu = cuda_hint(Matmul("int4", "float16"), cuda_device("sm_80"))
+    gpu = device_hint(Matmul("int4", "float16"), 4096, cuda_device("sm_80"))
     assert gpu.m % 16 == 0 and gpu.n % 8 == 0 and gpu.k % 16 == 0
     assert gpu.k % (32 * 8 // 4) == 0  # one 32-byte transaction of 4-bit codes: 64 k
     assert "mma: m16 n8 k16" in gpu.sources
@@ -112,7 +116,7 @@ def test_shortlist_times_the_best_without_software_prefetch():
 
 def test_shortlist_is_deterministic_and_spans_templates():
     trials = [Trial("amx", AmxConfig(n_tiles=n, prefetch=p), 1.0 + 0.01 * n) for n in (1, 2) for p in (16, 32)]
-    trials += [Trial("lut", "lut-config", 1.5), Trial("generic", "generic-config", 9.0)]
+    trials += [Trial("lut", LutConfig(), 1.5), Trial("generic", GenericConfig(), 9.0)]
     order = _ranked(trials)
     assert order == _ranked(list(trials))
     shortlist = _shortlist(trials, order, 4)
@@ -196,17 +200,14 @@ CUDA_SPECS = [Matmul("int4", "float16"), Matmul("nf4", "bfloat16"), Matmul("uint
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("bucket", [(1, 4), (17, 128), (129, 2**31 - 1)])
 def test_cuda_candidates_respect_the_architecture_limits(arch, bucket):
-    from bitkern.codegen.cuda import resources
-    from bitkern.tuner.space import enumerate_cuda_candidates
-
     gpu = cuda_device(arch)
     for spec in CUDA_SPECS:
-        _, candidates = enumerate_cuda_candidates(spec, 4096, 4096, bucket, gpu)
+        _, candidates = enumerate_candidates(spec, 4096, 4096, bucket, "lop3", gpu)
         assert candidates, spec
         assert any(c.template == "gemm" for c in candidates)
         assert any(c.template == "gemv" for c in candidates) == (bucket[1] <= 4)
         for candidate in candidates:
-            used = resources(spec, 4096, candidate.config)
+            used = template_named(candidate.template).resources(spec, 4096, candidate.config)
             assert used.shared_bytes <= gpu.shared_bytes_per_block
             assert used.threads <= gpu.max_threads_per_block
             assert used.registers <= gpu.registers_per_thread
@@ -214,15 +215,13 @@ def test_cuda_candidates_respect_the_architecture_limits(arch, bucket):
 
 
 def test_cuda_limits_remove_what_a_smaller_architecture_cannot_hold():
-    from bitkern.codegen.cuda import resources
-    from bitkern.tuner.space import enumerate_cuda_candidates, fits
-
     spec = Matmul("int4", "float16")
-    big = {c.config for c in enumerate_cuda_candidates(spec, 4096, 4096, (129, 2**31 - 1), cuda_device("sm_90"))[1]}
-    small = {c.config for c in enumerate_cuda_candidates(spec, 4096, 4096, (129, 2**31 - 1), cuda_device("sm_86"))[1]}
+    big, small = ({c.config for c in enumerate_candidates(spec, 4096, 4096, (129, 2**31 - 1), "lop3", cuda_device(arch))[1]}
+                  for arch in ("sm_90", "sm_86"))
     dropped = big - small
     assert dropped and small < big
-    assert all(fits(resources(spec, 4096, config), cuda_device("sm_86")) for config in dropped)
+    gemm = template_named("gemm")
+    assert all(gemm.resources(spec, 4096, config).unfit(cuda_device("sm_86")) for config in dropped)
 
 
 @pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc is not installed")

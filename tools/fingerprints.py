@@ -36,51 +36,43 @@ SPR = CpuDevice("fixed Sapphire Rapids", "sapphirerapids", 2, 64, 48 << 10, 2 <<
 # -- what this tree calls to generate, rank and pick (the only part a refactor edits) ------------------------
 def cpu_program(spec, n, k, template, config, layout, bucket, device):
     """(TIR PrimFunc, constant tensors) of a CPU kernel."""
-    from bitkern.codegen.cpu import amx, dot, generic, lut
+    from bitkern.codegen import template as template_named
 
-    if template == "amx":
-        return amx.build(spec, n, k, config), [amx.lut_words(spec)] if config.decode == "lut" else []
-    if template == "dot":
-        return dot.build(spec, n, k, config), [amx.lut_words(spec)] if config.decode == "lut" else []
-    if template == "lut":
-        return lut.build(spec, n, k, config, device.cores, bucket), [lut.value_table(spec)]
-    return generic.build(spec, n, k, config, layout), []
+    return template_named(template).program(spec, n, k, config, layout, bucket, device)
 
 
 def cpu_kernel(spec, n, k, template, config, layout, bucket, device):
-    from bitkern.codegen.cpu.build import build_kernel
+    from bitkern.codegen import build_kernel
 
     return build_kernel(spec, n, k, template, config, layout, bucket, device)
 
 
 def cuda_source(spec, n, k, template, config, arch):
+    from bitkern.codegen import template as template_named
     from bitkern.codegen.cuda.compile import lower
-    from bitkern.codegen.cuda.kernel import kernel_functions
 
-    return lower(kernel_functions(spec, n, k, template, config, arch), arch)[0]
+    return lower(template_named(template).functions(spec, n, k, config, arch), arch)[0]
 
 
 def ranking(spec, n, k, bucket, layout, device):
     """[(template, config, modeled seconds)] in the tuner's order."""
-    from bitkern.tuner.cost import estimate, estimate_cuda
-    from bitkern.tuner.select import _ranked
+    from bitkern.tuner.cost import estimate
     from bitkern.tuner.record import Trial
-    from bitkern.tuner.space import enumerate_candidates, enumerate_cuda_candidates
+    from bitkern.tuner.select import _ranked
+    from bitkern.tuner.space import enumerate_candidates
 
     tuned_m = {(1, 1): 1, (2, 4): 4, (5, 16): 16, (17, 128): 64}.get(bucket, 256)
-    if device.kind == "cuda":
-        _, candidates = enumerate_cuda_candidates(spec, n, k, bucket, device)
-        model = estimate_cuda
-    else:
-        _, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
-        model = estimate
-    trials = [Trial(c.template, c.config, model(c.template, c.config, spec, n, k, tuned_m, device).seconds)
+    _, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
+    trials = [Trial(c.template, c.config, estimate(c.template, c.config, spec, n, k, tuned_m, device).seconds)
               for c in candidates]
     return [(trials[i].template, trials[i].config, trials[i].modeled_s) for i in _ranked(trials)]
 
 
 def configs():
-    from bitkern.codegen.cpu.configs import AmxConfig, DotConfig, GenericConfig, LutConfig
+    from bitkern.codegen.cpu.amx import AmxConfig
+    from bitkern.codegen.cpu.dot import DotConfig
+    from bitkern.codegen.cpu.generic import GenericConfig
+    from bitkern.codegen.cpu.lut import LutConfig
     from bitkern.codegen.cuda import GemmConfig, GemvConfig
 
     return AmxConfig, DotConfig, LutConfig, GenericConfig, GemmConfig, GemvConfig

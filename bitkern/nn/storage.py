@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from .. import ttype
-from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, to_layout
+from ..codegen import PackedWeight, layout_for, pack, to_layout
 from ..codegen.cpu.layout import aligned
-from ..codegen.cpu.layout import LAYOUTS as CPU_LAYOUTS
-from ..ttype import QuantizedWeight, dtype_name, packed_length
+from ..ttype import Layout, QuantizedWeight, dtype_name, packed_length
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
 from . import library
@@ -72,7 +71,7 @@ def default_group_size(weight_type, group_size):
     return group_size
 
 
-LAYOUTS = (*CPU_LAYOUTS, CUDA_LAYOUT)
+LAYOUTS = tuple(layout.value for layout in Layout)
 
 
 def kernel_layout(weight_dtype: str, device: torch.device) -> str | None:

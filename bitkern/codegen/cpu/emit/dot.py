@@ -1,12 +1,10 @@
-"""AVX-512 BF16 template: y = x · dequant(W)ᵀ on CPUs without AMX, with vdpbf16ps dot products.
+"""The AVX512-BF16 kernel: the tile16 builder's prologue, decode and epilogue around vdpbf16ps dot products.
 
-It runs the AMX template's typed expression with the AMX template's pieces (activation planes and group
-sums in the prologue, implicit-GEMM gather for convolutions, decode of 1-, 2-, 4- and 8-bit codes into
-bf16 B-tile rows, the per-group float32 epilogue).  A B-tile row — 16 weight columns, each holding the
-bf16 pair (k, k+1) — is exactly vdpbf16ps's operand, so the tile product becomes a register-blocked
-micro-kernel: per k pair, the task's `n_tiles` decoded rows are read once and multiplied with the
-broadcast activation pair of each of `rows` rows, C accumulating in registers.  A stage of decoded rows
-(in L1) serves every row block of the task's chunk, so the decode is amortized over all its rows.
+A B-tile row — 16 weight columns, each holding the bf16 pair (k, k+1) — is exactly vdpbf16ps's operand, so the
+tile product becomes a register-blocked micro-kernel: per k pair, the task's `n_tiles` decoded rows are read
+once and multiplied with the broadcast activation pair of each of `rows` rows, C accumulating in registers.  A
+stage of decoded rows (in L1) serves every row block of the task's chunk, so the decode is amortized over all
+its rows; for few rows, a direct variant feeds each decoded row from registers into the products.
 """
 
 from __future__ import annotations
@@ -17,9 +15,7 @@ from functools import reduce
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from ...ops.matmul import Matmul
-from .amx import SMALL_M_ROWS, _Builder, _when
-from .configs import DotConfig
+from .tile16 import SMALL_M_ROWS, Tile16Builder, when
 from .tir import LANES, load, ramp, splat
 
 # vdpbf16ps through a wrapper of <16 x i32> operands: TVM legalizes bfloat16 vectors to float32 before
@@ -35,42 +31,27 @@ define linkonce_odr <16 x float> @{_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x
   ret <16 x float> %sum
 }}
 """
-CPU_FLAG = "avx512_bf16"
 # Independent vdpbf16ps accumulation chains a block keeps in flight: its latency (6 cycles on Zen 4) times
 # its issue rate (1 per cycle) rounded up; direct blocks with fewer C rows split each row's sum by k pair.
 DOT_CHAINS = 8
 
 
-def device_reason(device) -> str | None:
-    """Why `device` cannot run this template, or None."""
-    return None if CPU_FLAG in device.flags else "this CPU (no AVX512-BF16)"
+class DotBuilder(Tile16Builder):
+    """Emits one AVX512-BF16 kernel: its tasks run vdpbf16ps on C rows held in zmm registers."""
 
-
-def build(spec: Matmul, n: int, k: int, config: DotConfig, name: str = "main"):
-    """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M (at
-    most 16 with small_m).  Arguments as the AMX template's (see `amx.build`)."""
-    return _DotBuilder.checked(spec, n, k, config, "AVX512-BF16").build(name)
-
-
-class _DotBuilder(_Builder):
-    """The AMX builder with its tile products replaced by vdpbf16ps on register-held C rows."""
-
-    def _assign_tile_registers(self) -> None:
-        """None to assign: C rows live in zmm registers, which LLVM allocates."""
-
-    def _body_scope(self):
+    def body_scope(self):
         return T.attr(_DOT, "pragma_import_llvm", _DOT_IR)
 
-    def _plane_pitch(self) -> int:
+    def plane_pitch(self) -> int:
         """One cache line more than a row's pairs: the micro-kernel reads `rows` rows at once, and rows a
         multiple of 4 KiB apart (K = 2048, 4096, ...) would all fall into one L1 set."""
         return self.s.pairs + LANES
 
-    def _padded_rows(self):
+    def padded_rows(self):
         """Rows of the activation planes: M rounded up to whole register blocks."""
         return tirx.floordiv(self.m + (self.cfg.rows - 1), self.cfg.rows) * self.cfg.rows
 
-    def _task(self, rows, block, row0) -> None:
+    def task(self, rows, block, row0) -> None:
         if self.cfg.direct:
             self._direct_task(block)
             return
@@ -110,18 +91,18 @@ class _DotBuilder(_Builder):
 
         for i in range(s.stage_steps):
             starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
-            _when(starts, lambda: self._zero(acc, cells))
+            when(starts, lambda: self._zero(acc, cells))
             if stash is not None and i == 0:
-                _when(tirx.Not(starts), reload_c)
+                when(tirx.Not(starts), reload_c)
             step = stage * s.stage_steps + i
             with T.serial(0, s.depth // 2) as pair:
                 weights = [(c, p, load(gbuf, 0, i, c, p, pair, ramp(0)))
                            for c in range(cfg.n_tiles) for p in range(self.nibbles)]
                 self._products(acc, weights, row0 + local_row, cfg.rows, step * s.depth // 2 + pair, 0)
             group = tirx.floordiv(step, s.group_steps)
-            _when(ends, lambda: self._finish_rows(acc, yacc, tiles, group, row0, local_row, cfg.rows, 1))
+            when(ends, lambda: self._finish_rows(acc, yacc, tiles, group, row0, local_row, cfg.rows, 1))
             if stash is not None and i == s.stage_steps - 1:
-                _when(tirx.Not(ends), stash_c)
+                when(tirx.Not(ends), stash_c)
 
     def _direct_task(self, block) -> None:
         """Few rows (direct): each decoded weight row goes from registers to the products of every row of a
@@ -150,7 +131,7 @@ class _DotBuilder(_Builder):
         cells = self._cells(count, splits)
         with T.serial(0, s.stages) as stage:
             for i in range(s.stage_steps):
-                _when(self._group_edge(stage, i, start=True), lambda: self._zero(acc, cells))
+                when(self._group_edge(stage, i, start=True), lambda: self._zero(acc, cells))
                 step = stage * s.stage_steps + i
                 with T.serial(0, s.words_per_step) as w:
                     for c in range(cfg.n_tiles):
@@ -158,7 +139,7 @@ class _DotBuilder(_Builder):
                             pair = step * s.depth // 2 + w * s.rows_per_word + j
                             self._products(acc, [(c, p, weights)], local_row, count, pair, j % splits)
                 group = tirx.floordiv(step, s.group_steps)
-                _when(self._group_edge(stage, i, start=False),
+                when(self._group_edge(stage, i, start=False),
                       lambda: self._finish_rows(acc, yacc, tiles, group, 0, local_row, count, splits))
 
     def _splits(self, count: int) -> int:

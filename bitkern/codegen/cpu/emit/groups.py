@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from ...ops.matmul import Matmul
-from ...ttype import get
+from ....ops.matmul import Matmul
+from ....ttype import get
 from .tir import LANES, bf16_bits, bf16_to_float, lanes, load, prefetch, prefetch_ahead, ramp
 
 PREFETCH_GROUPS = 4  # a few groups of a task's work: well past the memory latency, two lines of fp16 scales

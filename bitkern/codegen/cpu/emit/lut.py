@@ -1,4 +1,4 @@
-"""Table-lookup template for few rows (T-MAC style): y = x · dequant(W)ᵀ without decoding the weights.
+"""The lookup kernel (T-MAC style): y = x · dequant(W)ᵀ without decoding the weights.
 
 Each 4-bit nibble of a tile16 word holds 4/bits codes of one row.  For every nibble position p and every
 row of x, the prologue tabulates all 16 partial sums T[m, p, c] = Σ_i x[m, k_i] · v(code_i(c)) over the
@@ -6,47 +6,20 @@ k's the nibble covers.  The main loop then needs, per nibble of 16 weight rows, 
 float32 table lookup in a register, indexed by the low 4 bits of each lane: the word shifted by 4·j) and
 one add: 64 weights per lookup for 1-bit codes, 32 for 2-bit, 16 for 4-bit, all in exact float32 sums.
 Per group, y += scale · (Σ + beta·XS) folds the zero point (codes tabulate as raw integers then).
-Cost grows with the number of rows, so the tuner uses it for M <= 4.
 """
 
 from __future__ import annotations
 
-import torch
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ...ops.matmul import Matmul
-from ...ttype import codes_per_word, effective_group_size, get
-from .amx import PLANES
-from .configs import LutConfig
+from ....ops.matmul import Matmul
+from ....ttype import codes_per_word, effective_group_size, get
+from ..layout import AMX_TILE_ROWS, padded_k
+from ..lut import MAX_ROWS, NIBBLES_PER_WORD, LutConfig
 from .groups import GroupArguments, to_output
-from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
 from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch, prefetch_ahead, ramp, splat, u32
-
-MAX_ROWS = 4
-NIBBLES_PER_WORD = 8
-
-
-def unsupported_reason(spec: Matmul, k: int) -> str | None:
-    """Why the lookup template cannot run `spec` with reduction length k, or None if it can."""
-    ttype = get(spec.weight_dtype)
-    group = effective_group_size(spec.group_size, k)
-    if ttype.bits not in TILE16_BITS:
-        return f"{ttype.bits}-bit codes (it reads {TILE16_BITS}-bit codes)"
-    if spec.activation_dtype not in PLANES:
-        return f"activation_dtype={spec.activation_dtype}"
-    if group != k and group % codes_per_word(ttype.bits):
-        return f"group_size={group} (it needs whole 32-bit words of codes per group)"
-    return None
-
-
-def value_table(spec: Matmul) -> torch.Tensor:
-    """The `values` argument: float32 v(c) for every code c of the weight type (raw codes for zero modes)."""
-    ttype = get(spec.weight_dtype)
-    if spec.zero_mode != "none":
-        return torch.arange(ttype.num_codes, dtype=torch.float32)
-    return ttype.values.clone()
 
 
 def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int],
@@ -56,11 +29,8 @@ def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: t
     `_Builder._main`).  Other row counts compute nothing: the body is emitted per row count of the range.
 
     Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), values
-    (see `value_table`), bias [N] float32 (bias specs), y [M, N].
+    (see `lut.value_table`), bias [N] float32 (bias specs), y [M, N].
     """
-    reason = unsupported_reason(spec, k)
-    if reason:
-        raise ValueError(f"the lookup template does not support {reason}")
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     if not 1 <= rows[0] <= rows[1]:

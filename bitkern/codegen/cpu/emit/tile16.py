@@ -1,12 +1,12 @@
-"""AMX template: y = x · dequant(W)ᵀ with 1-, 2- or 4-bit weights decoded to bf16 tiles on the fly.
+"""The tile16 builder: what the AMX and AVX512-BF16 kernels share, emitted with TVM's IR builder
+(`Tile16Builder`; `emit.amx` and `emit.dot` add the tile products).
 
 Per parallel task (16·n_tiles output columns, a chunk of rows):
   prologue  x -> bf16 planes A[plane, M, K/2] (one plane for bf16, hi+lo for fp16, three for fp32, so
             the planes sum to x) and per-group row sums XS[M, groups] (for zero points and offsets); for a
             convolution spec the rows are gathered from the NHWC image here (implicit GEMM);
-  stages    the codes of the next stage (a few 32-deep k-steps) are decoded with vector ops into bf16 B
-            tiles in L1 while AMX multiplies the current stage (a software pipeline: tile loads never
-            wait on the stores just issued); C tiles accumulate one quantization group;
+  stages    the codes of a stage (a few 32-deep k-steps) are decoded with vector ops into bf16 B-tile rows
+            in L1, which the subclass's tile products consume; C accumulates one quantization group;
   epilogue  per group, in float32: y += scale · (alpha·C + beta·XS), where C = Σ x·d over the group's
             decoded values d, and alpha/beta fold the decode offset and the zero point exactly.
 Decode strategies: "affine" for integer types (d = bf16(128 + u) by OR-ing the code into 0x4300, one
@@ -19,97 +19,29 @@ truncated to bf16, exact: one B tile per 16 columns where "affine" multiplies tw
 
 from __future__ import annotations
 
-import contextlib
+import abc
 from dataclasses import dataclass
 
-import torch
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from ...ops.expr import tap_source
-from ...ops.matmul import Matmul
-from ...ttype import effective_group_size, get
-from ...ttype.types import INT, UINT
-from .configs import TILE_REGISTERS, AmxConfig
+from ....ops.expr import tap_source
+from ....ops.matmul import Matmul
+from ....ttype import effective_group_size, get
+from ....ttype.types import INT, UINT
+from ..layout import AMX_TILE_ROWS, padded_k
+from ..matrix import PLANES, nibbles, step_depth
 from .groups import GroupArguments, to_output
-from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
-from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
-                  prefetch_ahead, splat, stride, tile, tile_pointer,
-                  u32)
+from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, lanes, load, prefetch_ahead, ramp,
+                  splat, u32)
 
-PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
-AMX_BITS = (*TILE16_BITS, 8)
 SMALL_M_ROWS = AMX_TILE_ROWS
 _MANTISSA_BITS = 7  # of bfloat16: a code u < 2^(7-at) OR-ed in at bit `at` of 2^(7-at) gives 2^(7-at) + u
 # k pairs an affine decode takes from one shifted word (each position costs a mask and a base register).
 # Measured on Zen 4, 4096x4096 M=1: 2-bit codes 3 per shift (all the mantissa holds), 5-7% faster than 1;
 # 1-bit codes 7 or 3 per shift, 2.2x and 1.1x slower (spills: a word feeds 16 activation broadcasts).
 _PAIRS_PER_SHIFT = {2: 3}
-
-
-def unsupported_reason(spec: Matmul, k: int) -> str | None:
-    """Why the AMX template cannot run `spec` with reduction length k, or None if it can."""
-    ttype = get(spec.weight_dtype)
-    group = effective_group_size(spec.group_size, k)
-    if ttype.bits not in AMX_BITS:
-        return f"{ttype.bits}-bit codes (it decodes {AMX_BITS}-bit codes)"
-    if ttype.bits == 8 and ttype.kind not in (INT, UINT):
-        return f"8-bit {ttype.kind} codes (8-bit codes decode as integers)"
-    if spec.activation_dtype not in PLANES:
-        return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"
-    depth = _step_depth(group, k)
-    if depth is None:
-        return f"group_size={group} with in_features={k} (it needs a multiple of 32, 16, or per-channel)"
-    if depth * ttype.bits < 32:
-        return f"group_size={group}, shorter than one 32-bit word of {ttype.bits}-bit codes"
-    if not decode_strategies(spec):
-        return f"{ttype.bits}-bit codes with {spec.activation_dtype} activations (their affine decode keeps " \
-               f"bf16's accuracy only)"
-    return None
-
-
-def nibbles(spec: Matmul, decode: str) -> int:
-    """B tiles per 16 weight columns and 32-deep step: the affine decode multiplies 8-bit codes as two 4-bit
-    nibbles."""
-    return 2 if get(spec.weight_dtype).bits == 8 and decode == "affine" else 1
-
-
-def decode_strategies(spec: Matmul) -> tuple[str, ...]:
-    """Decode strategies that apply to the spec.  "affine" folds a 128 offset out of float32 sums, which
-    costs up to ~2^-16 relative accuracy: below bf16 activations' own rounding, so it is offered for them
-    only; 8-bit codes have no table decode, and convert (exact) serves every activation type."""
-    ttype = get(spec.weight_dtype)
-    affine = ttype.kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
-    if ttype.bits == 8:
-        return ("affine", "convert") if affine else ("convert",)
-    return ("affine", "lut") if affine else ("lut",)
-
-
-def build(spec: Matmul, n: int, k: int, config: AmxConfig, name: str = "main"):
-    """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M
-    (at most 16 with small_m).
-
-    Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), lut (lut
-    decode), bias [N] float32 (bias specs), y [M, N].
-    """
-    return _Builder.checked(spec, n, k, config, "AMX").build(name)
-
-
-def lut_words(spec: Matmul) -> torch.Tensor:
-    """The `lut` argument: the type's bf16 values, repeated to 32 entries, as 16 int32 words."""
-    values = get(spec.weight_dtype).lut("bfloat16").view(torch.int16)
-    return values.repeat(32 // values.numel()).view(torch.int32).contiguous()
-
-
-def _step_depth(group: int, k: int) -> int | None:
-    if group % AMX_STEP_K == 0:
-        return AMX_STEP_K
-    if group == 16:
-        return 16
-    if group == k:  # per-channel: K is padded to the step and the whole padded K is one group
-        return AMX_STEP_K
-    return None
 
 
 @dataclass(frozen=True)
@@ -158,12 +90,12 @@ def _decode_for(spec: Matmul, strategy: str) -> _Decode:
 class _Shape:
     """Static sizes of one kernel."""
 
-    def __init__(self, spec: Matmul, n: int, k: int, config: AmxConfig):
+    def __init__(self, spec: Matmul, n: int, k: int, config):
         group = effective_group_size(spec.group_size, k)
         self.bits = get(spec.weight_dtype).bits
         self.n, self.k = n, k
         self.k_pad = padded_k(k, self.bits)
-        self.depth = _step_depth(group, k)
+        self.depth = step_depth(group, k)
         self.per_channel = group == k
         self.kgroup = self.k_pad if self.per_channel else group
         self.groups = self.k_pad // self.kgroup
@@ -189,11 +121,15 @@ def _stage_steps(group_steps: int, steps: int, wanted: int) -> int:
     return max(multiples)
 
 
-class _Builder:
-    """Emits one kernel with TVM's IRBuilder."""
+class Tile16Builder(abc.ABC):
+    """Emits one kernel of a tile16 matrix template with TVM's IRBuilder: the prologue, the decode of B-tile rows,
+    the per-group epilogue and the output; a subclass emits each task's products (`task`) and says how its
+    activation planes are laid out (`plane_pitch`, `padded_rows`) and what scope the body needs (`body_scope`).
+    The spec and configuration are checked by the template (`matrix.MatrixTemplate.program`)."""
 
-    def __init__(self, spec: Matmul, shape: _Shape, config: AmxConfig, decode: _Decode):
-        self.spec, self.s, self.cfg, self.dec = spec, shape, config, decode
+    def __init__(self, spec: Matmul, n: int, k: int, config):
+        self.spec, self.cfg = spec, config
+        self.s, self.dec = _Shape(spec, n, k, config), _decode_for(spec, config.decode)
         self.ttype = get(spec.weight_dtype)
         if spec.geometry is None:
             self.batch, self.m = None, tirx.Var("M", "int32")
@@ -203,30 +139,24 @@ class _Builder:
         self.nibbles = nibbles(spec, config.decode)
         # Per k pair j of a word, 128 - 2^(7-at): what its decoded values lack of the 128 offset the epilogue
         # folds (None when every code sits at bit 0).
-        shortfall = [128.0 - 2.0 ** (_MANTISSA_BITS - at) for _, at in decode.positions(shape.rows_per_word)]
+        shortfall = [128.0 - 2.0 ** (_MANTISSA_BITS - at) for _, at in self.dec.positions(self.s.rows_per_word)]
         self.offset_shortfall = shortfall if any(shortfall) else None
-        self._assign_tile_registers()
 
-    @classmethod
-    def checked(cls, spec: Matmul, n: int, k: int, config, template: str) -> "_Builder":
-        """The builder for `spec` with `config`, once the `template` (named in the errors) is known to serve
-        them: bad input is refused before any code is generated."""
-        reason = unsupported_reason(spec, k)
-        if reason:
-            raise ValueError(f"the {template} template does not support {reason}")
-        if config.decode not in decode_strategies(spec):
-            raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
-                             f"accepted: {list(decode_strategies(spec))}")
-        return cls(spec, _Shape(spec, n, k, config), config, _decode_for(spec, config.decode))
+    @abc.abstractmethod
+    def task(self, rows, block, row0) -> None:
+        """The products of column block `block` for the row chunk from row0, into y (rows: the padded rows)."""
 
-    def _assign_tile_registers(self) -> None:
-        """C tiles: [m tile][n tile][nibble]; then the A tiles; the rest is a ring for B tiles."""
-        mt, nc, nb = self.cfg.m_tiles, self.cfg.n_tiles, self.nibbles
-        self.c_tiles = [[[(i * nc + c) * nb + p for p in range(nb)] for c in range(nc)] for i in range(mt)]
-        self.a_tiles = [mt * nc * nb + i for i in range(mt)]
-        self.b_tiles = list(range(mt * nc * nb + mt, TILE_REGISTERS))
-        if not self.b_tiles:
-            raise ValueError(f"m_tiles={mt} x n_tiles={nc} x {nb} nibble planes leave no AMX tile register for B")
+    @abc.abstractmethod
+    def plane_pitch(self) -> int:
+        """int32 words (bf16 pairs) from one activation-plane row to the next."""
+
+    @abc.abstractmethod
+    def padded_rows(self):
+        """Rows of the activation planes: M rounded up to the template's row blocks."""
+
+    @abc.abstractmethod
+    def body_scope(self):
+        """A scope around the function body (the AVX512-BF16 kernels import LLVM code in one)."""
 
     def build(self, name: str):
         with IRBuilder() as builder:
@@ -234,11 +164,11 @@ class _Builder:
                 T.func_name(name)
                 self._arguments()
                 T.func_attr({"tirx.noalias": True})
-                with self._body_scope():
+                with self.body_scope():
                     if self.cfg.small_m:
                         T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= SMALL_M_ROWS))
-                    rows = self._padded_rows()
-                    self.a = T.alloc_buffer((self.s.planes, rows, self._plane_pitch()), "int32")
+                    rows = self.padded_rows()
+                    self.a = T.alloc_buffer((self.s.planes, rows, self.plane_pitch()), "int32")
                     self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
                     self.xd = None  # XD[row, group] = Σ x·shortfall over the group's k's
                     if self.offset_shortfall is not None:
@@ -247,14 +177,6 @@ class _Builder:
                         self._prologue(rows)
                     self._main(rows)
         return builder.get()
-
-    def _plane_pitch(self) -> int:
-        """int32 words (bf16 pairs) from one activation-plane row to the next."""
-        return self.s.pairs
-
-    def _body_scope(self):
-        """A scope around the function body (the AVX512-BF16 template imports LLVM code in one)."""
-        return contextlib.nullcontext()
 
     # -- arguments -------------------------------------------------------------------------------------
     def _arguments(self) -> None:
@@ -268,12 +190,6 @@ class _Builder:
         self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
         self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
         self.y = T.arg("y", T.Buffer((self.m, s.n), spec.output_dtype))
-
-    def _padded_rows(self):
-        if self.cfg.small_m:
-            return self.m
-        block = AMX_TILE_ROWS * self.cfg.m_tiles
-        return tirx.floordiv(self.m + (block - 1), block) * block
 
     # -- prologue: activation planes and group sums -------------------------------------------------
     def _prologue(self, rows) -> None:
@@ -395,66 +311,19 @@ class _Builder:
                 with T.serial(0, tirx.min(cfg.m_chunk, rows - row0)) as r:
                     self._prologue_row(row0 + r)
                 with T.serial(0, blocks) as block:
-                    self._task(rows, block, row0)
+                    self.task(rows, block, row0)
             return
         with T.parallel(0, blocks * chunks) as task:
             if cfg.small_m:
-                self._task(rows, task, 0)
+                self.task(rows, task, 0)
             else:
-                self._task(rows, tirx.floordiv(task, chunks), tirx.floormod(task, chunks) * cfg.m_chunk)
+                self.task(rows, tirx.floordiv(task, chunks), tirx.floormod(task, chunks) * cfg.m_chunk)
 
     def _block_tiles(self, block) -> tuple[list, list]:
         """The column block's tile indices and whether each is its own (the last block repeats a tile)."""
         first_tile = block * self.cfg.n_tiles
         tiles = [tirx.min(first_tile + c, self.s.n_tiles - 1) for c in range(self.cfg.n_tiles)]
         return tiles, [first_tile + c < self.s.n_tiles for c in range(self.cfg.n_tiles)]
-
-    def _task(self, rows, block, row0) -> None:
-        s, cfg = self.s, self.cfg
-        tiles, owned = self._block_tiles(block)
-        tile_rows = self.m if cfg.small_m else AMX_TILE_ROWS
-        block_rows = AMX_TILE_ROWS * cfg.m_tiles
-        chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
-        m_blocks = 1 if cfg.small_m else tirx.min(cfg.m_chunk // block_rows, tirx.floordiv(rows - row0, block_rows))
-        gbuf = T.alloc_buffer((2, s.stage_steps, cfg.n_tiles, self.nibbles, s.depth // 2, LANES), "int32", scope="local",
-                              align=64)
-        cbuf = T.alloc_buffer((cfg.m_tiles, cfg.n_tiles, self.nibbles, AMX_TILE_ROWS, LANES), "float32",
-                              scope="local", align=64)
-        yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        stash = None
-        if s.group_steps > s.stage_steps and not cfg.small_m:  # C tiles leave registers between stages
-            stash = T.alloc_buffer((cfg.m_chunk // block_rows, cfg.m_tiles, cfg.n_tiles, self.nibbles, AMX_TILE_ROWS,
-                                    LANES),
-                                   "float32", scope="local", align=64)
-        self._configure_tiles(tile_rows)
-        with T.serial(0, chunk_rows) as r:
-            for c in range(cfg.n_tiles):
-                T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
-        self._decode_stage(gbuf, tiles, 0, 0)
-        with T.serial(0, s.stages) as stage:
-            upcoming = (tirx.min(stage + 1, s.stages - 1), tirx.floormod(stage + 1, 2))
-            if cfg.small_m:  # one m-block: decode the next stage tile by tile between the AMX ops
-                self._stage(gbuf, cbuf, yacc, stash, tiles, stage, row0, 0, tile_rows, upcoming)
-            else:  # the decoded stage serves every m-block of the chunk
-                self._decode_stage(gbuf, tiles, *upcoming)
-                with T.serial(0, m_blocks) as mb:
-                    self._stage(gbuf, cbuf, yacc, stash, tiles, stage, row0, mb, tile_rows)
-        self._store_output(yacc, tiles, owned, row0, chunk_rows)
-        intrinsic("llvm.x86.tilerelease")
-
-    def _configure_tiles(self, tile_rows) -> None:
-        """ldtilecfg: C and A tiles of `tile_rows` rows (A 2·depth bytes wide), B tiles of depth/2 rows."""
-        config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
-        for i in range(64):
-            T.buffer_store(config, tirx.const(1 if i == 0 else 0, "uint8"), [i])
-        shapes = [(t, tile_rows, 64) for row in self.c_tiles for planes in row for t in planes]
-        shapes += [(t, tile_rows, 2 * self.s.depth) for t in self.a_tiles]
-        shapes += [(t, self.s.depth // 2, 64) for t in self.b_tiles]
-        for t, rows, width in shapes:
-            T.buffer_store(config, tirx.const(width & 0xFF, "uint8"), [16 + 2 * t])
-            T.buffer_store(config, tirx.const(width >> 8, "uint8"), [17 + 2 * t])
-            T.buffer_store(config, tirx.Cast("uint8", rows), [48 + t])
-        intrinsic("llvm.x86.ldtilecfg", config.access_ptr("r", extent=64))
 
     def _decode_stage(self, gbuf, tiles, stage, slot) -> None:
         """Decode the codes of `stage` for the task's tiles into gbuf[slot] (bf16 B tiles)."""
@@ -519,38 +388,6 @@ class _Builder:
         low = tirx.shift_right(halves[0], u32(16))
         return tirx.reinterpret("int32x16", tirx.bitwise_or(low, tirx.bitwise_and(halves[1], u32(0xFFFF0000))))
 
-    def _stage(self, gbuf, cbuf, yacc, stash, tiles, stage, row0, mb, tile_rows, upcoming=None) -> None:
-        """AMX products of one stage for one m-block, with group starts and ends and C stashing; with
-        `upcoming` (stage, slot), each B tile's products are followed by decoding that tile of `upcoming`."""
-        s, cfg = self.s, self.cfg
-        slot = tirx.floormod(stage, 2)
-        local_row = mb * AMX_TILE_ROWS * cfg.m_tiles
-        for i in range(s.stage_steps):
-            starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
-            _when(starts, self._zero_c)
-            if stash is not None and i == 0:
-                _when(tirx.Not(starts), lambda: self._move_c(stash, mb, "llvm.x86.tileloadd64"))
-            step = stage * s.stage_steps + i
-            for plane in range(s.planes):
-                for m_i, a_tile in enumerate(self.a_tiles):
-                    source = tile_pointer(self.a, (plane, row0 + local_row + m_i * AMX_TILE_ROWS, step * s.depth // 2),
-                                          AMX_TILE_ROWS, self._plane_pitch(), "r")
-                    intrinsic("llvm.x86.tileloadd64", tile(a_tile), source, stride(self._plane_pitch() * 4))
-                for c in range(cfg.n_tiles):
-                    for nibble in range(self.nibbles):
-                        b_tile = self.b_tiles[(c * self.nibbles + nibble) % len(self.b_tiles)]
-                        source = tile_pointer(gbuf, (slot, i, c, nibble, 0, 0), s.depth // 2, LANES, "r")
-                        intrinsic("llvm.x86.tileloadd64", tile(b_tile), source, stride(64))
-                        for m_i, a_tile in enumerate(self.a_tiles):
-                            intrinsic("llvm.x86.tdpbf16ps", tile(self.c_tiles[m_i][c][nibble]), tile(a_tile),
-                                      tile(b_tile))
-                    if upcoming is not None and plane == s.planes - 1:
-                        self._decode_tile(gbuf, tiles, *upcoming, i, c)
-            group = tirx.floordiv(step, s.group_steps)
-            _when(ends, lambda: self._finish_group(cbuf, yacc, tiles, group, row0, local_row, tile_rows))
-            if stash is not None and i == s.stage_steps - 1:
-                _when(tirx.Not(ends), lambda: self._move_c(stash, mb, "llvm.x86.tilestored64"))
-
     def _group_edge(self, stage, i, start: bool):
         """Whether step i of `stage` starts (or ends) a quantization group: a bool, or a runtime test."""
         s = self.s
@@ -560,37 +397,6 @@ class _Builder:
             return False
         per_group = s.group_steps // s.stage_steps
         return tirx.floormod(stage, per_group) == (0 if start else per_group - 1)
-
-    def _all_c(self):
-        """(m tile, n tile, nibble, register) of every C tile."""
-        return [(m_i, c, p, t) for m_i, row in enumerate(self.c_tiles) for c, planes in enumerate(row)
-                for p, t in enumerate(planes)]
-
-    def _zero_c(self) -> None:
-        for _, _, _, t in self._all_c():
-            intrinsic("llvm.x86.tilezero", tile(t))
-
-    def _move_c(self, stash, mb, op: str) -> None:
-        access = "r" if op == "llvm.x86.tileloadd64" else "w"
-        for m_i, c, p, t in self._all_c():
-            intrinsic(op, tile(t), tile_pointer(stash, (mb, m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, access),
-                      stride(64))
-
-    def _finish_group(self, cbuf, yacc, tiles, group, row0, local_row, tile_rows) -> None:
-        """Store C and apply y += scale · (Σ_nibble alpha·C + beta·XS) to the block's rows."""
-        cfg = self.cfg
-        for m_i, c, p, t in self._all_c():
-            target = tile_pointer(cbuf, (m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, "w")
-            intrinsic("llvm.x86.tilestored64", tile(t), target, stride(64))
-        scale_group = self._scale_group(group)
-        for c in range(cfg.n_tiles):
-            scale, beta = self._group_factors(tiles[c], scale_group)
-            for m_i in range(cfg.m_tiles):
-                with T.serial(0, tile_rows) as r:
-                    local = local_row + m_i * AMX_TILE_ROWS + r
-                    value = self._combine([load(cbuf, m_i, c, p, r, ramp(0)) for p in range(self.nibbles)], beta,
-                                          row0 + local, group)
-                    T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
 
     def _scale_group(self, group):
         """The scale group of quantization group `group` (padded groups read the last: their C = XS = 0)."""
@@ -656,7 +462,7 @@ def _by_parity(values: list):
     return tuple(tirx.Shuffle(values[parity::2], list(range(LANES))) for parity in (0, 1))
 
 
-def _when(condition, emit) -> None:
+def when(condition, emit) -> None:
     """Emit `emit()` if condition is True, under a runtime test if it is an expression, never if False."""
     if condition is True:
         emit()

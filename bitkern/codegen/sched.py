@@ -1,4 +1,4 @@
-"""Small helpers the CUDA schedule templates share."""
+"""Small helpers the tensor-expression schedule templates share (the generic CPU template, the CUDA ones)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,108 @@
+"""Table-lookup template for few rows (T-MAC style): y = x · dequant(W)ᵀ without decoding the weights: per nibble
+of 16 weight rows, one vpermps looks the partial sums of x up in a 16-entry table; its code comes from
+`emit.lut` (see there for the kernel's structure).  Cost grows with the number of rows: it serves M <= 4."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...ops.matmul import Matmul
+from ...ttype import codes_per_word, effective_group_size, get
+from ..template import Work
+from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuTemplate, Footprint, check_prefetch, doublings, operand_bytes
+from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
+from .matrix import PLANES
+
+MAX_ROWS = FEW_ROWS
+NIBBLES_PER_WORD = 8
+# The body is unrolled per row count and tile (measured on Zen 4, int1 4096x4096: rows 1..4 x 4 tiles (40)
+# compiled in 0.93 s, x 8 tiles in 2.2 s; one row x 8 tiles in 0.23 s):
+BODY = 36  # tiles x the bucket's row counts summed
+
+
+@dataclass(frozen=True)
+class LutConfig:
+    """Tile configuration of the lookup template: `n_tiles` 16-row weight tiles per task (they share each
+    group's tables while those sit in L1), `prefetch` words ahead (0: none)."""
+
+    n_tiles: int = 8
+    prefetch: int = 32
+
+    def __post_init__(self):
+        check_prefetch(self.prefetch)
+
+
+def value_table(spec: Matmul) -> torch.Tensor:
+    """The `values` argument: float32 v(c) for every code c of the weight type (raw codes for zero modes)."""
+    ttype = get(spec.weight_dtype)
+    if spec.zero_mode != "none":
+        return torch.arange(ttype.num_codes, dtype=torch.float32)
+    return ttype.values.clone()
+
+
+class LutTemplate(CpuTemplate):
+    name = "lut"
+    title = "lookup"
+    config_type = LutConfig
+    max_rows = MAX_ROWS
+    shape_fields = ("n_tiles", "prefetch")
+
+    def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
+        ttype = get(spec.weight_dtype)
+        group = effective_group_size(spec.group_size, k)
+        if spec.geometry is not None:
+            return "a convolution (the lookup template reads x as a matrix; it has no gathering prologue)"
+        if ttype.bits not in TILE16_BITS:
+            return f"{ttype.bits}-bit codes (it reads {TILE16_BITS}-bit codes)"
+        if spec.activation_dtype not in PLANES:
+            return f"activation_dtype={spec.activation_dtype}"
+        if group != k and group % codes_per_word(ttype.bits):
+            return f"group_size={group} (it needs whole 32-bit words of codes per group)"
+        return None
+
+    def resources(self, spec: Matmul, k: int, config: LutConfig) -> Footprint:
+        """L1: a group's tables (16 float32 sums per nibble position) and the task's accumulators."""
+        group = effective_group_size(spec.group_size, k)
+        tables = group // codes_per_word(get(spec.weight_dtype).bits) * NIBBLES_PER_WORD * 64
+        return Footprint(l1_bytes=tables + config.n_tiles * MAX_ROWS * 64)
+
+    def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[LutConfig]:
+        """Tiles per task while a group's tables and the accumulators fit L1 and the body stays small (one tile
+        always), every prefetch depth."""
+        row_counts = sum(range(bucket[0], bucket[1] + 1))
+        found = []
+        for n_tiles in doublings(1, 16):
+            too_large = self.resources(spec, k, LutConfig(n_tiles)).l1_bytes > device.l1_bytes or \
+                n_tiles * row_counts > BODY
+            if too_large and n_tiles > 1:
+                break
+            found += [LutConfig(n_tiles, prefetch) for prefetch in PREFETCH_WORDS]
+        return found
+
+    def work(self, spec: Matmul, n: int, k: int, m: int, config: LutConfig, device) -> Work:
+        """Per call: the words of codes looked up (a fixed part, and a part per row of x), the table entries every
+        thread builds for itself, and the tables each task re-reads from L2."""
+        bits = get(spec.weight_dtype).bits
+        words = -(-n // AMX_TILE_ROWS) * padded_k(k, bits) // codes_per_word(bits)
+        positions = padded_k(k, bits) * bits // 4
+        tasks = -(-(-(-n // AMX_TILE_ROWS)) // config.n_tiles)
+        operations = {"lookup_word": words, "lookup_word_row": words * m,
+                      "lookup_table_entry": m * positions * min(device.cores, tasks),
+                      "l2_byte": tasks * m * positions * 64}
+        return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
+
+    def program(self, spec: Matmul, n: int, k: int, config: LutConfig, layout, bucket, device):
+        """The PrimFunc for M in `bucket` (within 1..4), split into `device.cores` parallel chunks, and the value
+        table it takes after the weight's tensors (see `emit.lut.build`)."""
+        from .emit.lut import build
+
+        self.check_config(config)
+        reason = self.unsupported(spec, n, k, device)
+        if reason:
+            raise ValueError(f"the lookup template does not support {reason}")
+        return build(spec, n, k, config, device.cores, bucket), [value_table(spec)]
+
+
+TEMPLATE = LutTemplate()
