@@ -54,8 +54,7 @@ def test_torch_compile_inductor_matches_eager_forward_and_backward():
 def _op_arguments(dtype="uint4", bias=True):
     torch.manual_seed(0)
     layer = bitkern.Linear(128, 48, bias=bias, dtype=dtype, group_size=None if dtype == "nvfp4" else 32)
-    weight = layer._weight_args()
-    return layer, weight
+    return layer, layer.op_weight()
 
 
 @pytest.mark.parametrize("dtype, bias", [("uint4", True), ("nvfp4", False)])
@@ -63,18 +62,16 @@ def test_custom_ops_pass_torch_library_opcheck(dtype, bias):
     """Schema, fake (meta) implementation, autograd registration and AOT dispatch, as torch checks them."""
     layer, weight = _op_arguments(dtype, bias)
     x = torch.randn(3, 128, requires_grad=True)
-    torch.library.opcheck(torch.ops.bitkern.linear.default, (x, *weight[:4], layer.bias, *weight[4:], torch.float32))
+    torch.library.opcheck(torch.ops.bitkern.linear.default, (x, *weight, layer.bias, torch.float32))
     torch.library.opcheck(torch.ops.bitkern.dequantize.default, (*weight, torch.float32))
 
 
 def test_conv2d_op_passes_opcheck_and_compiles_without_graph_breaks():
     torch.manual_seed(0)
     layer = bitkern.Conv2d(32, 16, 3, stride=2, padding=1, dtype="int4", group_size=96)
-    weight = layer._weight_args()
     x = torch.randn(2, 7, 9, 32, requires_grad=True)  # channels-last, as the op takes it
     torch.library.opcheck(torch.ops.bitkern.conv2d.default,
-                          (x, *weight[:4], layer.bias, *weight[4:], torch.float32, [3, 3], [2, 2], [1, 1],
-                           [1, 1, 1, 1]))
+                          (x, *layer.op_weight(), layer.bias, torch.float32, [3, 3], [2, 2], [1, 1], [1, 1, 1, 1]))
     model = nn.Sequential(layer, nn.ReLU(), bitkern.Conv2d(16, 8, 1, dtype="nf4", group_size=16)).eval()
     graphs = []
 

@@ -68,8 +68,8 @@ class Conv2d(QuantizedModule):
             return self.forward(x.unsqueeze(0)).squeeze(0)
         channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         x, output_dtype = self._compute_input(x)
-        weight = self._weight_args()
-        y = torch.ops.bitkern.conv2d(x.permute(0, 2, 3, 1).contiguous(), *weight[:4], self.bias, *weight[4:],
+        weight, weight_format = self.op_weight()
+        y = torch.ops.bitkern.conv2d(x.permute(0, 2, 3, 1).contiguous(), weight, weight_format, self.bias,
                                      output_dtype, list(self.kernel_size), list(self.stride), list(self.dilation),
                                      list(self._padding_sides()))
         y = y.permute(0, 3, 1, 2)  # NCHW sizes over the NHWC result: channels-last strides

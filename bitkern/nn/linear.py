@@ -49,8 +49,8 @@ class Linear(QuantizedModule):
             raise ValueError(f"x has shape {tuple(x.shape)}; this Linear has in_features={self.in_features}, "
                              f"so x must be [..., {self.in_features}]")
         x, output_dtype = self._compute_input(x)
-        weight = self._weight_args()
-        return torch.ops.bitkern.linear(x, *weight[:4], self.bias, *weight[4:], output_dtype)
+        weight, weight_format = self.op_weight()
+        return torch.ops.bitkern.linear(x, weight, weight_format, self.bias, output_dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
         """An nn.Linear holding the dequantized weight (in `dtype`) and this layer's bias."""
