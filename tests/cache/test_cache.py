@@ -267,7 +267,7 @@ def test_command_line(tmp_path):
     assert bad.returncode == 2 and "must be out_features:in_features" in bad.stderr
 
 
-@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc is not installed")
+@pytest.mark.requires_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_cuda_prebuild_cross_compiles_and_loads_without_the_compiler(tmp_path, arch):
     store = DiskStore(tmp_path)

@@ -6,7 +6,7 @@ import torch
 import bitkern
 from bitkern.ops import Matmul
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.requires_cuda
 
 
 @pytest.mark.parametrize("name, activation", [("int4", "float16"), ("nf4", "bfloat16"), ("uint4", "float16")])

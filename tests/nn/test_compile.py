@@ -9,7 +9,7 @@ from torch import nn
 import bitkern
 from bitkern.demo import TransformerBlock
 
-from test_nn_linear import assert_matches
+from tests.helpers import assert_matches
 
 DIM, HEADS, HIDDEN = 128, 4, 256
 
@@ -98,10 +98,7 @@ def test_moves_to_meta_and_back_keep_the_weight_format():
     assert torch.equal(layer(x), expected)
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@cuda
+@pytest.mark.requires_cuda
 def test_cuda_move_runs_the_same_layer():
     layer, _ = _op_arguments()
     x = torch.randn(2, 128)
@@ -109,7 +106,7 @@ def test_cuda_move_runs_the_same_layer():
     assert_matches(layer.to("cuda")(x.cuda()).cpu(), expected, 1e-5)
 
 
-@cuda
+@pytest.mark.requires_cuda
 def test_cuda_graph_capture_and_replay():
     model = _quantized_block(compute_dtype=None).cuda()
     x = torch.randn(1, 4, DIM, device="cuda")

@@ -9,7 +9,7 @@ from torch import nn
 
 import bitkern
 
-from test_nn_linear import assert_matches
+from tests.helpers import assert_matches
 
 
 @pytest.mark.parametrize("geometry", [

@@ -9,6 +9,7 @@ from torch import nn
 
 import bitkern
 from bitkern import ttype
+from tests.helpers import assert_matches
 
 IN, OUT = 256, 96
 
@@ -16,14 +17,6 @@ IN, OUT = 256, 96
 def _float_linear(bias=True, seed=0, in_features=IN, out_features=OUT):
     torch.manual_seed(seed)
     return nn.Linear(in_features, out_features, bias=bias)
-
-
-def assert_matches(y, reference, tolerance):
-    """max |y - reference| within `tolerance` of reference's largest magnitude."""
-    assert y.shape == reference.shape and y.dtype == reference.dtype
-    y, reference = y.detach().double(), reference.detach().double()
-    error = float((y - reference).abs().max() / reference.abs().max())
-    assert error <= tolerance, f"relative max error {error:.3g} > {tolerance}"
 
 
 @pytest.mark.parametrize("name, zero_mode", [("int8", None), ("int4", None), ("nf4", None), ("uint4", "gptq"),

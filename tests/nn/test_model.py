@@ -10,7 +10,7 @@ from torch import nn
 import bitkern
 from bitkern.demo import TransformerBlock
 
-from test_nn_linear import assert_matches
+from tests.helpers import assert_matches
 
 # Error bounds of the block's output, relative.  Round-to-nearest with one absmax scale per 128 weights
 # leaves a relative RMS weight error of about step/√12/σ: 0.4% for int8, 7% for int4 (absmax/7 steps) on

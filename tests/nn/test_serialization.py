@@ -14,7 +14,7 @@ from torch import nn
 import bitkern
 from bitkern.demo import TransformerBlock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (tests/nn/ is two below it)
 DIM, HEADS, HIDDEN = 128, 4, 256
 
 
@@ -65,8 +65,8 @@ def test_the_file_metadata_says_how_each_layer_was_quantized(tmp_path):
 
 _FRESH_PROCESS = """
 import sys, torch, bitkern
-sys.path.insert(0, {tests!r})
-from test_nn_serialization import Model, _inputs
+sys.path.insert(0, {root!r})
+from tests.nn.test_serialization import Model, _inputs
 with torch.device("meta"):
     model = Model()  # float, on meta: the file says what to quantize and how
 model.head.weight = model.embed.weight
@@ -85,7 +85,7 @@ def test_save_then_load_in_a_fresh_process_gives_identical_outputs(tmp_path):
         text, image = model(*_inputs())
     path, out = tmp_path / "model.safetensors", tmp_path / "outputs.pt"
     bitkern.save(model, path)
-    code = _FRESH_PROCESS.format(tests=str(ROOT / "tests"), path=str(path), out=str(out))
+    code = _FRESH_PROCESS.format(root=str(ROOT), path=str(path), out=str(out))
     # The child compiles its own kernels: kernels of LUT-decoded types read back from a warm disk cache
     # currently crash (their table constants come back unaligned), which is the cache's to fix.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "BITKERN_CACHE_DIR": str(tmp_path / "cache")}

@@ -215,7 +215,7 @@ def test_constant_groups_are_exact_for_zero_point_modes():
         torch.testing.assert_close(q.dequantize(), w)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires_cuda
 def test_quantize_on_gpu_matches_cpu():
     w = _weight(64, 256)
     for name, mode in [("nf4", None), ("uint4", "gptq"), ("mxfp4", None), ("nvfp4", None)]:

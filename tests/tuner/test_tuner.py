@@ -50,9 +50,10 @@ def test_unknown_cuda_arch_is_refused():
 def test_hints_are_common_multiples_of_every_level():
     cpu = host_cpu()
     hint = device_hint(Matmul("int4", "bfloat16"), 4096, cpu)
-    if cpu.has_amx_bf16:
-        assert (hint.m, hint.n, hint.k) == (16, 16, 32)
     assert hint.k % 8 == 0 and hint.n % (cpu.vector_bytes // 4) == 0
+    amx = dataclasses.replace(cpu, vector_bytes=64, has_amx_bf16=True, flags=cpu.flags | {"amx_tile", "amx_bf16"})
+    hint = device_hint(Matmul("int4", "bfloat16"), 4096, amx)
+    assert (hint.m, hint.n, hint.k) == (16, 16, 32)  # AMX tiles: 16 rows, 16 columns, 32-deep steps
     gpu = device_hint(Matmul("int4", "float16"), 4096, cuda_device("sm_80"))
     assert gpu.m % 16 == 0 and gpu.n % 8 == 0 and gpu.k % 16 == 0
     assert gpu.k % (32 * 8 // 4) == 0  # one 32-byte transaction of 4-bit codes: 64 k
@@ -224,7 +225,7 @@ def test_cuda_limits_remove_what_a_smaller_architecture_cannot_hold():
     assert all(gemm.resources(spec, 4096, config).unfit(cuda_device("sm_86")) for config in dropped)
 
 
-@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="nvcc is not installed")
+@pytest.mark.requires_nvcc
 def test_cross_compiling_for_an_absent_gpu_picks_by_the_model():
     tuned = tune(Matmul("int4", "float16"), 1024, 1024, (1, 4), "lop3", cuda_device("sm_80"))
     record = tuned.record

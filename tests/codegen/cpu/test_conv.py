@@ -17,7 +17,8 @@ from bitkern.ops.conv import im2col
 from bitkern.tuner import host_cpu
 from bitkern.tuner.space import usable_templates
 
-from test_cpu_kernels import TORCH, assert_within_bound, matrix_template, summed_magnitudes
+from bitkern.ttype import torch_dtype
+from tests.helpers import assert_within_bound, summed_magnitudes
 
 
 def _case(name, geometry, batch, activation="bfloat16", output="float32", group=None, bias=False, seed=0,
@@ -28,7 +29,7 @@ def _case(name, geometry, batch, activation="bfloat16", output="float32", group=
     spec = Conv2d.for_weight(qweight, activation, bias=bias, output_dtype=output, geometry=geometry)
     x = torch.randn(batch, geometry.height, geometry.width, geometry.in_channels, generator=generator)
     b = torch.randn(cout, generator=generator) if bias else None
-    return spec, qweight, x.to(TORCH[activation]), b
+    return spec, qweight, x.to(torch_dtype(activation)), b
 
 
 def _nchw_conv(spec, x, weight, bias=None):
@@ -46,7 +47,7 @@ def _run(spec, qweight, x, bias=None):
 def _run_kernel(spec, qweight, x, bias, y):
     """y, after checking it against torch's convolution within the kernels' error bound."""
     out_h, out_w = spec.geometry.out_size
-    assert y.shape == (x.shape[0], out_h, out_w, qweight.shape[0]) and y.dtype == TORCH[spec.output_dtype]
+    assert y.shape == (x.shape[0], out_h, out_w, qweight.shape[0]) and y.dtype == torch_dtype(spec.output_dtype)
     magnitude = _nchw_conv(spec, x.abs(), summed_magnitudes(spec, qweight))
     assert_within_bound(spec, qweight, y, spec.exact(x, qweight, bias), magnitude)
     return y
@@ -115,26 +116,23 @@ def test_no_im2col_matrix_is_made(monkeypatch):
     _run(*_case("int4", ConvGeometry(32, 10, 10, (3, 3), padding=(1, 1, 1, 1)), 1, group=96))
 
 
+@pytest.mark.parametrize("template, fields", [
+    pytest.param("amx", dict(n_tiles=2, m_tiles=2), marks=pytest.mark.requires_amx, id="amx"),
+    pytest.param("dot", dict(n_tiles=2, rows=4), marks=pytest.mark.requires_avx512_bf16, id="dot")])
 @pytest.mark.parametrize("channels", [64, 24])
-def test_planes_built_per_chunk_or_in_one_pass_agree(channels):
-    """Matrix-template configurations (AMX, or AVX512-BF16 without it) that build each row chunk's planes
-    inside its task (chunk_prologue) and those that build all rows first compute the same result; 3·81 rows
-    leave a partial last chunk."""
+def test_planes_built_per_chunk_or_in_one_pass_agree(channels, template, fields):
+    """Matrix-template configurations (AMX, AVX512-BF16) that build each row chunk's planes inside its task
+    (chunk_prologue) and those that build all rows first compute the same result; 3·81 rows leave a partial last
+    chunk."""
     from bitkern.codegen import build_kernel
-    from bitkern.codegen.cpu.amx import AmxConfig
-    from bitkern.codegen.cpu.dot import DotConfig
+    from bitkern.codegen import template as template_named
 
-    template = matrix_template()
     geometry = ConvGeometry(channels, 9, 9, (3, 3), padding=(1, 1, 1, 1))
     spec, qweight, x, bias = _case("int4", geometry, 3, group=-1, bias=True, cout=40)
     packed, results = pack(qweight), []
     for chunk_prologue in (False, True):
-        if template == "amx":
-            config = AmxConfig(n_tiles=2, m_tiles=2, small_m=False, m_chunk=64, stage_steps=2, decode="affine",
-                               chunk_prologue=chunk_prologue)
-        else:
-            config = DotConfig(n_tiles=2, rows=4, small_m=False, m_chunk=64, stage_steps=2, decode="affine",
-                               chunk_prologue=chunk_prologue)
+        config = template_named(template).config_type(**fields, small_m=False, m_chunk=64, stage_steps=2,
+                                                      decode="affine", chunk_prologue=chunk_prologue)
         kernel = build_kernel(spec, 40, geometry.reduction, template, config, "tile16", (129, 1 << 30), host_cpu())
         results.append(_run_kernel(spec, qweight, x, bias, kernel(x, packed, bias).reshape(3, 9, 9, 40)))
     assert torch.equal(*results)

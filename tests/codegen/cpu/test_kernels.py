@@ -15,52 +15,7 @@ from bitkern.cache import kernel_for
 from bitkern.codegen import PackedWeight, pack, to_layout
 from bitkern.ops import Matmul
 from bitkern.tuner import host_cpu
-
-TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
-OUTPUT_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
-
-
-def _case(name, n, k, m, activation="bfloat16", output="float32", group=128, zero_mode=None, bias=False, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=group, zero_mode=zero_mode)
-    spec = Matmul.for_weight(qweight, activation, bias=bias, output_dtype=output,
-                             accumulate_dtype="int32" if activation == "int8" else "float32")
-    x = torch.randn(m, k, generator=generator)
-    x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if activation == "int8" else x.to(TORCH[activation])
-    b = torch.randn(n, generator=generator) if bias else None
-    return spec, qweight, x, b
-
-
-def assert_matches_reference(spec, qweight, x, bias, y):
-    """|y - ref| <= c·Σ_k|x|·(|w| + offset·s) + eps_out·|ref|.
-
-    The kernels sum in float32; integer weights with bf16 activations may be decoded as 128 + u with the
-    128·s offset folded out of the sums afterwards, and zero points are folded out the same way, so the
-    summed magnitudes include them.  c is 2^-8 for
-    types whose values bf16 rounds (nf4), else 1e-5; eps_out is the output type's rounding."""
-    assert y.dtype == TORCH[spec.output_dtype] and y.shape == (*x.shape[:-1], qweight.shape[0])
-    magnitude = x.double().abs() @ summed_magnitudes(spec, qweight).T
-    assert_within_bound(spec, qweight, y, spec.exact(x, qweight, bias), magnitude)
-
-
-def summed_magnitudes(spec, qweight):
-    """|w| plus what the kernels fold out of their sums, per weight element: Σ_k |x|·this bounds the sums."""
-    summed = qweight.dequantize(torch.float64).abs()
-    scale = qweight.scale_values().double().repeat_interleave(qweight.group_size, 1)
-    if qweight.ttype.kind in ("int", "uint") and spec.activation_dtype == "bfloat16":
-        summed = summed + 136 * scale
-    if qweight.zeros is not None:  # z·s·Σx is subtracted from s·Σx·q: both sums are rounded
-        summed = summed + 2 * qweight.zeros.double().abs().repeat_interleave(qweight.group_size, 1) * scale
-    return summed
-
-
-def assert_within_bound(spec, qweight, y, reference, magnitude):
-    """|y - reference| <= c·magnitude + eps_out·|reference| (see assert_matches_reference)."""
-    c = 1e-5 if "bfloat16" in qweight.ttype.compute_types else 2.0**-8
-    bound = c * magnitude + OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
-    excess = (y.double() - reference).abs() - bound
-    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g} over the bound"
-
+from tests.helpers import MATRIX_TEMPLATES, assert_matches_reference, matmul_case, matrix_device
 
 def _run(spec, qweight, x, bias=None):
     y = spec(x, pack(qweight), bias)
@@ -76,14 +31,14 @@ WEIGHT_TYPES = ["int8", "uint8", "int4", "uint4", "int3", "uint3", "int2", "uint
 @pytest.mark.parametrize("activation, m", [("bfloat16", 1), ("bfloat16", 33), ("float16", 5), ("float32", 2)])
 def test_every_weight_type_with_every_activation_type(name, activation, m):
     block = ttype.get(name).block_size > 1
-    _run(*_case(name, 96, 256, m, activation, group=None if block else 128)[:3])
+    _run(*matmul_case(name, 96, 256, m, activation, group=None if block else 128)[:3])
 
 
 @pytest.mark.parametrize("name", ["int4", "int3"])
 @pytest.mark.parametrize("activation", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("output", ["float32", "float16", "bfloat16"])
 def test_activation_and_output_types(name, activation, output):
-    spec, q, x, b = _case(name, 48, 192, 5, activation, output, group=64, bias=True)
+    spec, q, x, b = matmul_case(name, 48, 192, 5, activation, output, group=64, bias=True)
     _run(spec, q, x, b)
 
 
@@ -91,13 +46,13 @@ def test_activation_and_output_types(name, activation, output):
 @pytest.mark.parametrize("zero_mode", ["gptq", "awq", "hqq"])
 @pytest.mark.parametrize("activation", ["bfloat16", "float32"])
 def test_zero_point_conventions(name, zero_mode, activation):
-    _run(*_case(name, 64, 256, 3, activation, group=64, zero_mode=zero_mode)[:3])
+    _run(*matmul_case(name, 64, 256, 3, activation, group=64, zero_mode=zero_mode)[:3])
 
 
 @pytest.mark.parametrize("group", [32, 64, 256, -1])
 @pytest.mark.parametrize("m", [2, 40])
 def test_group_sizes(group, m):
-    spec, q, x, b = _case("int4", 80, 512, m, group=group, bias=True)
+    spec, q, x, b = matmul_case("int4", 80, 512, m, group=group, bias=True)
     _run(spec, q, x, b)
 
 
@@ -111,7 +66,7 @@ def test_scale_storage_dtypes(name, scale_dtype):
 
 @pytest.mark.parametrize("name", ["int4", "int8", "uint4"])
 def test_int8_activations(name):
-    _run(*_case(name, 64, 256, 4, "int8", zero_mode="gptq" if name == "uint4" else None)[:3])
+    _run(*matmul_case(name, 64, 256, 4, "int8", zero_mode="gptq" if name == "uint4" else None)[:3])
 
 
 FUZZED_TYPES = [t for t in WEIGHT_TYPES if ttype.get(t).block_size == 1]
@@ -139,12 +94,12 @@ def fuzzed_cases(draw):
 def test_fuzzed_shapes_and_types(case):
     """200 random (type, zero mode, group, N, K, M, activation, output, bias) cases: one kernel build each."""
     name, n, k, m, activation, output, group, zero_mode, bias, seed = case
-    _run(*_case(name, n, k, m, activation, output, group=group, zero_mode=zero_mode, bias=bias, seed=seed))
+    _run(*matmul_case(name, n, k, m, activation, output, group=group, zero_mode=zero_mode, bias=bias, seed=seed))
 
 
 @pytest.mark.parametrize("name, m", [("int4", 1), ("nf4", 9), ("uint2", 40), ("int1", 200), ("int3", 3), ("int8", 2)])
 def test_results_are_bitwise_deterministic(name, m):
-    spec, q, x, b = _case(name, 160, 512, m, bias=True)
+    spec, q, x, b = matmul_case(name, 160, 512, m, bias=True)
     packed = pack(q)
     first = spec(x, packed, b)
     assert all(torch.equal(first, spec(x, packed, b)) for _ in range(5))
@@ -152,7 +107,7 @@ def test_results_are_bitwise_deterministic(name, m):
 
 def test_batched_strided_and_empty_inputs():
     """A contiguous [M, K] x goes to the kernel as it is; batched and strided ones are flattened first."""
-    spec, q, _, _ = _case("int4", 32, 128, 1)
+    spec, q, _, _ = matmul_case("int4", 32, 128, 1)
     x = torch.randn(2, 3, 128).bfloat16()
     _run(spec, q, x)
     _run(spec, q, torch.randn(128, 3).bfloat16().T)
@@ -165,29 +120,18 @@ def test_user_defined_types_run_in_kernels():
     int5 = ttype.register(ttype.integer("kernel_int5", 5))
     fp6 = ttype.register(ttype.floating("kernel_fp6", 3, 2))
     for t in (cb4, cb3, int5, fp6):
-        _run(*_case(t.name, 48, 128, 3, group=64)[:3])
+        _run(*matmul_case(t.name, 48, 128, 3, group=64)[:3])
 
 
-def matrix_template() -> str:
-    """The host's bf16 matrix template: "amx" where AMX is, else "dot" (AVX512-BF16); skips the test on CPUs
-    with neither."""
-    cpu = host_cpu()
-    if cpu.has_amx_bf16:
-        return "amx"
-    if "avx512_bf16" in cpu.flags:
-        return "dot"
-    pytest.skip("this CPU has neither AMX nor AVX512-BF16")
-
-
-def test_matrix_and_generic_templates_agree():
-    template = matrix_template()
-    spec, q, x, _ = _case("nf4", 64, 256, 7, "float32")
-    packed = pack(q)
-    matrix_kernel = kernel_for(spec, 64, 256, 7, packed.layout)
-    assert matrix_kernel.template == template
+@pytest.mark.parametrize("template", MATRIX_TEMPLATES)
+def test_matrix_and_generic_templates_agree(template):
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.generic import GenericConfig
 
+    spec, q, x, _ = matmul_case("nf4", 64, 256, 7, "float32")
+    packed = pack(q)
+    matrix_kernel = kernel_for(spec, 64, 256, 7, packed.layout, matrix_device(template))
+    assert matrix_kernel.template == template
     generic_kernel = build_kernel(spec, 64, 256, "generic", GenericConfig(), packed.layout, (1, 16), host_cpu())
     assert_matches_reference(spec, q, x, None, matrix_kernel(x, packed))
     assert_matches_reference(spec, q, x, None, generic_kernel(x, packed))
@@ -203,20 +147,22 @@ def _spread(candidates):
     return [c for family in families.values() for c in {family[0].config: family[0], family[-1].config: family[-1]}.values()]
 
 
+@pytest.mark.parametrize("template", MATRIX_TEMPLATES)
 @pytest.mark.parametrize("name, activation, zero_mode, group, m, bucket", [
     ("int4", "bfloat16", None, 128, 3, (1, 4)), ("nf4", "float32", None, 64, 11, (5, 16)),
     ("int8", "bfloat16", None, 128, 3, (1, 4)), ("uint8", "bfloat16", "hqq", 64, 40, (17, 128)),
     ("uint2", "float16", "gptq", 128, 40, (17, 128)), ("int1", "bfloat16", None, -1, 130, (129, 1 << 30)),
     ("uint8", "float16", "awq", 64, 7, (5, 16)), ("int8", "float32", None, -1, 40, (17, 128))])
-def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, zero_mode, group, m, bucket):
+def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, zero_mode, group, m, bucket,
+                                                              template):
     """The tuner may pick any candidate, so each family of the space (templates, decodes, small/large-M
     tiles, 8-bit nibble planes or converted 8-bit codes) must be correct, not only the one the model ranks
     first."""
     from bitkern.codegen import build_kernel
     from bitkern.tuner.space import enumerate_candidates
 
-    cpu, template = host_cpu(), matrix_template()
-    spec, q, x, b = _case(name, 96, 256, m, activation, group=group, zero_mode=zero_mode, bias=True)
+    cpu = matrix_device(template)
+    spec, q, x, b = matmul_case(name, 96, 256, m, activation, group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
     hint, candidates = enumerate_candidates(spec, 96, 256, bucket, packed.layout, cpu)
     chosen = _spread([c for c in candidates if c.template != "generic"])
@@ -243,6 +189,7 @@ def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, 
     ("int1", "bfloat16", None, 128, 2, dict(n_tiles=1, rows=2, stage_steps=2, direct=True)),  # 4 and 8 splits
     ("int8", "float16", None, 64, 9, dict(n_tiles=3, rows=4, stage_steps=2, decode="convert")),
     ("uint8", "float32", "gptq", 128, 3, dict(n_tiles=2, rows=2, stage_steps=1, decode="convert", direct=True))])
+@pytest.mark.requires_avx512_bf16
 def test_dot_template_register_blocks(name, activation, zero_mode, group, m, config):
     """The AVX512-BF16 template for register blocks of 1 to 16 rows, M not a multiple of them, N not a
     multiple of the column block, groups inside and across stages, per-chunk planes, every plane count, direct
@@ -250,9 +197,7 @@ def test_dot_template_register_blocks(name, activation, zero_mode, group, m, con
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.dot import DotConfig
 
-    if "avx512_bf16" not in host_cpu().flags:
-        pytest.skip("this CPU has no AVX512-BF16")
-    spec, q, x, b = _case(name, 88, 384, m, activation, group=group, zero_mode=zero_mode, bias=True)
+    spec, q, x, b = matmul_case(name, 88, 384, m, activation, group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
     bucket = (1, 16) if config.get("small_m", True) else (17, 1 << 30)
     kernel = build_kernel(spec, 88, 384, "dot", DotConfig(**config), packed.layout, bucket, host_cpu())
@@ -265,6 +210,7 @@ def test_dot_template_register_blocks(name, activation, zero_mode, group, m, con
     ("int2", None, 16, 3, dict(n_tiles=1, rows=4, stage_steps=2)),
     ("uint2", "hqq", -1, 20, dict(n_tiles=2, rows=4, stage_steps=2, small_m=False, m_chunk=32)),
     ("uint2", "awq", 32, 40, dict(n_tiles=2, rows=4, stage_steps=1, small_m=False, m_chunk=32, chunk_prologue=True))])
+@pytest.mark.requires_avx512_bf16
 def test_two_bit_codes_decode_three_k_pairs_per_shift(name, zero_mode, group, m, config):
     """The affine decode takes 2-bit codes where they lie (bits 0, 2 and 4 of a shifted word) and folds their
     smaller offsets back per group: each kernel computes the reference, with under half the shifts of the
@@ -272,9 +218,7 @@ def test_two_bit_codes_decode_three_k_pairs_per_shift(name, zero_mode, group, m,
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.dot import DotConfig
 
-    if "avx512_bf16" not in host_cpu().flags:
-        pytest.skip("this CPU has no AVX512-BF16")
-    spec, q, x, b = _case(name, 88, 384, m, "bfloat16", group=group, zero_mode=zero_mode, bias=True)
+    spec, q, x, b = matmul_case(name, 88, 384, m, "bfloat16", group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
     bucket = (1, 16) if config.get("small_m", True) else (17, 1 << 30)
     kernels = {decode: build_kernel(spec, 88, 384, "dot", DotConfig(**config, decode=decode), packed.layout, bucket,
@@ -302,7 +246,8 @@ def test_dot_configurations_are_validated():
 
 
 @pytest.mark.parametrize("template, config", [
-    ("dot", dict(n_tiles=2, rows=1, stage_steps=1, direct=True)), ("dot", dict(n_tiles=2, rows=4, stage_steps=2)),
+    pytest.param("dot", dict(n_tiles=2, rows=1, stage_steps=1, direct=True), marks=pytest.mark.requires_avx512_bf16),
+    pytest.param("dot", dict(n_tiles=2, rows=4, stage_steps=2), marks=pytest.mark.requires_avx512_bf16),
     ("lut", dict(n_tiles=4))])
 def test_kernels_without_software_prefetch(template, config):
     """prefetch=0 leaves the weight stream to the hardware prefetchers (the tuner times it against software
@@ -310,43 +255,55 @@ def test_kernels_without_software_prefetch(template, config):
     from bitkern.codegen import build_kernel
     from bitkern.codegen import template as template_named
 
-    if template == "dot" and "avx512_bf16" not in host_cpu().flags:
-        pytest.skip("this CPU has no AVX512-BF16")
-    spec, q, x, b = _case("int4", 88, 384, 3, "bfloat16", group=64, bias=True)
+    spec, q, x, b = matmul_case("int4", 88, 384, 3, "bfloat16", group=64, bias=True)
     packed = pack(q)
-    kernels = {prefetch: build_kernel(spec, 88, 384, template, template_named(template).config_type(**config, prefetch=prefetch),
-                                      packed.layout, (1, 4), host_cpu()) for prefetch in (0, 16)}
+    configs = {prefetch: template_named(template).config_type(**config, prefetch=prefetch) for prefetch in (0, 16)}
+    kernels = {prefetch: build_kernel(spec, 88, 384, template, configs[prefetch], packed.layout, (1, 4), host_cpu())
+               for prefetch in configs}
     assert_matches_reference(spec, q, x, b, kernels[0](x, packed, b))
     prefetches = {prefetch: kernel.module.mod.inspect_source("asm").count("prefetcht0")
                   for prefetch, kernel in kernels.items()}
     assert 0 < prefetches[0] < prefetches[16]
 
 
-@pytest.mark.parametrize("name, activation, config", [
-    ("int8", "float32", dict(n_tiles=4, decode="convert")),
-    ("uint8", "bfloat16", dict(n_tiles=2, m_tiles=2, small_m=False, m_chunk=64, decode="convert")),
-    ("int8", "bfloat16", dict(n_tiles=2, decode="affine")),
-    ("uint2", "bfloat16", dict(n_tiles=2, small_m=False, m_chunk=64, decode="affine")),
-    ("nf4", "float16", dict(n_tiles=3, small_m=False, m_chunk=32, decode="lut", chunk_prologue=True))])
-def test_amx_kernels_build_for_sapphire_rapids_on_any_host(name, activation, config):
-    """The AMX template builds where AMX is absent (the tile permission is asked on a kernel's first call):
-    its code for a Sapphire Rapids target holds the tile products, and for converted 8-bit codes the
-    int-to-float conversions; on an AMX host the kernel also computes the reference."""
+AMX_CASES = [("int8", "float32", dict(n_tiles=4, decode="convert")),
+             ("uint8", "bfloat16", dict(n_tiles=2, m_tiles=2, small_m=False, m_chunk=64, decode="convert")),
+             ("int8", "bfloat16", dict(n_tiles=2, decode="affine")),
+             ("uint2", "bfloat16", dict(n_tiles=2, small_m=False, m_chunk=64, decode="affine")),
+             ("nf4", "float16", dict(n_tiles=3, small_m=False, m_chunk=32, decode="lut", chunk_prologue=True))]
+
+
+def _amx_kernel(name, activation, config, device):
+    """(spec, weight, x, bias, the AMX kernel of `config` built for `device`)."""
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.amx import AmxConfig
 
+    spec, q, x, b = matmul_case(name, 64, 256, 3 if config.get("small_m", True) else 40, activation, group=64,
+                                bias=True)
+    bucket = (1, 16) if config.get("small_m", True) else (17, 128)
+    return spec, q, x, b, build_kernel(spec, 64, 256, "amx", AmxConfig(**config), "tile16", bucket, device)
+
+
+@pytest.mark.parametrize("name, activation, config", AMX_CASES)
+def test_amx_kernels_build_for_sapphire_rapids_on_any_host(name, activation, config):
+    """The AMX template builds where AMX is absent (the tile permission is asked on a kernel's first call):
+    its code for a Sapphire Rapids target holds the tile products, and for converted 8-bit codes the
+    int-to-float conversions."""
     cpu = host_cpu()
     spr = dataclasses.replace(cpu, llvm_cpu="sapphirerapids", has_amx_bf16=True,
                               flags=cpu.flags | {"amx_tile", "amx_bf16", "avx512_bf16"})
-    spec, q, x, b = _case(name, 64, 256, 3 if config.get("small_m", True) else 40, activation, group=64, bias=True)
-    bucket = (1, 16) if config.get("small_m", True) else (17, 128)
-    kernel = build_kernel(spec, 64, 256, "amx", AmxConfig(**config), "tile16", bucket, spr)
+    *_, kernel = _amx_kernel(name, activation, config, spr)
     assembly = kernel.module.mod.inspect_source("asm")
     assert "tdpbf16ps" in assembly and "tileloadd" in assembly
     if config["decode"] == "convert":
         assert "vcvtdq2ps" in assembly
-    if cpu.has_amx_bf16:
-        assert_matches_reference(spec, q, x, b, kernel(x, pack(q), b))
+
+
+@pytest.mark.requires_amx
+@pytest.mark.parametrize("name, activation, config", AMX_CASES)
+def test_amx_kernels_compute_the_reference(name, activation, config):
+    spec, q, x, b, kernel = _amx_kernel(name, activation, config, host_cpu())
+    assert_matches_reference(spec, q, x, b, kernel(x, pack(q), b))
 
 
 @pytest.mark.parametrize("name, activation, decode, accepted", [
@@ -355,7 +312,7 @@ def test_matrix_templates_reject_decodes_that_do_not_apply(name, activation, dec
     """The convert decode is for 8-bit codes; the affine decode of 8-bit codes for bf16 activations only."""
     from bitkern.codegen.cpu import amx, dot
 
-    spec, *_ = _case(name, 32, 128, 1, activation)
+    spec, *_ = matmul_case(name, 32, 128, 1, activation)
     for template, config in ((amx.TEMPLATE, amx.AmxConfig(decode=decode)), (dot.TEMPLATE, dot.DotConfig(decode=decode))):
         with pytest.raises(ValueError, match=rf"decode='{decode}' does not apply to {name}; accepted: "
                                              rf"{re.escape(accepted)}"):
@@ -371,7 +328,7 @@ def test_lookup_template_sums_x_over_each_group_only(name, k, group, zero_mode, 
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.lut import LutConfig
 
-    spec, q, x, b = _case(name, 40, k, 3, activation, group=group, zero_mode=zero_mode, bias=True)
+    spec, q, x, b = matmul_case(name, 40, k, 3, activation, group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
     kernel = build_kernel(spec, 40, k, "lut", LutConfig(n_tiles=2, prefetch=16), packed.layout, (1, 4), host_cpu())
     assert_matches_reference(spec, q, x, b, kernel(x, packed, b))
@@ -386,7 +343,7 @@ def test_lookup_template_serves_every_row_count(name, group, zero_mode):
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.lut import LutConfig
 
-    spec, q, _, b = _case(name, 88, 384, 1, group=group, zero_mode=zero_mode, bias=True)
+    spec, q, _, b = matmul_case(name, 88, 384, 1, group=group, zero_mode=zero_mode, bias=True)
     packed = pack(q)
     for rows in ((1, 4), (1, 1), (2, 4)):  # the bodies of a bucket's row counts only
         kernel = build_kernel(spec, 88, 384, "lut", LutConfig(n_tiles=4, prefetch=16), packed.layout, rows, host_cpu())
@@ -401,7 +358,7 @@ def test_lookup_template_rejects_row_ranges_it_cannot_serve(rows, message):
     from bitkern.codegen.cpu.emit import lut
     from bitkern.codegen.cpu.lut import LutConfig
 
-    spec, *_ = _case("int2", 32, 128, 1)
+    spec, *_ = matmul_case("int2", 32, 128, 1)
     with pytest.raises(ValueError, match=re.escape(f"rows={rows}") + ".*" + message):
         lut.build(spec, 32, 128, LutConfig(), 2, rows)
 
@@ -417,7 +374,7 @@ def test_lookup_kernels_split_into_any_number_of_chunks(threads, n):
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.lut import LutConfig
 
-    spec, q, _, b = _case("int2", n, 256, 1, group=64, bias=True)
+    spec, q, _, b = matmul_case("int2", n, 256, 1, group=64, bias=True)
     packed = pack(q)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(n)).bfloat16()
     device = dataclasses.replace(host_cpu(), cores=threads)
@@ -429,7 +386,7 @@ def test_lookup_kernels_split_into_any_number_of_chunks(threads, n):
 
 
 def test_kernels_are_built_once_per_bucket():
-    spec, q, x, _ = _case("uint4", 64, 256, 1)
+    spec, q, x, _ = matmul_case("uint4", 64, 256, 1)
     packed = pack(q)
     first = kernel_for(spec, 64, 256, 1, packed.layout)
     assert kernel_for(spec, 64, 256, 1, packed.layout) is first
@@ -460,7 +417,7 @@ def test_layout_transform_round_trips(name, n, k):
 
 
 def test_call_errors_name_the_argument():
-    spec, q, x, _ = _case("int4", 32, 128, 2)
+    spec, q, x, _ = matmul_case("int4", 32, 128, 2)
     packed = pack(q)
     with pytest.raises(TypeError, match=r"weight must be packed for the kernels with bitkern.pack"):
         spec(x, q)
@@ -487,7 +444,7 @@ def _misaligned(tensor):
 @pytest.mark.parametrize("name, activation", [("int4", "bfloat16"), ("nf4", "float32"), ("int8", "float32"),
                                               ("int1", "bfloat16")])
 def test_unaligned_tensors_are_accepted(name, activation):
-    spec, q, x, b = _case(name, 64, 256, 3, activation, bias=True)
+    spec, q, x, b = matmul_case(name, 64, 256, 3, activation, bias=True)
     packed = pack(q)
     unaligned = PackedWeight(packed.layout, packed.ttype, packed.shape, packed.group_size, packed.zero_mode,
                              _misaligned(packed.qweight), _misaligned(packed.scales))
@@ -497,7 +454,7 @@ def test_unaligned_tensors_are_accepted(name, activation):
 
 
 def test_kernel_arguments_are_made_once_and_follow_replaced_tensors():
-    spec, q, x, _ = _case("int4", 64, 256, 2, "bfloat16", output="bfloat16")
+    spec, q, x, _ = matmul_case("int4", 64, 256, 2, "bfloat16", output="bfloat16")
     packed = pack(q)
     weight = PackedWeight(packed.layout, packed.ttype, packed.shape, packed.group_size, packed.zero_mode,
                           _misaligned(packed.qweight), packed.scales)

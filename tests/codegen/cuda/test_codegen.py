@@ -8,17 +8,18 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from bitkern.codegen import build_kernel, template as template_named
 from bitkern.codegen.cuda import GemmConfig, GemvConfig
-from bitkern.codegen.cuda.compile import evaluate, find_nvcc, lower, nvcc
+from bitkern.codegen.cuda.compile import evaluate, lower, nvcc
 from bitkern.codegen.cuda.expr import decoder_for
 from bitkern.ops import Matmul
 from bitkern.tuner import cuda_device
 
-pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc is not installed")
+pytestmark = pytest.mark.requires_nvcc
 
 INTEGER = ("int4", "uint4", "int2", "uint2", "int1", "uint1", "int8", "uint8")
 
@@ -256,7 +257,7 @@ def test_saved_kernel_loads_without_tvm(tmp_path):
               f"k = load_kernel({str(tmp_path)!r}); "
               "assert not [m for m in sys.modules if m.split('.')[0] in ('tvm', 'tvm_ffi')], 'TVM was imported'; "
               "print(len(k.launches))")
-    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's bitkern
+    repository = str(Path(__file__).resolve().parents[3])  # this checkout's bitkern (tests/codegen/cuda/ is three below)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=str(tmp_path),
                             env={**os.environ, "PYTHONPATH": repository})
     assert result.returncode == 0, result.stderr

@@ -2,8 +2,8 @@
 and GEMV kernels against the float64 reference for every weight type x activation type x zero mode,
 fuzzed odd shapes, torch's current stream and CUDA graphs.
 
-Run on a GPU machine:  python -m pytest tests/test_cuda_gpu.py -q
-Memory checking:       compute-sanitizer --tool memcheck python -m pytest tests/test_cuda_gpu.py -q -k edge
+Run on a GPU machine:  python -m pytest tests/codegen/cuda/test_gpu.py -q
+Memory checking:       compute-sanitizer --tool memcheck python -m pytest tests/codegen/cuda/test_gpu.py -q -k edge
 """
 
 import dataclasses
@@ -18,20 +18,18 @@ from bitkern import ttype
 from bitkern.codegen import build_kernel
 from bitkern.codegen.cuda import GemmConfig, GemvConfig, pack
 from bitkern.codegen.cuda import gemm, gemv
-from bitkern.codegen.cuda.compile import find_nvcc, nvcc
+from bitkern.codegen.cuda.compile import nvcc
 from bitkern.codegen.cuda.launcher import module
 from bitkern.ops import Matmul
+from bitkern.ttype import torch_dtype
 from bitkern.tuner import cuda_device
+from tests.helpers import DECODERS, OUTPUT_EPS, decode_cases, device_source, expected_decode, pack_words, raw_bits
 
 TEMPLATES = {"gemm": gemm.TEMPLATE, "gemv": gemv.TEMPLATE}
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"),
-              pytest.mark.skipif(find_nvcc() is None, reason="nvcc is not installed")]
+pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_nvcc]
 
-TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
-         "float8_e4m3": torch.float8_e4m3fn}
 WEIGHT_EPS = {"float32": 2.0**-22, "float16": 2.0**-11, "bfloat16": 2.0**-8, "int8": 0.0, "float8_e4m3": 2.0**-10}
-OUTPUT_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def _arch() -> str:
@@ -73,7 +71,7 @@ def _case(name, n, k, m, activation, zero_mode="none", group=128, bias=True, out
     if activation == "int8":
         x = x.mul(20).round().clamp(-127, 127).to(torch.int8)
     else:
-        x = x.to(TORCH[activation])
+        x = x.to(torch_dtype(activation))
     b = torch.randn(n, generator=generator) if bias else None
     return spec, q, x, b
 
@@ -81,7 +79,7 @@ def _case(name, n, k, m, activation, zero_mode="none", group=128, bias=True, out
 def _check(spec, q, x, bias, y):
     """|y - ref| <= (eps_w + K·2^-21)·Σ|x||w| + eps_out·|ref|: the weight's rounding to the mma input type,
     float32 accumulation in any order, the output cast."""
-    assert y.dtype == TORCH[spec.output_dtype] and tuple(y.shape) == (x.shape[0], q.shape[0])
+    assert y.dtype == torch_dtype(spec.output_dtype) and tuple(y.shape) == (x.shape[0], q.shape[0])
     reference = spec.exact(x.cpu(), q, None if bias is None else bias.cpu())
     magnitude = x.cpu().double().abs() @ q.dequantize(torch.float64).abs().T
     bound = (WEIGHT_EPS[spec.activation_dtype] + q.shape[1] * 2.0**-21) * magnitude + \
@@ -191,16 +189,14 @@ def test_launch_follows_torch_streams_and_cuda_graphs():
 def test_device_decode_is_bit_exact():
     """The decode functions compiled for the GPU (lop3 asm, half2 / bfloat162 arithmetic) give the
     reference's bits on the same cases as the host test."""
-    from test_cuda_decode import DECODERS, _bits, _cases, _expected, _pack_words, device_source
-
     arch = _arch()
     decoders = DECODERS
     loaded = module(nvcc(device_source(decoders), arch).cubin, torch.cuda.current_device())
     stream = torch.cuda.current_stream().cuda_stream
     for d in decoders:
-        codes, scales, zeros = _cases(d)
-        words = _pack_words(codes, d.ttype.bits).cuda()
-        out = torch.empty(len(codes), d.per_word, dtype=TORCH[d.out], device="cuda")
+        codes, scales, zeros = decode_cases(d)
+        words = pack_words(codes, d.ttype.bits).cuda()
+        out = torch.empty(len(codes), d.per_word, dtype=torch_dtype(d.out), device="cuda")
         scale_arg = scales.contiguous().cuda() if d.scale is not None else None
         zero_arg = zeros.contiguous().cuda() if zeros is not None else None
         tensor_scale = 0.0117
@@ -210,11 +206,11 @@ def test_device_decode_is_bit_exact():
                      ("float32", tensor_scale)]
         loaded.launch(f"run_{d.name}", ((len(codes) + 255) // 256, 1, 1), (256, 1, 1), 0, stream, arguments)
         torch.cuda.synchronize()
-        expected = _expected(d, codes, scales, zeros, torch.tensor(tensor_scale, dtype=torch.float32))
+        expected = expected_decode(d, codes, scales, zeros, torch.tensor(tensor_scale, dtype=torch.float32))
         out = out.cpu()
         if out.dtype.is_floating_point:
             nan = torch.isnan(expected.float())
             assert torch.equal(torch.isnan(out.float()), nan), d.name
-            assert torch.equal(_bits(out)[~nan], _bits(expected)[~nan]), d.name
+            assert torch.equal(raw_bits(out)[~nan], raw_bits(expected)[~nan]), d.name
         else:
             assert torch.equal(out, expected), d.name
