@@ -84,13 +84,17 @@ def _schedule_float(sch, lanes: int, k_block: int) -> None:
     col_outer, col_inner = sch.split(cols, [None, lanes])
     red_outer, red_inner = sch.split(red, [None, k_block])
     sch.reorder(col_outer, red_outer, rows, red_inner, col_inner)
-    weight = sch.get_sblock("weight")
-    sch.transform_layout(weight, ("write", 0), lambda i, j: (j, i))  # the tile k-major: vectors over N
-    sch.compute_at(weight, red_outer, preserve_unit_loops=True)
-    if lanes > 1:  # decode the tile k-major so it vectorizes over the tile's columns
-        w_cols, w_red = sch.get_loops(weight)[-2:]
-        sch.reorder(w_red, w_cols)
-        sch.vectorize(w_cols)
+    # No weight to decode where x is zero for every k (a convolution whose every tap reads the padding: the
+    # expression's sums simplify to zero and drop it).
+    if any(sch.get(block).name_hint == "weight" for block in sch.get_producers(acc)):
+        weight = sch.get_sblock("weight")
+        sch.transform_layout(weight, ("write", 0), lambda i, j: (j, i))  # the tile k-major: vectors over N
+        sch.compute_at(weight, red_outer, preserve_unit_loops=True)
+        if lanes > 1:  # decode the tile k-major so it vectorizes over the tile's columns
+            w_cols, w_red = sch.get_loops(weight)[-2:]
+            sch.reorder(w_red, w_cols)
+            sch.vectorize(w_cols)
+    if lanes > 1:
         sch.vectorize(col_inner)
     sch.parallel(col_outer)
     sch.decompose_reduction(acc, red_outer)

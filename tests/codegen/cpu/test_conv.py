@@ -138,6 +138,19 @@ def test_planes_built_per_chunk_or_in_one_pass_agree(channels, template, fields)
     assert torch.equal(*results)
 
 
+def test_a_convolution_that_reads_only_padding_gives_the_bias():
+    """Found by the fuzz: a 1x1 kernel at stride 2 over a one-pixel image padded on the left reads only padding;
+    the expression's sums are zero, and the generic template has no weight tile to schedule."""
+    from bitkern.codegen import build_kernel
+    from bitkern.codegen.cpu.generic import GenericConfig
+
+    geometry = ConvGeometry(1, 1, 1, (1, 1), stride=(1, 2), padding=(0, 0, 1, 0))
+    spec, qweight, x, bias = _case("int4", geometry, 2, "float32", group=-1, bias=True, cout=3)
+    kernel = build_kernel(spec, 3, 1, "generic", GenericConfig(1), "tile16", (1, 16), host_cpu())
+    y = _run_kernel(spec, qweight, x, bias, kernel(x, pack(qweight), bias).reshape(2, 1, 1, 3))
+    assert torch.equal(y, bias.expand_as(y))
+
+
 def test_results_are_bitwise_deterministic():
     spec, qweight, x, _ = _case("nf4", ConvGeometry(32, 14, 14, (3, 3), stride=(2, 2), padding=(1, 1, 1, 1)), 3,
                                 group=32)
