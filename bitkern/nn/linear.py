@@ -21,28 +21,19 @@ class Linear(QuantizedModule):
     The weight is frozen: gradients flow to x and the bias.
     """
 
+    float_class = nn.Linear
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype="nf4", group_size=None,
                  zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16):
         super().__init__()
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)
         self._configure((out_features, in_features), dtype, group_size, zero_mode, scale_dtype, compute_dtype)
-        source = nn.Linear(in_features, out_features, bias=bias, device=device)
-        self._set_weight(source.weight)
-        self.register_parameter("bias", None if source.bias is None else nn.Parameter(source.bias.detach()))
+        self._take_parameters(nn.Linear(in_features, out_features, bias=bias, device=device))
 
     @classmethod
-    def from_float(cls, module: nn.Linear, dtype="nf4", group_size=None, zero_mode: str | None = None,
-                   compute_dtype=None, scale_dtype=torch.float16) -> "Linear":
-        """Quantize an nn.Linear (its weight's device and values; the bias is copied as it is)."""
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"module must be a torch.nn.Linear, got {type(module).__name__}")
-        layer = cls(module.in_features, module.out_features, module.bias is not None, dtype, group_size, zero_mode,
-                    compute_dtype, device="meta", scale_dtype=scale_dtype)
-        layer._set_weight(module.weight)
-        if module.bias is not None:
-            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
-        return layer
+    def _meta_layer(cls, module: nn.Linear, **settings) -> "Linear":
+        return cls(module.in_features, module.out_features, module.bias is not None, device="meta", **settings)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and (x.dim() < 1 or x.shape[-1] != self.in_features):
@@ -55,10 +46,7 @@ class Linear(QuantizedModule):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
         """An nn.Linear holding the dequantized weight (in `dtype`) and this layer's bias."""
         module = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta", dtype=dtype)
-        module.weight = nn.Parameter(self.dequantize_weight(dtype))
-        if self.bias is not None:
-            module.bias = nn.Parameter(self.bias.detach().to(dtype).clone(), requires_grad=self.bias.requires_grad)
-        return module
+        return self._give_parameters(module, dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -9,6 +9,7 @@ as the module's extra state and are checked on load before any tensor is copied.
 
 from __future__ import annotations
 
+import abc
 import logging
 
 import torch
@@ -74,12 +75,15 @@ def kernel_layout(weight_dtype: str, device: torch.device) -> Layout | None:
     return layout_for(ttype.get(weight_dtype), device.type) if device.type in ("cpu", "cuda") else None
 
 
-class QuantizedModule(nn.Module):
+class QuantizedModule(nn.Module, abc.ABC):
     """Base of `bitkern.Linear` and `bitkern.Conv2d`: a weight of `weight_shape` computed as a [N, K] GEMM.
 
     Attributes: weight_dtype (type name), group_size (resolved: in_features for per-channel), zero_mode,
-    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype).
+    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype); float_class: the torch
+    module a subclass quantizes (`from_float`).
     """
+
+    float_class: type
 
     def _configure(self, weight_shape: tuple, dtype, group_size, zero_mode, scale_dtype, compute_dtype) -> None:
         """Validate and record the weight settings (before any tensor is made)."""
@@ -121,6 +125,37 @@ class QuantizedModule(nn.Module):
         q = ttype.quantize(self._gemm_matrix(weight.detach()), self.weight_dtype, group_size=self.group_size,
                            zero_mode=self.zero_mode, scale_dtype=self.scale_dtype)
         self._store(pack(q))
+
+    @classmethod
+    def from_float(cls, module: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None,
+                   compute_dtype=None, scale_dtype=torch.float16) -> "QuantizedModule":
+        """Quantize a float module of `float_class` (its weight's device and values; the bias is copied as it is);
+        the settings are those of the class's constructor."""
+        if not isinstance(module, cls.float_class):
+            raise TypeError(f"module must be a torch.nn.{cls.float_class.__name__}, got {type(module).__name__}")
+        layer = cls._meta_layer(module, dtype=dtype, group_size=group_size, zero_mode=zero_mode,
+                                compute_dtype=compute_dtype, scale_dtype=scale_dtype)
+        return layer._take_parameters(module)
+
+    @classmethod
+    @abc.abstractmethod
+    def _meta_layer(cls, module: nn.Module, **settings) -> "QuantizedModule":
+        """An empty layer on the meta device with the geometry of the float `module` and these settings."""
+
+    def _take_parameters(self, module: nn.Module) -> "QuantizedModule":
+        """This layer with the float `module`'s weight quantized and its bias (or None) copied as it is."""
+        self._set_weight(module.weight)
+        bias = module.bias
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                                               requires_grad=bias.requires_grad))
+        return self
+
+    def _give_parameters(self, module: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """The float `module` (built on meta in `dtype`) holding the dequantized weight and this layer's bias."""
+        module.weight = nn.Parameter(self.dequantize_weight(dtype))
+        if self.bias is not None:
+            module.bias = nn.Parameter(self.bias.detach().to(dtype).clone(), requires_grad=self.bias.requires_grad)
+        return module
 
     def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
         """The [N, K] matrix the kernels multiply by, from a weight of `weight_shape`."""

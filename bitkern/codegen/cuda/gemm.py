@@ -27,13 +27,10 @@ from .intrin import MMA_DTYPES, decode_intrinsic, mma_intrinsics, mma_k
 from .layout import K_GRAIN, check_type, layout_group, padded_shape
 from ..sched import loops_under, read_index, vector_lanes
 from ..template import Work
-from .kernel import CudaTemplate, Resources, weight_bytes
+from .kernel import DECODES, MAX_THREADS, WARP, CudaTemplate, Resources, check_config, weight_bytes
 
 log = logging.getLogger("bitkern")
 
-DECODES = ("lop3", "tir")
-WARP = 32
-MAX_THREADS = 1024
 STATIC_SHARED_LIMIT = 48 * 1024
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")
 
@@ -56,10 +53,7 @@ class GemmConfig:
     decode: str = "lop3"
 
     def __post_init__(self):
-        for field in ("block_m", "block_n", "block_k", "warp_m", "warp_n", "stages"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field}={value!r} must be a positive int")
+        check_config(self, ("block_m", "block_n", "block_k", "warp_m", "warp_n", "stages"))
         for field in ("warp_m", "warp_n"):
             if getattr(self, field) % 16:
                 raise ValueError(f"{field}={getattr(self, field)} must be a multiple of 16 (the mma tile)")
@@ -70,8 +64,6 @@ class GemmConfig:
             raise ValueError(f"{self.warps} warps ({self.threads} threads) exceed {MAX_THREADS} threads per block")
         if self.block_k not in (32, 64, 128):
             raise ValueError(f"block_k={self.block_k} is not supported; accepted: 32, 64, 128")
-        if self.decode not in DECODES:
-            raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(DECODES)}")
 
     @property
     def warps(self) -> int:

@@ -25,11 +25,10 @@ from .intrin import decode_intrinsic
 from .layout import check_type, layout_group, padded_shape
 from ..sched import read_index, vector_lanes
 from ..template import Work
-from .kernel import CudaTemplate, Resources, weight_bytes
+from .kernel import DECODES, MAX_THREADS, WARP, CudaTemplate, Resources, check_config, weight_bytes
 
 log = logging.getLogger("bitkern")
 
-WARP = 32
 FEW_ROWS = 4  # rows up to which a GEMV competes with the GEMM (it serves any M, in blocks of `rows`)
 ACTIVATIONS = ("float16", "bfloat16", "float32", "int8")
 
@@ -46,24 +45,19 @@ class GemvConfig:
 
     rows: int = 1
     warps: int = 4
-    k_threads: int = 32
+    k_threads: int = WARP  # a warp's lanes all along K
     words: int = 4
     split_k: int = 1
     decode: str = "lop3"
 
     def __post_init__(self):
-        for field in ("rows", "warps", "k_threads", "words", "split_k"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field}={value!r} must be a positive int")
+        check_config(self, ("rows", "warps", "k_threads", "words", "split_k"))
         if self.k_threads not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"k_threads={self.k_threads} must be a power of two up to {WARP}")
         if self.words not in (1, 2, 4):
             raise ValueError(f"words={self.words} is not supported; accepted: 1, 2, 4 (4 = 128-bit loads)")
-        if self.warps * WARP > 1024:
-            raise ValueError(f"warps={self.warps} exceed 1024 threads per block")
-        if self.decode not in ("lop3", "tir"):
-            raise ValueError(f"decode={self.decode!r} is not known; accepted: ['lop3', 'tir']")
+        if self.warps * WARP > MAX_THREADS:
+            raise ValueError(f"warps={self.warps} exceed {MAX_THREADS} threads per block")
 
     @property
     def columns_per_warp(self) -> int:
@@ -87,8 +81,8 @@ class GemvTemplate(CudaTemplate):
     name = "gemv"
     title = "GEMV"
     config_type = GemvConfig
-    max_rows = FEW_ROWS
     shape_fields = ("rows", "decode")
+    max_rows = FEW_ROWS
 
     def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
         try:
@@ -125,7 +119,7 @@ class GemvTemplate(CudaTemplate):
         """1 to 4 rows per block, 2 to 8 warps, 8 to 32 threads along K, 64- or 128-bit loads, split-K 1 to 4,
         both decodes: those that build and fit the architecture."""
         candidates = [GemvConfig(*fields) for fields in itertools.product((1, 2, 4), (2, 4, 8), (8, 16, 32), (2, 4),
-                                                                          (1, 2, 4), ("lop3", "tir"))]
+                                                                          (1, 2, 4), DECODES)]
         return self.buildable(spec, n, k, candidates, device)
 
     def resources(self, spec: Matmul, k: int, config: GemvConfig) -> Resources:

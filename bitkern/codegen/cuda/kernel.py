@@ -140,6 +140,22 @@ def load_kernel(directory: str) -> CudaKernel:
                       source, [Launch.from_json(launch) for launch in description["launches"]], binary)
 
 
+WARP = 32
+MAX_THREADS = 1024  # per thread block
+DECODES = ("lop3", "tir")  # the LOP3 decode functions, or the same formula as plain TIR (any group size)
+
+
+def check_config(config, positive: tuple[str, ...]) -> None:
+    """Raise unless the `positive` fields of a CUDA template configuration are positive ints and its decode is
+    known."""
+    for name in positive:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if config.decode not in DECODES:
+        raise ValueError(f"decode={config.decode!r} is not known; accepted: {list(DECODES)}")
+
+
 @dataclass(frozen=True)
 class Resources:
     """What one thread block of a kernel uses, to check against an architecture's limits."""

@@ -11,7 +11,6 @@ Per group, y += scale · (Σ + beta·XS) folds the zero point (codes tabulate as
 from __future__ import annotations
 
 from tvm import tirx
-from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ....ops.matmul import Matmul
@@ -19,7 +18,7 @@ from ....ttype import codes_per_word, effective_group_size, get
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..lut import MAX_ROWS, NIBBLES_PER_WORD, LutConfig
 from .groups import GroupArguments, to_output
-from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch, prefetch_ahead, ramp, splat, u32
+from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch, prefetch_ahead, prim_func, ramp, splat, u32
 
 
 def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int],
@@ -60,14 +59,12 @@ class _Builder:
         self.m = tirx.Var("M", "int32")
 
     def build(self, name: str):
-        with IRBuilder() as builder:
-            with T.prim_func():
-                T.func_name(name)
-                self._arguments()
-                T.func_attr({"tirx.noalias": True})
-                T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= self.rows[1]))
-                self._main()
-        return builder.get()
+        """The kernel's PrimFunc, named `name`."""
+        return prim_func(name, self._arguments, self._body)
+
+    def _body(self) -> None:
+        T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= self.rows[1]))
+        self._main()
 
     def _arguments(self) -> None:
         spec = self.spec

@@ -23,7 +23,6 @@ import abc
 from dataclasses import dataclass
 
 from tvm import tirx
-from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 from ....ops.expr import tap_source
@@ -33,8 +32,8 @@ from ....ttype.types import INT, UINT
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..matrix import PLANES, nibbles, step_depth
 from .groups import GroupArguments, to_output
-from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, lanes, load, prefetch_ahead, ramp,
-                  splat, u32)
+from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, lanes, load, prefetch_ahead,
+                  prim_func, ramp, splat, u32)
 
 SMALL_M_ROWS = AMX_TILE_ROWS
 _MANTISSA_BITS = 7  # of bfloat16: a code u < 2^(7-at) OR-ed in at bit `at` of 2^(7-at) gives 2^(7-at) + u
@@ -159,24 +158,22 @@ class Tile16Builder(abc.ABC):
         """A scope around the function body (the AVX512-BF16 kernels import LLVM code in one)."""
 
     def build(self, name: str):
-        with IRBuilder() as builder:
-            with T.prim_func():
-                T.func_name(name)
-                self._arguments()
-                T.func_attr({"tirx.noalias": True})
-                with self.body_scope():
-                    if self.cfg.small_m:
-                        T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= SMALL_M_ROWS))
-                    rows = self.padded_rows()
-                    self.a = T.alloc_buffer((self.s.planes, rows, self.plane_pitch()), "int32")
-                    self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
-                    self.xd = None  # XD[row, group] = Σ x·shortfall over the group's k's
-                    if self.offset_shortfall is not None:
-                        self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
-                    if not self.cfg.chunk_prologue:
-                        self._prologue(rows)
-                    self._main(rows)
-        return builder.get()
+        """The kernel's PrimFunc, named `name`."""
+        return prim_func(name, self._arguments, self._body)
+
+    def _body(self) -> None:
+        with self.body_scope():
+            if self.cfg.small_m:
+                T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= SMALL_M_ROWS))
+            rows = self.padded_rows()
+            self.a = T.alloc_buffer((self.s.planes, rows, self.plane_pitch()), "int32")
+            self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
+            self.xd = None  # XD[row, group] = Σ x·shortfall over the group's k's
+            if self.offset_shortfall is not None:
+                self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
+            if not self.cfg.chunk_prologue:
+                self._prologue(rows)
+            self._main(rows)
 
     # -- arguments -------------------------------------------------------------------------------------
     def _arguments(self) -> None:

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
 LANES = 16  # 32-bit lanes of one 512-bit vector
+
+
+def prim_func(name: str, arguments, body):
+    """The PrimFunc `name` written with TVM's IR builder: `arguments()` declares its arguments (which never alias),
+    `body()` emits its statements."""
+    with IRBuilder() as builder:
+        with T.prim_func():
+            T.func_name(name)
+            arguments()
+            T.func_attr({"tirx.noalias": True})
+            body()
+    return builder.get()
 
 
 def lanes(expr) -> int:
