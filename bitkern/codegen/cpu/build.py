@@ -7,6 +7,7 @@ import time
 from ...ops.matmul import Matmul
 from . import amx, dot, generic, lut
 from .kernel import TEMPLATES, CpuKernel
+from .runtime import load_runtime
 
 # Templates written with TVM's IR builder: they read the tile16 layout and allocate their buffers at exact sizes.
 _IR_BUILDER_TEMPLATES = {"amx": amx, "dot": dot, "lut": lut}
@@ -15,6 +16,7 @@ _IR_BUILDER_TEMPLATES = {"amx": amx, "dot": dot, "lut": lut}
 def build_kernel(spec: Matmul, n: int, k: int, template: str, config, layout: str, m_range: tuple[int, int],
                  device) -> CpuKernel:
     """Generate the template's code for `config` and compile it for `device` (a tuner CpuDevice)."""
+    load_runtime()  # before TVM's compiler loads: the compiled module's parallel loops then run on torch's threads
     import tvm
 
     start = time.perf_counter()
