@@ -4,7 +4,8 @@ import os
 
 import torch
 
-# TVM sizes its thread pool once, from this variable; follow torch's intra-op thread count.
+# bitkern's kernels run their parallel loops on torch's own OpenMP threads (codegen.cpu.runtime); should they
+# fall back to TVM's thread pool, that pool is sized once, from this variable: torch's intra-op thread count.
 os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 
 from . import cache, ops, ttype  # noqa: E402  (after the thread count; importing cache attaches the dispatch to ops)

@@ -14,7 +14,7 @@ from ...ops.matmul import Matmul
 from ...ttype import Layout, effective_group_size, get, itemsize, torch_dtype
 from ..template import Template
 from .layout import PackedWeight, aligned
-from .runtime import enable_amx
+from .runtime import enable_amx, load_runtime
 
 PREFETCH_WORDS = (0, 16, 32, 64, 128)  # software prefetch depths the tuner may pick; 0: the hardware prefetchers
 FEW_ROWS = 4  # rows up to which the few-row kernels compete (the lookup template, direct AVX512-BF16 blocks)
@@ -103,6 +103,7 @@ def compile_function(func, device, exact_buffers: bool):
     itself; TVM's pass is slow on the unrolled templates.  Compacting the IR-builder templates' exact buffers is a
     no-op that took ~40% of a large-M AVX512-BF16 kernel's compile (measured: 0.74 -> 0.50 s, the same results
     bitwise)."""
+    load_runtime()  # before TVM's compiler loads: the compiled module's parallel loops then run on torch's threads
     import tvm
 
     skipped = ["s_tir.CompactBufferAllocation"] if exact_buffers else []
