@@ -12,7 +12,6 @@ Run: BITKERN_CACHE_DIR=$(mktemp -d) python tools/fingerprints.py > fingerprints.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
