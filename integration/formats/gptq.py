@@ -54,15 +54,15 @@ def convert(tensors: dict, prefix: str, settings: dict) -> ImportedLinear:
         raise FormatError(f"tensor {prefix + 'qweight'!r} has {words} rows; {bits}-bit streams come in blocks of "
                           f"{stream_length(block_codes(bits), bits)} words")
     k = words * 32 // bits
-    groups = scales.shape[0]
+    group_size = settings["group_size"] if settings["group_size"] != -1 else k
+    if k % group_size:
+        raise FormatError(f"tensor {prefix + 'qweight'!r} holds {k} inputs, which groups of "
+                          f"group_size={group_size} do not divide")
+    groups = k // group_size
     expect_shape(prefix + "scales", scales, (groups, n))
     if n % block_codes(bits):
         raise FormatError(f"tensor {prefix + 'scales'!r}: {n} outputs do not fill whole words of {bits}-bit zeros")
     expect_shape(prefix + "qzeros", qzeros, (groups, stream_length(n, bits)))
-    group_size = settings["group_size"] if settings["group_size"] != -1 else k
-    if groups * group_size != k:
-        raise FormatError(f"tensor {prefix}scales has {groups} groups; {k} inputs in groups of {group_size} "
-                          f"make {k // group_size if k % group_size == 0 else 'no whole number of'}")
     g_idx = _group_index(tensors, prefix, k, group_size)
     codes = unpack_stream(qweight, bits, 0).T  # [N, K]
     zeros = unpack_stream(qzeros if checkpoint_format == "gptq_v2" or bits == 3
