@@ -24,12 +24,14 @@ def export_gptq(layer: Linear, checkpoint_format: str = "gptq") -> dict:
     return gptq.export(ImportedLinear(layer.quantized_weight().to("cpu"), layer.input_order, bias), checkpoint_format)
 
 
-def save_gptq(model: torch.nn.Module, path, checkpoint_format: str = "gptq") -> None:
+def save_gptq(model: torch.nn.Module, path, checkpoint_format: str | None = None) -> None:
     """Write a transformers model whose quantized layers are bitkern.Linear as a GPTQ checkpoint directory.
 
     Every bitkern.Linear must share one bit width and group size (GPTQ's config holds one of each) and have an
     exact GPTQ form (see `gptq.export`); float tensors are written as they are.  checkpoint_format: "gptq"
-    (v1, zeros stored minus one, what most loaders read) or "gptq_v2".  Nothing is written if a layer fails.
+    (v1, zeros stored minus one, what most loaders read) or "gptq_v2"; None picks v1 for symmetric models and
+    v2 for asymmetric ones (gptqmodel refuses asymmetric v1 checkpoints that it did not write itself, since a
+    zero of 0 stored minus one reads differently in different tools).  Nothing is written if a layer fails.
     """
     layers = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
     if not layers:
@@ -40,6 +42,8 @@ def save_gptq(model: torch.nn.Module, path, checkpoint_format: str = "gptq") -> 
     if len(bits) != 1 or len(group_sizes) != 1:
         raise FormatError(f"GPTQ checkpoints hold one bit width and one group size; the model's layers have bits "
                           f"{sorted(bits)} and group sizes {sorted(group_sizes)}")
+    symmetric = all(_symmetric(module) for module in layers.values())
+    checkpoint_format = checkpoint_format or ("gptq" if symmetric else "gptq_v2")
     tensors = {}
     for name, module in layers.items():
         for key, value in export_gptq(module, checkpoint_format).items():
@@ -47,7 +51,6 @@ def save_gptq(model: torch.nn.Module, path, checkpoint_format: str = "gptq") -> 
     for key, value in model.state_dict().items():
         if key.rpartition(".")[0] not in layers:
             tensors[key] = value.contiguous()
-    symmetric = all(_symmetric(module) for module in layers.values())
     quantization_config = {"quant_method": "gptq", "bits": bits.pop(), "group_size": group_sizes.pop(),
                            "sym": symmetric, "desc_act": any(m.input_order is not None for m in layers.values()),
                            "checkpoint_format": checkpoint_format, "pack_dtype": "int32"}
