@@ -33,10 +33,10 @@ class Linear(QuantizedModule):
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)
         self._configure((out_features, in_features), dtype, group_size, zero_mode, scale_dtype, compute_dtype)
+        self.register_buffer("input_order", None)
         source = nn.Linear(in_features, out_features, bias=bias, device=device)
         self._set_weight(source.weight)
         self.register_parameter("bias", None if source.bias is None else nn.Parameter(source.bias.detach()))
-        self.register_buffer("input_order", None)
 
     @classmethod
     def from_float(cls, module: nn.Linear, dtype="nf4", group_size=None, zero_mode: str | None = None,
