@@ -11,7 +11,6 @@ tests/fixtures/formats/bnb_4bit_tables.safetensors (the value of every 4-bit cod
 
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -60,11 +59,7 @@ def save_code_tables() -> None:
 
 def main(names):
     save_code_tables()
-    with tempfile.TemporaryDirectory() as work:
-        base = os.path.join(work, "base")
-        tiny_llama.build(base)
-        for name in names or FIXTURES:
-            make(name, base, work)
+    tiny_llama.make_all(make, names, FIXTURES)
 
 
 if __name__ == "__main__":

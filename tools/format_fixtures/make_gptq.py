@@ -10,7 +10,6 @@ reference.safetensors).
 
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -47,11 +46,7 @@ def make(name: str, base: str, work: str) -> None:
 
 
 def main(names):
-    with tempfile.TemporaryDirectory() as work:
-        base = os.path.join(work, "base")
-        tiny_llama.build(base)
-        for name in names or FIXTURES:
-            make(name, base, work)
+    tiny_llama.make_all(make, names, FIXTURES)
 
 
 if __name__ == "__main__":

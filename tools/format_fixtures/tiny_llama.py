@@ -40,6 +40,18 @@ def build(path: str, dtype=torch.float16, seed: int = 0):
     return model
 
 
+def make_all(make, names, fixtures) -> None:
+    """Call make(name, base directory, work directory) for each of `names` (all `fixtures` if none) on one
+    freshly built base model."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as work:
+        base = os.path.join(work, "base")
+        build(base)
+        for name in names or fixtures:
+            make(name, base, work)
+
+
 def calibration(samples: int = 8, length: int = 32, seed: int = 1) -> list[dict]:
     """Random token sequences for calibrating quantizers."""
     generator = torch.Generator().manual_seed(seed)
