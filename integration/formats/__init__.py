@@ -7,11 +7,12 @@ permutation of act-order layers, the bias); `ImportedLinear.to_module()` makes t
 
 Entry points: `convert_module(tensors, prefix, quantization_config)` (one module),
 `convert_state_dict(state_dict, quantization_config)` (a whole checkpoint: modules and the float rest),
+`quantized_modules(keys, quantization_config)` (which modules a checkpoint holds quantized),
 `import_checkpoint(path)` (a checkpoint directory), `save_gptq(model, path)` / `export_gptq(layer)` (GPTQ out).
 """
 
 from .checkpoint import read_config, read_tensors
-from .convert import FORMATS, convert_module, convert_state_dict
+from .convert import FORMATS, convert_module, convert_state_dict, quantized_modules
 from .export import export_gptq, save_gptq
 from .imported import FormatError, ImportedLinear
 
@@ -27,4 +28,4 @@ def import_checkpoint(path) -> tuple[dict, dict, dict]:
 
 
 __all__ = ["FORMATS", "FormatError", "ImportedLinear", "convert_module", "convert_state_dict", "export_gptq",
-           "import_checkpoint", "read_config", "read_tensors", "save_gptq"]
+           "import_checkpoint", "quantized_modules", "read_config", "read_tensors", "save_gptq"]

@@ -43,6 +43,13 @@ def convert_state_dict(state_dict: dict, quantization_config) -> tuple[dict, dic
     return modules, rest
 
 
+def quantized_modules(keys, quantization_config) -> list[str]:
+    """Names of the modules that a checkpoint with tensor names `keys` holds quantized (what a loader replaces
+    by bitkern.Linear before the tensors are converted)."""
+    form, _ = quantization_settings(quantization_config)
+    return [prefix[:-1] for prefix in module_prefixes(form, keys)]
+
+
 def module_prefixes(form, keys) -> list[str]:
     """Prefixes ("model.layers.0.self_attn.q_proj.") of the modules with tensors of format `form` among `keys`."""
     return sorted({key[: -len(name)] for key in keys for name in form.TENSORS if key.endswith("." + name)})

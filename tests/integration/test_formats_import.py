@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 import bitkern
 from bitkern import ttype
-from bitkern.integration.formats import FormatError, convert_module, convert_state_dict, import_checkpoint
+from bitkern.integration.formats import (FormatError, convert_module, convert_state_dict, import_checkpoint,
+                                        quantized_modules)
 from bitkern.integration.formats.bitstream import block_codes, pack_stream, unpack_stream
 
 from formats_fixtures import DIRECTORY, NAMES, path, quantization_config, reference
@@ -27,7 +28,7 @@ def _bits(tensor):
 def test_dequantized_weights_equal_the_tools_own_bit_for_bit(name):
     _, modules, _ = import_checkpoint(path(name))
     expected = reference(name)
-    assert sorted(modules) == sorted(expected)
+    assert sorted(modules) == sorted(expected) == quantized_modules(_tensors(name), quantization_config(name))
     for module, imported in modules.items():
         tool = expected[module]
         assert torch.equal(_bits(imported.dequantize(tool.dtype)), _bits(tool)), module
