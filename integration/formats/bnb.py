@@ -24,6 +24,8 @@ from .imported import FormatError, ImportedLinear, bias, expect_shape, setting, 
 
 QUANT_METHOD = "bitsandbytes"
 TYPES = {"nf4": "nf4", "fp4": "bnb_fp4"}
+# bnb_4bit_quant_storage: the packed bytes may be stored as any of these (a view of the same bytes)
+STORAGE_DTYPES = (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int32)
 STATE = "weight.quant_state.bitsandbytes__"
 TENSORS = ("weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map",
            *(STATE + quant_type for quant_type in TYPES))
@@ -91,15 +93,15 @@ def convert(tensors: dict, prefix: str, settings: dict) -> ImportedLinear:
     if (n * k) % 2 or (k % blocksize and blocksize % k) or (n * k) % blocksize:
         raise FormatError(f"tensor {state_name!r}: blocks of {blocksize} elements over a [{n}, {k}] weight do not "
                           f"fall on whole rows or within rows; bitkern holds groups along rows only")
-    packed = tensor(tensors, prefix + "weight", (torch.uint8,), 2)
-    expect_shape(prefix + "weight", packed, (n * k // 2, 1))
+    packed = tensor(tensors, prefix + "weight", STORAGE_DTYPES, 2)
+    expect_shape(prefix + "weight", packed, (n * k // 2 // packed.element_size(), 1))
     bitkern_type = ttype.get(TYPES[quant_type])
     quant_map = tensor(tensors, prefix + "weight.quant_map", (torch.float32,), 1)
     if quant_map.shape != (16,) or not torch.equal(quant_map.view(torch.int32), bitkern_type.values.view(torch.int32)):
         raise FormatError(f"tensor {prefix + 'weight.quant_map'!r} is not bitsandbytes' {quant_type} table "
                           f"(bitkern type {bitkern_type.name}); custom 4-bit tables are not supported")
     absmax = _absmax(tensors, prefix, state, state_name, n * k // blocksize)
-    flat = packed.reshape(-1)
+    flat = packed.contiguous().view(torch.uint8).reshape(-1)  # bnb_4bit_quant_storage: the same bytes
     codes = torch.stack((flat >> 4, flat & 15), 1).reshape(n, k)
     if k % blocksize == 0:
         group_size, scales = blocksize, absmax.reshape(n, k // blocksize)

@@ -100,6 +100,15 @@ def test_bit_streams_round_trip(bits, blocks, columns, seed):
     assert torch.equal(unpack_stream(pack_stream(codes.T, bits, 1), bits, 1), codes.T)
 
 
+def test_bitsandbytes_weights_stored_in_another_quant_storage_dtype_import_the_same():
+    """bnb_4bit_quant_storage (e.g. bfloat16 for FSDP) stores the same packed bytes under another dtype."""
+    tensors = _tensors("bnb_nf4")
+    weight = tensors[MODULE + "weight"]
+    stored = dict(tensors, **{MODULE + "weight": weight.reshape(-1, 2).view(torch.bfloat16)})
+    expected = convert_module(tensors, MODULE, quantization_config("bnb_nf4")).dequantize()
+    assert torch.equal(convert_module(stored, MODULE, quantization_config("bnb_nf4")).dequantize(), expected)
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 
 MODULE = "model.layers.0.mlp.down_proj."
