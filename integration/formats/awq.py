@@ -12,7 +12,7 @@ import torch
 
 from bitkern.ttype import QuantizedWeight, pack
 
-from .imported import FormatError, ImportedLinear, bias, expect_shape, setting, tensor
+from .imported import FormatError, ImportedLinear, bias, expect_shape, group_size_setting, setting, tensor
 
 QUANT_METHOD = "awq"
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -25,10 +25,7 @@ def read_config(config: dict) -> dict:
     setting(config, "bits", (BITS,), config.get("w_bit"))
     setting(config, "version", ("gemm", "GEMM"), "gemm")
     setting(config, "zero_point", (True,), True)
-    group_size = config.get("group_size", config.get("q_group_size"))
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size < 1 and group_size != -1):
-        raise FormatError(f"quantization_config group_size={group_size!r} must be a positive int or -1")
-    return {"group_size": group_size}
+    return {"group_size": group_size_setting(config.get("group_size", config.get("q_group_size")))}
 
 
 def unpack_columns(words: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from bitkern.ttype import QuantizedWeight, pack
 
 from .bitstream import add_to_fields, block_codes, pack_stream, stream_length, unpack_stream
-from .imported import FormatError, ImportedLinear, bias, expect_shape, setting, tensor
+from .imported import FormatError, ImportedLinear, bias, expect_shape, group_size_setting, setting, tensor
 
 QUANT_METHOD = "gptq"
 BITS = (2, 3, 4, 8)
@@ -33,9 +33,7 @@ SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def read_config(config: dict) -> dict:
     """The settings of a GPTQ quantization_config that the tensors need: bits, group_size, checkpoint_format."""
     bits = setting(config, "bits", BITS)
-    group_size = config.get("group_size", -1)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size < 1 and group_size != -1):
-        raise FormatError(f"quantization_config group_size={group_size!r} must be a positive int or -1")
+    group_size = group_size_setting(config.get("group_size", -1))
     checkpoint_format = config.get("checkpoint_format", config.get("format", "gptq"))
     setting({"checkpoint_format": checkpoint_format}, "checkpoint_format", CHECKPOINT_FORMATS)
     setting(config, "pack_dtype", ("int32",), "int32")

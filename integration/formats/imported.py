@@ -70,3 +70,10 @@ def setting(config: dict, key: str, accepted, default=None):
     if value not in accepted:
         raise FormatError(f"quantization_config {key}={value!r} is not supported; accepted: {list(accepted)}")
     return value
+
+
+def group_size_setting(group_size) -> int:
+    """A quantization_config's group size: a positive int, or -1 for one group per row."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size < 1 and group_size != -1):
+        raise FormatError(f"quantization_config group_size={group_size!r} must be a positive int or -1")
+    return group_size
