@@ -81,7 +81,7 @@ class Linear(QuantizedModule):
                              f"so x must be [..., {self.in_features}]")
         x, output_dtype = self._compute_input(x)
         if self.input_order is not None:
-            x = _gather_columns(x, self.input_order)
+            x = x.index_select(-1, self.input_order)
         weight = self._weight_args()
         return torch.ops.bitkern.linear(x, *weight[:4], self.bias, *weight[4:], output_dtype)
 
@@ -115,12 +115,6 @@ class Linear(QuantizedModule):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self._weight_repr()}" + (", input_order=permuted" if self.input_order is not None else ""))
-
-
-def _gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """x[..., order]: torch.gather over the rows (2-5x faster than index_select on the last axis on CPU)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return torch.gather(rows, 1, order.expand(rows.shape[0], -1)).reshape(x.shape)
 
 
 def check_input_order(order, in_features: int, argument: str = "input_order") -> torch.Tensor:
