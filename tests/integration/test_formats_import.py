@@ -109,6 +109,22 @@ def test_bitsandbytes_weights_stored_in_another_quant_storage_dtype_import_the_s
     assert torch.equal(convert_module(stored, MODULE, quantization_config("bnb_nf4")).dequantize(), expected)
 
 
+def test_bitsandbytes_blocks_spanning_whole_rows_give_each_row_its_blocks_scale():
+    """bitsandbytes blocks run over the row-major weight: the fixture's [64, 128] layer read as [256, 32] has
+    blocks of 64 covering two rows each, and dequantizes to the tool's weight in that shape."""
+    import json
+
+    tensors = _tensors("bnb_nf4")
+    state = MODULE + "weight.quant_state.bitsandbytes__nf4"
+    settings = json.loads(bytes(tensors[state].tolist()))
+    assert settings["shape"] == [64, 128] and settings["blocksize"] == 64
+    tensors[state] = torch.tensor(list(json.dumps({**settings, "shape": [256, 32]}).encode()), dtype=torch.uint8)
+    imported = convert_module(tensors, MODULE, quantization_config("bnb_nf4"))
+    assert imported.weight.group_size == 32
+    tool = reference("bnb_nf4")[MODULE[:-1]]
+    assert torch.equal(_bits(imported.dequantize(tool.dtype)), _bits(tool.reshape(256, 32)))
+
+
 # -- bad input ---------------------------------------------------------------------------------------------
 
 MODULE = "model.layers.0.mlp.down_proj."
