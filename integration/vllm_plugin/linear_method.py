@@ -39,8 +39,7 @@ class BitkernLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        check_partition(self.settings, getattr(layer, "prefix", type(layer).__name__), input_size_per_partition,
-                        input_size)
+        check_partition(self.settings, layer.prefix, input_size_per_partition, input_size)
         weight = ModelWeightParameter(
             data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype, device="meta"),
             input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.pop("weight_loader"))

@@ -51,7 +51,7 @@ class Settings:
                                            ("compute_dtype", FLOAT_DTYPES, True)):
             if name in fields:
                 fields[name] = check_float_dtype(name, fields[name], accepted, allow_none)
-        skip = fields.get("modules_to_not_convert", ())
+        skip = fields.get("modules_to_not_convert") or ()
         if isinstance(skip, str) or not all(isinstance(name, str) for name in skip):
             raise TypeError(f"modules_to_not_convert must be a list of module names, got {skip!r}")
         fields["modules_to_not_convert"] = tuple(skip)
