@@ -36,5 +36,9 @@ setup(
     # run on TVM's own thread pool with a logged warning.
     ext_modules=[Extension("bitkern.codegen.cpu._parallel_launch", ["bitkern/codegen/cpu/parallel_launch.c"],
                            py_limited_api=True, libraries=["dl"], extra_compile_args=["-O2"], optional=True)],
-    entry_points={"console_scripts": ["bitkern=bitkern.__main__:main"]},
+    entry_points={
+        "console_scripts": ["bitkern=bitkern.__main__:main"],
+        # vLLM calls register() in each of its processes: adds the quantization method "bitkern"
+        "vllm.general_plugins": ["bitkern=bitkern.integration.vllm_plugin:register"],
+    },
 )
