@@ -16,5 +16,14 @@ from .nn import Conv2d, Linear, dequantize_model, load, quantize_model, save  # 
 
 __version__ = "0.1.0"
 
-__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load", "nn",
+
+def load_pretrained(path, **from_pretrained_kwargs):
+    """A GPTQ / AWQ / bitsandbytes-4bit checkpoint directory (or one written by `bitkern.save`) as a transformers
+    model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
+    from .integration.formats.pretrained import load_pretrained as load
+
+    return load(path, **from_pretrained_kwargs)
+
+
+__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load", "load_pretrained", "nn",
            "ops", "pack", "quantize", "quantize_model", "save", "ttype"]

@@ -15,6 +15,13 @@ NF4_VALUES = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
 
+# bitsandbytes' "fp4" (its own 4-bit float, not OCP e2m1: the smallest magnitude is 1/192, not 1/12), as its
+# kernels decode it, normalised to a largest magnitude of 1 like nf4; both zeros are +0.
+BNB_FP4_VALUES = (
+    0.0, 1 / 192, 2 / 3, 1.0, 1 / 3, 0.5, 1 / 6, 0.25,
+    0.0, -1 / 192, -2 / 3, -1.0, -1 / 3, -0.5, -1 / 6, -0.25,
+)
+
 
 def _builtins() -> list[TType]:
     e4m3 = floating("float8_e4m3", 4, 3, specials="fn", description="OCP FP8 E4M3 (finite, NaN only)")
@@ -34,6 +41,7 @@ def _builtins() -> list[TType]:
         integer("int1", 1, description="binary weights: code 0 is -1, code 1 is +1"),
         integer("uint1", 1, signed=False),
         codebook("nf4", NF4_VALUES, description="QLoRA NormalFloat4"),
+        codebook("bnb_fp4", BNB_FP4_VALUES, description="bitsandbytes' 4-bit float (not OCP e2m1)"),
         e2m1,
         block_scaled("mxfp8", e4m3, 32, "float8_e8m0", description="OCP MXFP8: e4m3 elements, e8m0 scale per 32"),
         block_scaled("mxfp4", e2m1, 32, "float8_e8m0", description="OCP MXFP4: e2m1 elements, e8m0 scale per 32"),

@@ -285,3 +285,51 @@ def test_inputs_are_not_converted_silently():
         layer(torch.randn(2, IN, dtype=torch.float64))
     with pytest.raises(TypeError, match="module must be a torch.nn.Linear, got Conv2d"):
         bitkern.Linear.from_float(nn.Conv2d(3, 4, 3))
+
+
+@pytest.mark.parametrize("dtype, zero_mode, scale_dtype", [("uint4", "gptq", torch.float16),
+                                                          ("nf4", "none", torch.float32),
+                                                          ("uint3", "awq", torch.float16)])
+def test_from_quantized_holds_the_weight_as_it_is(dtype, zero_mode, scale_dtype):
+    weight = bitkern.quantize(torch.randn(OUT, IN), dtype, group_size=64, zero_mode=zero_mode, scale_dtype=scale_dtype)
+    bias = torch.randn(OUT)
+    layer = bitkern.Linear.from_quantized(weight, bias)
+    assert (layer.weight_dtype, layer.zero_mode, layer.scale_dtype) == (dtype, zero_mode, scale_dtype)
+    assert torch.equal(layer.dequantize_weight(), weight.dequantize())
+    back = layer.quantized_weight()
+    assert all(torch.equal(getattr(back, f), getattr(weight, f)) for f in ("qweight", "scales", "zeros") if
+               getattr(weight, f) is not None)
+    x = torch.randn(3, IN)
+    tolerance = 1e-5 if "bfloat16" in ttype.get(dtype).compute_types else 2**-8
+    assert_matches(layer(x), F.linear(x.double(), weight.dequantize(torch.float64), bias.double()).float(), tolerance)
+
+
+def test_a_layer_with_permuted_inputs_gathers_x_and_dequantizes_in_the_original_order(tmp_path):
+    """input_order (GPTQ act-order): y = x[..., order] · dequant(W)ᵀ; dequantize_weight undoes the order, so the
+    float module computes the same; torch.compile traces the gather; the order travels with the state and with
+    bitkern.save / load."""
+    torch.manual_seed(0)
+    weight = bitkern.quantize(torch.randn(OUT, IN), "uint4", group_size=64)
+    order = torch.randperm(IN)
+    layer = bitkern.Linear.from_quantized(weight, input_order=order)
+    plain = bitkern.Linear.from_quantized(weight)
+    x = torch.randn(2, 3, IN)
+    assert torch.equal(layer(x), plain(x[..., order]))
+    assert torch.equal(layer.dequantize_weight()[:, order], plain.dequantize_weight())
+    assert_matches(layer(x), F.linear(x.double(), layer.dequantize_weight(torch.float64)).float(), 1e-5)
+    assert "input_order=permuted" in repr(layer)
+    assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
+    model = nn.Sequential(layer)
+    bitkern.save(model, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        fresh = nn.Sequential(nn.Linear(IN, OUT, bias=False))
+    bitkern.load(fresh, tmp_path / "model.safetensors")
+    assert torch.equal(fresh[0].input_order, order) and torch.equal(fresh[0](x), layer(x))
+
+
+@pytest.mark.parametrize("order, error", [(torch.arange(IN - 1), ValueError), (torch.zeros(IN, dtype=torch.long), ValueError),
+                                          (torch.arange(IN).float(), TypeError)])
+def test_input_orders_that_are_not_permutations_are_refused(order, error):
+    weight = bitkern.quantize(torch.randn(OUT, IN), "uint4", group_size=64)
+    with pytest.raises(error, match="input_order"):
+        bitkern.Linear.from_quantized(weight, input_order=order)
