@@ -16,20 +16,21 @@ from ..ttype import torch_dtype
 from .lookup import kernel_for
 
 
-def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = spec(x, weight, bias) by the compiled kernel (see `bitkern.ops.Matmul.__call__`)."""
+def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y = spec(x, weight, bias, residual) by the compiled kernel (see `bitkern.ops.Matmul.__call__`)."""
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                         f"got {type(weight).__name__}")
-    quick = spec.fits(x, weight, bias)
+    quick = spec.fits(x, weight, bias, residual)
     if not quick:
-        spec.check_inputs(x, weight, bias)
+        spec.check_inputs(x, weight, bias, residual)
     n, k = weight.shape
     kernel_spec, rows, shape = spec.gemm_input(x, n, k, gathered=x.is_cpu)
     if rows.shape[0] == 0:
         return torch.empty(shape, dtype=torch_dtype(spec.output_dtype), device=x.device)
     kernel = kernel_for(kernel_spec, n, k, kernel_spec.rows(rows), weight.layout, None if quick else device_of(x))
-    y = kernel(rows, weight, bias)
+    y = kernel(rows, weight, bias, None if residual is None else residual.reshape(rows.shape[0], -1))
     return y if y.shape == shape else y.reshape(shape)
 
 

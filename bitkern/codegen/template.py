@@ -47,7 +47,8 @@ class Template(abc.ABC):
 
     name: its key in the registry, the cache and tuning records; title: its name in messages; target: "cpu"
     or "cuda"; layouts: the weight layouts it reads; config_type: its configuration (a frozen dataclass,
-    stored in the cache by its fields); max_rows: the largest M it is a candidate for; shape_fields: the
+    stored in the cache by its fields); max_rows: the largest M it is a candidate for; epilogues, residual_add: the
+    Matmul epilogues its output stage emits (`unsupported_epilogue`); shape_fields: the
     configuration fields that make two candidates differ in more than the cost model can rank (the tuner
     times such candidates first).
     """
@@ -59,6 +60,16 @@ class Template(abc.ABC):
     config_type: type
     max_rows: int = ANY_ROWS
     shape_fields: tuple[str, ...] = ()
+    epilogues: tuple[str, ...] = ("none",)  # the Matmul epilogues its output stage emits
+    residual_add: bool = False  # it adds a residual tensor in its output stage
+
+    def unsupported_epilogue(self, spec) -> str | None:
+        """Why the template's output stage cannot emit the spec's epilogue and residual add, or None."""
+        if spec.epilogue not in self.epilogues:
+            return f"epilogue={spec.epilogue!r} (its output stage emits {list(self.epilogues)})"
+        if spec.residual and not self.residual_add:
+            return "a residual add in its output stage"
+        return None
 
     @abc.abstractmethod
     def unsupported(self, spec, n: int, k: int, device) -> str | None:

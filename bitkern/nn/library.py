@@ -1,6 +1,8 @@
 """bitkern's kernels as torch custom ops (torch.library), so torch.compile traces them without graph breaks.
 
-`torch.ops.bitkern.linear` runs y = x · dequant(W)ᵀ + b through `bitkern.ops.Matmul`, and
+`torch.ops.bitkern.linear` runs y = x · dequant(W)ᵀ + b through `bitkern.ops.Matmul`,
+`torch.ops.bitkern.linear_epilogue` the same with an epilogue in the kernel's output stage (activation, SwiGLU
+gating, residual add: what `bitkern.fusion` fuses), and
 `torch.ops.bitkern.conv2d` the implicit-GEMM convolution of a channels-last image through
 `bitkern.ops.Conv2d`; their fake implementations give the output's shape and dtype, and their autograd
 formulas send gradients to x and the bias only (the quantized weight is frozen).
@@ -23,6 +25,7 @@ from torch import Tensor
 from ..codegen import PackedWeight, packed_class
 from ..ops import Conv2d, ConvGeometry, Matmul
 from ..ops.conv import conv_weight, out_size
+from ..ops.matmul import epilogue_reference
 from ..ttype import StoredWeight, WeightFormat, get, torch_dtype
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,7 +63,7 @@ def _float_view(bits: Optional[Tensor], dtype: str | None) -> Optional[Tensor]:
 
 @functools.lru_cache(maxsize=None)
 def _spec(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool,
-          geometry: ConvGeometry | None = None) -> Matmul:
+          geometry: ConvGeometry | None = None, epilogue: str = "none", residual: bool = False) -> Matmul:
     """The Matmul spec of a call (a Conv2d spec when a convolution `geometry` is given)."""
     described = WeightFormat.decode(weight_format)
     block = get(described.dtype).block_size > 1
@@ -68,7 +71,7 @@ def _spec(weight_format: str, activation: torch.dtype, output: torch.dtype, bias
                   scale_dtype="float16" if block else described.scale_dtype)
     if geometry is not None:
         return Conv2d(described.dtype, activation, geometry=geometry, **fields)
-    return Matmul(described.dtype, activation, **fields)
+    return Matmul(described.dtype, activation, epilogue=epilogue, residual=residual, **fields)
 
 
 def _weight(weight: list, weight_format: str) -> PackedWeight:
@@ -86,6 +89,22 @@ def linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: 
 @linear.register_fake
 def _linear_fake(x, weight, weight_format, bias, output_dtype):
     out_features = WeightFormat.decode(weight_format).shape[0]
+    return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
+
+
+@torch.library.custom_op("bitkern::linear_epilogue", mutates_args=())
+def linear_epilogue(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
+                    output_dtype: torch.dtype, epilogue: str, residual: Optional[Tensor]) -> Tensor:
+    """y = f(x · dequant(W)ᵀ (+ bias)) (+ residual) in one kernel: f a `bitkern.ops.Matmul` epilogue ("relu",
+    "silu", "gelu", or "swiglu" over a stacked gate/up weight, giving half its rows as columns); the residual
+    is shaped like y, in `output_dtype`."""
+    spec = _spec(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None)
+    return spec(x, _weight(weight, weight_format), bias, residual)
+
+
+@linear_epilogue.register_fake
+def _linear_epilogue_fake(x, weight, weight_format, bias, output_dtype, epilogue, residual):
+    out_features = WeightFormat.decode(weight_format).shape[0] // (2 if epilogue == "swiglu" else 1)
     return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
 
 
@@ -152,6 +171,31 @@ def _linear_backward(ctx, grad):
 
 
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _linear_epilogue_setup(ctx, inputs, output) -> None:
+    x, weight, weight_format, bias, output_dtype, epilogue, residual = inputs
+    _save_weight(ctx, x, weight, weight_format, bias)
+    ctx.x, ctx.bias, ctx.epilogue, ctx.output_dtype = x, bias, epilogue, output_dtype
+
+
+def _linear_epilogue_backward(ctx, grad):
+    """Through f: z = x·Wᵀ + b is recomputed by the plain kernel and f differentiated by torch
+    (`ops.matmul.epilogue_reference`), then dx = dz · dequant(W), dbias = Σ dz; the residual gets dy."""
+    x_needs, _, _, bias_needs, _, _, residual_needs = ctx.needs_input_grad
+    grad_z = None
+    if x_needs or bias_needs:
+        weight = list(ctx.saved_tensors)
+        z = torch.ops.bitkern.linear(ctx.x.detach(), weight, ctx.weight_format, ctx.bias, torch.float32)
+        with torch.enable_grad():
+            z = z.detach().requires_grad_(True)
+            (grad_z,) = torch.autograd.grad(epilogue_reference(ctx.epilogue, z), z, grad.float())
+    grad_x = (grad_z @ _dequantized(ctx)).to(ctx.x_dtype) if x_needs else None
+    grad_residual = grad.to(ctx.output_dtype) if residual_needs else None
+    return grad_x, None, None, _bias_grad(ctx, grad_z, bias_needs), None, None, grad_residual
+
+
+linear_epilogue.register_autograd(_linear_epilogue_backward, setup_context=_linear_epilogue_setup)
 
 
 def _conv2d_setup(ctx, inputs, output) -> None:

@@ -92,6 +92,9 @@ class Conv2d(Matmul):
         if not isinstance(self.geometry, ConvGeometry):
             raise TypeError(f"geometry must be a ConvGeometry, got {type(self.geometry).__name__}")
         super().__post_init__()
+        if self.epilogue != "none" or self.residual:
+            raise ValueError(f"epilogue={self.epilogue!r}, residual={self.residual}: a convolution has no epilogue "
+                             f"but its bias; accepted: epilogue='none', residual=False")
         object.__setattr__(self, "_hash", hash((self._hash, self.geometry)))
 
     def __hash__(self) -> int:
@@ -118,7 +121,7 @@ class Conv2d(Matmul):
         g = self.geometry
         return max(1, m // g.pixels), g.height, g.width, g.in_channels
 
-    def fits(self, x, weight, bias) -> bool:
+    def fits(self, x, weight, bias, residual=None) -> bool:
         return False  # the image's geometry is checked in full on every call
 
     def gemm_input(self, x: torch.Tensor, n: int, k: int, gathered: bool = True) -> tuple:
@@ -129,17 +132,18 @@ class Conv2d(Matmul):
             return self.matmul, im2col(x.contiguous(), self.geometry), shape
         return self, x.contiguous(), shape
 
-    def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> None:
+    def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, residual=None) -> None:
         g = self.geometry
         if isinstance(x, torch.Tensor) and (x.dim() != 4 or tuple(x.shape[1:]) != (g.height, g.width, g.in_channels)):
             raise ValueError(f"x has shape {tuple(x.shape)}; this convolution takes channels-last input "
                              f"[batch, {g.height}, {g.width}, {g.in_channels}]")
-        super().check_inputs(x.new_empty((0, g.reduction)) if isinstance(x, torch.Tensor) else x, weight, bias)
+        super().check_inputs(x.new_empty((0, g.reduction)) if isinstance(x, torch.Tensor) else x, weight, bias,
+                             residual)
         self.check_shape(*weight.shape)
 
-    def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, residual=None) -> torch.Tensor:
         """The result in float64 by torch's own convolution of the dequantized weight (NHWC)."""
-        self.check_inputs(x, weight, bias)
+        self.check_inputs(x, weight, bias, residual)
         g = self.geometry
         kernel = conv_weight(weight.to_portable().dequantize(torch.float64), g.kernel, g.in_channels)
         y = F.conv2d(_padded_nchw(x.double(), g), kernel, None if bias is None else bias.double(), g.stride, 0,

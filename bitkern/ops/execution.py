@@ -5,13 +5,13 @@ kernel; until then, calling a spec says what is missing."""
 from __future__ import annotations
 
 
-def run(spec, x, weight, bias=None):
-    """Run `spec(x, weight, bias)`: replaced by the attached dispatch."""
+def run(spec, x, weight, bias=None, residual=None):
+    """Run `spec(x, weight, bias, residual)`: replaced by the attached dispatch."""
     raise RuntimeError("no kernel dispatch is attached to bitkern.ops: import bitkern.cache (import bitkern does) "
                        "to run operators on their compiled kernels")
 
 
 def attach(runner) -> None:
-    """Make `runner(spec, x, weight, bias)` what calling a spec does."""
+    """Make `runner(spec, x, weight, bias, residual)` what calling a spec does."""
     global run
     run = runner

@@ -1,7 +1,9 @@
 """The Matmul as a ttype-annotated tensor expression (TVM TE).
 
     W[n, k] = (decode_ttype(code[n, k]) - zero[n, g]) · scale[n, g]        (float32, g = k // group)
-    Y[m, n] = cast_out( Σ_k acc(X[m, k]) · acc(W[n, k]) + bias[n] )
+    Y[m, n] = cast_out( f(Σ_k acc(X[m, k]) · acc(W[n, k]) + bias[n]) (+ residual[m, n]) )
+
+f is the spec's epilogue (`apply_epilogue`; SwiGLU pairs the gate and up rows of a stacked W).
 
 The decode is the weight type's own TVM builder (`TType.tvm_decode`).  X is the [M, K] input, or for a
 `Conv2d` spec the implicit-GEMM gather from the NHWC image (zero outside it, see `bitkern.ops.conv`).
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ttype import effective_group_size, get, packed_length, tvm_dtype, tvm_unpack
-from .matmul import Matmul
+from .matmul import SWIGLU_BLOCK, Matmul
 
 
 
@@ -71,6 +73,8 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
     storage = storage or PortableStorage(spec, n, k)
     group = effective_group_size(spec.group_size, k)
     groups = k // group
+    from tvm import tirx
+
     m, x, x_at = activation(spec, k)
     inputs = [x, storage.qweight, storage.scales] + ([storage.zeros] if storage.zeros is not None else [])
     tensor_scale = te.placeholder((1,), "float32", name="tensor_scale") if ttype.tensor_scale else None
@@ -109,8 +113,57 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
         accumulated = te.compute((m, n), lambda r, i: te.sum(x_at(r, reduce_all).astype(acc) * weight[i, reduce_all],
                                                              axis=reduce_all), name="acc")
     out_dtype = tvm_dtype(spec.output_dtype)
-    output = te.compute((m, n), lambda r, i: _epilogue(accumulated[r, i], bias, i, out_dtype), name="y")
+    residual = te.placeholder((m, spec.out_features(n)), out_dtype, name="residual") if spec.residual else None
+    inputs += [residual] if residual is not None else []
+
+    def z(r, i):  # x·Wᵀ + b in float32
+        value = accumulated[r, i].astype("float32")
+        return value + bias[i] if bias is not None else value
+
+    def y(r, j):
+        if spec.epilogue == "swiglu":
+            gate = tirx.floordiv(j, SWIGLU_BLOCK) * 2 * SWIGLU_BLOCK + tirx.floormod(j, SWIGLU_BLOCK)
+            value = apply_epilogue("silu", z(r, gate)) * z(r, gate + SWIGLU_BLOCK)
+        else:
+            value = apply_epilogue(spec.epilogue, z(r, j))
+        value = value + residual[r, j].astype("float32") if residual is not None else value
+        return value.astype(out_dtype)
+
+    output = te.compute((m, spec.out_features(n)), y, name="y")
     return MatmulExpr(m, inputs, output)
+
+
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def apply_epilogue(epilogue: str, value):
+    """f(value) of an elementwise epilogue ("none", "relu", "silu", "gelu") on a float32 TIR expression, scalar
+    or vector: the one definition the templates' output stages emit (SwiGLU is silu of the gate times the up)."""
+    from tvm import tirx
+
+    count = value.ty.dtype.lanes
+
+    def const(number: float):
+        scalar = tirx.const(number, "float32")
+        return scalar if count == 1 else tirx.Broadcast(scalar, count)
+
+    if epilogue == "none":
+        return value
+    if epilogue == "relu":
+        return tirx.max(value, const(0.0))
+    if epilogue == "silu":
+        return value / (const(1.0) + tirx.exp(const(0.0) - value))
+    if epilogue == "gelu":  # 0.5·v·(1 + erf(v/√2)), erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7): LLVM
+        # has no vector erf, and the polynomial needs one exp
+        u = tirx.abs(value) * const(0.5 ** 0.5)
+        t = const(1.0) / (const(1.0) + const(_ERF_P) * u)
+        poly = const(0.0)
+        for coefficient in reversed(_ERF_A):
+            poly = (poly + const(coefficient)) * t
+        erf = const(1.0) - poly * tirx.exp(const(0.0) - u * u)
+        return const(0.5) * value + const(0.5) * tirx.abs(value) * erf
+    raise ValueError(f"epilogue={epilogue!r} is not elementwise; accepted: 'none', 'relu', 'silu', 'gelu'")
 
 
 def activation(spec: Matmul, k: int):
@@ -145,10 +198,3 @@ def tap_source(g, row, tap):
     iw = tirx.floormod(pixel, g.out_size[1]) * g.stride[1] - g.padding[2] + \
         tirx.floormod(tap, g.kernel[1]) * g.dilation[1]
     return (tirx.floordiv(row, g.pixels), ih, iw), tirx.all(ih >= 0, ih < g.height, iw >= 0, iw < g.width)
-
-
-def _epilogue(value, bias, i, out_dtype):
-    value = value.astype("float32")
-    if bias is not None:
-        value = value + bias[i]
-    return value.astype(out_dtype)

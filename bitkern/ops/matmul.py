@@ -1,4 +1,5 @@
-"""The mixed-precision matmul as a typed operator: y[M, N] = x[M, K] · dequant(W)[N, K]ᵀ (+ bias).
+"""The mixed-precision matmul as a typed operator: y[M, N] = x[M, K] · dequant(W)[N, K]ᵀ (+ bias), optionally
+followed by an epilogue (an activation, the SwiGLU gating of a stacked weight, a residual add).
 
 `Matmul` is a hashable spec (the cache key's operator part); `Matmul.reference` is the pure-torch
 result every kernel is tested against.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..ttype import QuantizedWeight, StoredWeight, dtype_name, effective_group_size, get, torch_dtype
 from . import execution
@@ -19,8 +21,11 @@ ACCUMULATE_DTYPES = ("float32", "float16", "int32")
 OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 OPERAND_LAYOUTS = ("nt",)  # the spec's `layout`: x [M, K] row-major times weight [N, K] transposed (nn.Linear's)
+# f applied to each z = x·Wᵀ + b in the kernel's output stage; "swiglu" reads a stacked weight (`swiglu_rows`)
+EPILOGUES = ("none", "relu", "silu", "gelu", "swiglu")
+SWIGLU_BLOCK = 16  # rows of gate, then of up, alternating in a SwiGLU weight (one 16-column tile of each)
 _SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
-                "bias", "layout", "scale_dtype")
+                "bias", "layout", "scale_dtype", "epilogue", "residual")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,10 @@ class Matmul:
     activation_dtype: type of x; accumulate_dtype: type of the running sums (int32 for int8
     activations × integer weights); output_dtype: type of y (default: the activation type, float32
     for int8 activations); group_size / zero_mode: how W was quantized (see `bitkern.quantize`).
+    epilogue: f in y = f(x·Wᵀ + b) (+ r): "none", "relu", "silu", "gelu" (erf), or "swiglu": W is the [2N, K]
+    stack of a gate and an up projection whose rows alternate SWIGLU_BLOCK by SWIGLU_BLOCK (`swiglu_rows`;
+    the bias likewise) and y[:, j] = silu(gate_j) · up_j has N columns.  residual: a tensor r shaped like y
+    (in the output type) is added last.
     """
 
     weight_dtype: str
@@ -41,6 +50,8 @@ class Matmul:
     bias: bool = False
     layout: str = "nt"
     scale_dtype: str = "float16"
+    epilogue: str = "none"
+    residual: bool = False
     geometry = None  # how x's rows are gathered: None for a [M, K] matrix (see `bitkern.ops.Conv2d`)
 
     def __hash__(self) -> int:  # specs key every kernel lookup: hashed once, in __post_init__
@@ -59,6 +70,9 @@ class Matmul:
         _choice("layout", self.layout, OPERAND_LAYOUTS)
         object.__setattr__(self, "scale_dtype", _choice("scale_dtype", dtype_name(self.scale_dtype), SCALE_DTYPES))
         check_zero_mode(weight, self.zero_mode)
+        _choice("epilogue", self.epilogue, EPILOGUES)
+        if not isinstance(self.residual, bool):
+            raise TypeError(f"residual={self.residual!r} must be a bool")
         if weight.block_size > 1 and self.group_size != weight.block_size:
             raise ValueError(f"group_size={self.group_size}: type {weight.name!r} has a fixed block; "
                              f"accepted: {weight.block_size}")
@@ -83,6 +97,13 @@ class Matmul:
         if k % group:
             raise ValueError(f"group_size={self.group_size} does not divide in_features={k}; accepted: a divisor "
                              f"of {k}, or -1 for per-channel")
+        if self.epilogue == "swiglu" and n % (2 * SWIGLU_BLOCK):
+            raise ValueError(f"epilogue='swiglu' needs a stacked weight of a multiple of {2 * SWIGLU_BLOCK} rows "
+                             f"(gate and up of a multiple of {SWIGLU_BLOCK} each), got {n}")
+
+    def out_features(self, n: int) -> int:
+        """Columns of y for a weight of n rows (half of them for SwiGLU: gate and up make one output)."""
+        return n // 2 if self.epilogue == "swiglu" else n
 
     def rows(self, x: torch.Tensor) -> int:
         """M: the rows of y that a kernel computes for the (already checked, flattened) input x."""
@@ -92,13 +113,14 @@ class Matmul:
         """The shape of an input of about m rows, for timing a kernel."""
         return m, k
 
-    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """y = x · Wᵀ (+ bias) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed weight.  The call
-        goes to the dispatch layer (`bitkern.cache.dispatch`), which checks the inputs with `fits` /
-        `check_inputs` and runs the kernel on `gemm_input`."""
-        return execution.run(self, x, weight, bias)
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """y = f(x · Wᵀ (+ bias)) (+ residual) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed
+        weight.  The call goes to the dispatch layer (`bitkern.cache.dispatch`), which checks the inputs with
+        `fits` / `check_inputs` and runs the kernel on `gemm_input`."""
+        return execution.run(self, x, weight, bias, residual)
 
-    def fits(self, x, weight, bias) -> bool:
+    def fits(self, x, weight, bias, residual=None) -> bool:
         """A quick test (a few comparisons) that implies `check_inputs` passes for CPU tensors; False sends the
         call through `check_inputs`, which names what is wrong.  Right after a kernel has streamed its weights
         through the caches, the full checks cost ~20 µs per call (measured at 4096x4096, M=1)."""
@@ -111,7 +133,11 @@ class Matmul:
                 and type(x) is torch.Tensor and x.dtype is activation and x.dim() >= 1 and x.shape[-1] == k
                 and x.is_cpu and weight.qweight.is_cpu
                 and (bias is None if not self.bias else
-                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu))
+                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu)
+                and (residual is None if not self.residual else
+                     type(residual) is torch.Tensor and residual.shape[:-1] == x.shape[:-1]
+                     and residual.shape[-1] == self.out_features(n) and residual.is_contiguous()
+                     and residual.dtype is torch_dtype(self.output_dtype) and residual.is_cpu))
 
     def gemm_input(self, x: torch.Tensor, n: int, k: int, gathered: bool = True) -> tuple:
         """(the spec whose kernel runs, its contiguous [M, K] rows, the shape of y) for a checked x (`gathered`:
@@ -119,9 +145,10 @@ class Matmul:
         the kernel as it is: right after a kernel has streamed its weights through the caches, each torch op of
         a call costs microseconds (measured: reshape + contiguous + reshape add ~15-25 µs to a 4096x4096 GEMV)."""
         rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-        return self, rows, (*x.shape[:-1], n)
+        return self, rows, (*x.shape[:-1], self.out_features(n))
 
-    def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> None:
+    def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> None:
         """Raise naming the argument if x, weight (quantized or packed) or bias do not fit this spec."""
         if not isinstance(weight, StoredWeight):
             raise TypeError(f"weight must be a bitkern QuantizedWeight, got {type(weight).__name__}")
@@ -151,16 +178,32 @@ class Matmul:
                 raise ValueError(f"bias must be a tensor of shape ({n},), got {got}")
             if bias.device != weight.device:
                 raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+        self.check_shape(n, k)
+        if self.residual != (residual is not None):
+            raise ValueError(f"residual {'is required' if self.residual else 'must be None'}: the spec has "
+                             f"residual={self.residual}")
+        if residual is not None:
+            shape = (*x.shape[:-1], self.out_features(n))
+            if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != shape:
+                got = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+                raise ValueError(f"residual must be a tensor of shape {shape}, got {got}")
+            if residual.dtype != torch_dtype(self.output_dtype) or residual.device != weight.device:
+                raise ValueError(f"residual must be a {self.output_dtype} tensor on {weight.device}, got "
+                                 f"{residual.dtype} on {residual.device}")
 
-    def reference(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
         """The reference result: `exact` cast to the output type."""
-        return self.exact(x, weight, bias).to(torch_dtype(self.output_dtype))
+        return self.exact(x, weight, bias, residual).to(torch_dtype(self.output_dtype))
 
-    def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The result in float64 before output rounding (dequantized weight, float64 sums)."""
-        self.check_inputs(x, weight, bias)
+    def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The result in float64 before output rounding (dequantized weight, float64 sums, torch's activations)."""
+        self.check_inputs(x, weight, bias, residual)
         y = x.double() @ weight.to_portable().dequantize(torch.float64).T
-        return y + bias.double() if bias is not None else y
+        y = y + bias.double() if bias is not None else y
+        y = epilogue_reference(self.epilogue, y)
+        return y + residual.double() if residual is not None else y
 
     @classmethod
     def for_weight(cls, weight: QuantizedWeight, activation_dtype="float16", bias: bool = False, **options) -> "Matmul":
@@ -168,6 +211,24 @@ class Matmul:
         scale_dtype = dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         return cls(weight.ttype.name, activation_dtype, group_size=weight.group_size, zero_mode=weight.zero_mode,
                    bias=bias, scale_dtype=scale_dtype, **options)
+
+
+def swiglu_rows(n: int) -> torch.Tensor:
+    """The row order that stacks a gate and an up weight of n rows each ([gate; up], 2n rows) for
+    epilogue="swiglu": SWIGLU_BLOCK gate rows, then the same SWIGLU_BLOCK up rows, and so on."""
+    if n % SWIGLU_BLOCK:
+        raise ValueError(f"SwiGLU gate and up projections need a multiple of {SWIGLU_BLOCK} rows, got {n}")
+    blocks = torch.arange(n).reshape(-1, SWIGLU_BLOCK)
+    return torch.stack((blocks, blocks + n), dim=1).reshape(-1)
+
+
+def epilogue_reference(epilogue: str, z: torch.Tensor) -> torch.Tensor:
+    """f(z) of an epilogue in torch (z: the [..., N] sums with bias; SwiGLU's in `swiglu_rows` order)."""
+    if epilogue == "swiglu":
+        pairs = z.reshape(*z.shape[:-1], -1, 2, SWIGLU_BLOCK)
+        return (F.silu(pairs[..., 0, :]) * pairs[..., 1, :]).reshape(*z.shape[:-1], -1)
+    functions = {"none": lambda v: v, "relu": F.relu, "silu": F.silu, "gelu": F.gelu}
+    return functions[epilogue](z)
 
 
 def _choice(argument: str, value, accepted: tuple):

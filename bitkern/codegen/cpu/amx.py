@@ -82,7 +82,7 @@ class AmxTemplate(MatrixTemplate):
                         found += [AmxConfig(n_tiles, small, config.m_chunk, stage, prefetch, decode, chunk_prologue,
                                             m_tiles=m_tiles)
                                   for prefetch, chunk_prologue in itertools.product(PREFETCH_WORDS, prologues)]
-        return found
+        return self.for_epilogue(spec, found)
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: AmxConfig, device) -> Work:
         """Per call: B tiles decoded (once per row chunk; those the AMX load would wait for count as stalled),

@@ -106,7 +106,7 @@ class DotTemplate(MatrixTemplate):
                             if bucket[1] <= FEW_ROWS and direct_body <= BODY:
                                 found.append(DotConfig(n_tiles, True, SMALL_M, stage, prefetch, decode,
                                                        rows=rows, direct=True))
-        return found
+        return self.for_epilogue(spec, found)
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: DotConfig, device) -> Work:
         """Per call: the micro-kernel's vdpbf16ps and activation broadcasts per k pair (a block issues its

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...ops.expr import matmul_expr
-from ...ops.matmul import Matmul
+from ...ops.matmul import EPILOGUES, Matmul
 from ...ttype import Layout
 from ..sched import vector_lanes
 from ..template import Work
@@ -34,6 +34,8 @@ class GenericTemplate(CpuTemplate):
     config_type = GenericConfig
     layouts = (Layout.TILE16, Layout.ROWMAJOR)
     exact_buffers = False  # TVM's buffer compaction shrinks the tensor expression's buffers
+    epilogues = EPILOGUES  # the expression's output stage (`ops.expr.matmul_expr`)
+    residual_add = True
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> None:
         return None
@@ -55,7 +57,7 @@ class GenericTemplate(CpuTemplate):
 
     def program(self, spec: Matmul, n: int, k: int, config: GenericConfig, layout, bucket, device):
         """The scheduled PrimFunc for weights in `layout`; arguments: x, qweight, scales, [zeros], [tensor_scale],
-        [bias], y (no constants)."""
+        [bias], [residual], y (no constants)."""
         from tvm import s_tir, te
 
         self.check_config(config)

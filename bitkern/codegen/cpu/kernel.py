@@ -44,16 +44,20 @@ class CpuKernel:
     build_seconds: float | None = None  # code generation and compilation, where this process compiled it
     amx_tiles: bool = False
 
-    def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """y[M, N] for a contiguous x (x[M, K], or a convolution's NHWC image: M = its output pixels) with M
-        in m_range (inputs already validated by the caller).  AMX kernels ask for the tile permission here, on
-        their first call, so that they can be built for a CPU that is not this one."""
+        in m_range (inputs already validated by the caller; residual: [M, N] in the output type, for specs with
+        one).  AMX kernels ask for the tile permission here, on their first call, so that they can be built for
+        a CPU that is not this one."""
         if self.amx_tiles:
             enable_amx()
-        y = torch.empty(self.spec.rows(x), self.n, dtype=torch_dtype(self.spec.output_dtype), device=x.device)
+        y = torch.empty(self.spec.rows(x), self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype),
+                        device=x.device)
         bias_argument = () if bias is None else \
             (aligned(bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()),)
-        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *bias_argument, y)
+        residual_argument = () if residual is None else (aligned(residual.contiguous()),)
+        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *bias_argument, *residual_argument, y)
         return y
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.matmul import Matmul
+from ...ops.matmul import EPILOGUES, Matmul
 from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
 from .kernel import CpuTemplate, check_prefetch
@@ -91,6 +91,14 @@ class MatrixTemplate(CpuTemplate):
     an `emit.tile16.Tile16Builder`; both take the table of the lut decode after the weight's tensors."""
 
     shape_fields = ("n_tiles", "m_tiles", "rows", "prefetch", "decode", "chunk_prologue")
+    epilogues = EPILOGUES  # the tile16 builder's output stage (`Tile16Builder._store_output`)
+    residual_add = True
+
+    @staticmethod
+    def for_epilogue(spec: Matmul, configs: list) -> list:
+        """The configurations whose tasks can apply the spec's epilogue: SwiGLU needs whole (gate, up) tile pairs
+        per task, i.e. an even n_tiles."""
+        return [c for c in configs if c.n_tiles % 2 == 0] if spec.epilogue == "swiglu" else configs
 
     def unsupported_spec(self, spec: Matmul, k: int) -> str | None:
         """Why neither matrix template can run `spec` with reduction length k, or None if they can."""
@@ -119,7 +127,8 @@ class MatrixTemplate(CpuTemplate):
     def program(self, spec: Matmul, n: int, k: int, config, layout, bucket, device):
         """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M
         (at most 16 with small_m).  Arguments, in order: x [M, K], qweight, scales, zeros (zero modes),
-        tensor_scale (nvfp4), lut (lut decode), bias [N] float32 (bias specs), y [M, N]."""
+        tensor_scale (nvfp4), lut (lut decode), bias [N] float32 (bias specs), residual (residual specs), y [M,
+        out_features]."""
         self.check_config(config)
         reason = self.unsupported_spec(spec, k)
         if reason:
@@ -127,5 +136,8 @@ class MatrixTemplate(CpuTemplate):
         if config.decode not in decode_strategies(spec):
             raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
                              f"accepted: {list(decode_strategies(spec))}")
+        if not self.for_epilogue(spec, [config]):
+            raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
+                             f"in pairs)")
         func = self.builder()(spec, n, k, config).build("main")
         return func, [lut_words(spec)] if config.decode == "lut" else []

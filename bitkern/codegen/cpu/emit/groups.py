@@ -77,3 +77,10 @@ def to_output(value, output_dtype: str):
     if output_dtype == "bfloat16":
         return tirx.reinterpret(f"bfloat16{suffix}", tirx.Cast(f"uint16{suffix}", bf16_bits(value)))
     return tirx.Cast(f"{output_dtype}{suffix}", value)
+
+
+def from_output(value, output_dtype: str):
+    """Loaded `output_dtype` lanes (or a scalar) as float32 (a residual read beside the output)."""
+    if output_dtype == "bfloat16":
+        return bf16_to_float(value)
+    return tirx.Cast(f"float32x{lanes(value)}" if lanes(value) > 1 else "float32", value)

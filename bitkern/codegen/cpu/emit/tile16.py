@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from ....ops.expr import tap_source
+from ....ops.expr import apply_epilogue, tap_source
 from ....ops.matmul import Matmul
 from ....ttype import effective_group_size, get
 from ....ttype.types import INT, UINT
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..matrix import PLANES, nibbles, step_depth
-from .groups import GroupArguments, to_output
+from .groups import GroupArguments, from_output, to_output
 from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, lanes, load, prefetch_ahead,
                   prim_func, ramp, splat, u32)
 
@@ -186,7 +186,9 @@ class Tile16Builder(abc.ABC):
         self.group_args = GroupArguments.declare(spec, per_tile)
         self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
         self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
-        self.y = T.arg("y", T.Buffer((self.m, s.n), spec.output_dtype))
+        out_n = spec.out_features(s.n)
+        self.residual = T.arg("residual", T.Buffer((self.m, out_n), spec.output_dtype)) if spec.residual else None
+        self.y = T.arg("y", T.Buffer((self.m, out_n), spec.output_dtype))
 
     # -- prologue: activation planes and group sums -------------------------------------------------
     def _prologue(self, rows) -> None:
@@ -426,14 +428,19 @@ class Tile16Builder(abc.ABC):
         return value
 
     def _store_output(self, yacc, tiles, owned, row0, chunk_rows) -> None:
+        """y = f(C + bias) (+ residual) for the task's rows and tiles (SwiGLU: each even tile is a gate tile, the
+        next its up tile, `swiglu_rows`; they make one 16-column tile of y)."""
         s = self.s
         rows_here = self.m if self.cfg.small_m else tirx.max(tirx.min(chunk_rows, self.m - row0), 0)
+        step = 2 if self.spec.epilogue == "swiglu" else 1
         with T.serial(0, rows_here) as r:
-            for c, tile_index in enumerate(tiles):
-                column = tile_index * LANES
+            for c in range(0, len(tiles), step):
+                column = tiles[c] * LANES
                 with T.If(owned[c]):
                     with T.Then():
-                        if s.n % LANES == 0:
+                        if step == 2:
+                            self._store_swiglu(yacc, r, c, row0, column)
+                        elif s.n % LANES == 0:
                             self._store_vector(yacc, r, c, row0, column)
                         else:
                             with T.If(column + LANES <= s.n):
@@ -441,17 +448,27 @@ class Tile16Builder(abc.ABC):
                                     self._store_vector(yacc, r, c, row0, column)
                                 with T.Else():
                                     with T.serial(0, s.n % LANES) as lane:
-                                        value = load(yacc, r, c, lane)
-                                        if self.bias is not None:
-                                            value = value + load(self.bias, column + lane)
-                                        T.buffer_store(self.y, to_output(value, self.spec.output_dtype),
-                                                       [row0 + r, column + lane])
+                                        self._store(load(yacc, r, c, lane), row0 + r, column + lane)
 
     def _store_vector(self, yacc, r, c, row0, column) -> None:
-        value = load(yacc, r, c, ramp(0))
-        if self.bias is not None:
-            value = value + load(self.bias, ramp(column))
-        T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row0 + r, ramp(column)])
+        self._store(load(yacc, r, c, ramp(0)), row0 + r, ramp(column))
+
+    def _store_swiglu(self, yacc, r, c, row0, column) -> None:
+        """One 16-column tile of silu(gate) · up from the gate tile c and the up tile c + 1 (column: the gate's)."""
+        gate, up = (self._biased(load(yacc, r, c + i, ramp(0)), ramp(column + i * LANES)) for i in (0, 1))
+        self._write(apply_epilogue("silu", gate) * up, row0 + r, ramp(tirx.floordiv(column, 2)))
+
+    def _store(self, value, row, columns) -> None:
+        """y[row, columns] = f(value + bias) (+ residual): the output stage of an elementwise epilogue."""
+        self._write(apply_epilogue(self.spec.epilogue, self._biased(value, columns)), row, columns)
+
+    def _biased(self, value, columns):
+        return value + load(self.bias, columns) if self.bias is not None else value
+
+    def _write(self, value, row, columns) -> None:
+        if self.residual is not None:
+            value = value + from_output(load(self.residual, row, columns), self.spec.output_dtype)
+        T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row, columns])
 
 
 def _by_parity(values: list):

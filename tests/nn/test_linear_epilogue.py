@@ -1,0 +1,107 @@
+"""torch.ops.bitkern.linear_epilogue (the kernels' fused output stage: activation, SwiGLU gating, residual add)
+against the float64 reference of the unfused computation, within the kernels' error bound carried through the
+epilogue; gradients to x, bias and residual; torch.compile fullgraph."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bitkern
+from bitkern.nn.library import op_arguments
+from bitkern.ops import Matmul
+from bitkern.ops.matmul import SWIGLU_BLOCK, swiglu_rows
+from tests.helpers import OUTPUT_EPS, summed_magnitudes
+
+N, K = 64, 256
+# |f'| bounds: how far an error in z = x·Wᵀ + b can move f(z)
+LIPSCHITZ = {"none": 1.0, "relu": 1.0, "silu": 1.1, "gelu": 1.13}
+
+
+def _case(dtype: str, epilogue: str, m: int, residual: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    qweight = bitkern.quantize(torch.randn(N, K, generator=generator), dtype, group_size=128)
+    x = torch.randn(m, K, generator=generator).bfloat16()
+    bias = torch.randn(N, generator=generator)
+    spec = Matmul.for_weight(qweight, "bfloat16", bias=True, output_dtype="float32", epilogue=epilogue,
+                             residual=residual)
+    r = torch.randn(m, spec.out_features(N), generator=generator) if residual else None
+    return spec, qweight, x, bias, r
+
+
+def _z_bound(spec, qweight, x, z):
+    """The bound of the plain kernel's error in z (see tests.helpers.assert_within_bound)."""
+    c = 1e-5 if "bfloat16" in qweight.ttype.compute_types else 2.0**-8
+    return c * (x.double().abs() @ summed_magnitudes(spec, qweight).T) + 1e-6 * z.abs() + 1e-6
+
+
+def _assert_within_epilogue_bound(spec, qweight, x, bias, r, y):
+    z = Matmul.for_weight(qweight, "bfloat16", bias=True, output_dtype="float32").exact(x, qweight, bias)
+    bound_z = _z_bound(spec, qweight, x, z)
+    reference = spec.exact(x, qweight, bias, r)
+    if spec.epilogue == "swiglu":
+        pairs, bounds = (t.reshape(x.shape[0], -1, 2, SWIGLU_BLOCK) for t in (z, bound_z))
+        gate, up, gate_bound, up_bound = pairs[..., 0, :], pairs[..., 1, :], bounds[..., 0, :], bounds[..., 1, :]
+        bound = (1.1 * gate_bound * (up.abs() + up_bound) + F.silu(gate).abs() * up_bound).reshape(x.shape[0], -1)
+    else:
+        bound = LIPSCHITZ[spec.epilogue] * bound_z + (2e-7 * z.abs() if spec.epilogue == "gelu" else 0)
+    bound = bound + (OUTPUT_EPS[spec.output_dtype] + 1e-6) * reference.abs()
+    assert y.shape == reference.shape and y.dtype == torch.float32
+    excess = (y.double() - reference).abs() - bound
+    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g} over the bound"
+
+
+@pytest.mark.parametrize("dtype", ["int4", "nf4", "int8"])
+@pytest.mark.parametrize("epilogue,residual", [("silu", False), ("gelu", False), ("relu", True), ("none", True),
+                                               ("swiglu", False)])
+def test_fused_matches_unfused_reference(dtype, epilogue, residual):
+    for m in (1, 16, 128):
+        spec, qweight, x, bias, r = _case(dtype, epilogue, m, residual, seed=m)
+        weight, weight_format = op_arguments(bitkern.pack(qweight))
+        y = torch.ops.bitkern.linear_epilogue(x, weight, weight_format, bias, torch.float32, epilogue, r)
+        _assert_within_epilogue_bound(spec, qweight, x, bias, r, y)
+
+
+def test_swiglu_rows_interleave_gate_and_up():
+    order = swiglu_rows(32)
+    assert order[:16].tolist() == list(range(16)) and order[16:32].tolist() == list(range(32, 48))
+    assert sorted(order.tolist()) == list(range(64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        swiglu_rows(24)
+
+
+@pytest.mark.parametrize("epilogue", ["silu", "swiglu"])
+def test_gradients_flow_to_x_bias_and_residual(epilogue):
+    spec, qweight, x, bias, r = _case("int4", epilogue, 3, residual=True)
+    weight, weight_format = op_arguments(bitkern.pack(qweight))
+    x, bias, r = (t.clone().requires_grad_(True) for t in (x, bias, r))
+    y = torch.ops.bitkern.linear_epilogue(x, weight, weight_format, bias, torch.float32, epilogue, r)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    w = qweight.dequantize(torch.float32)
+    xr, br, rr = (t.detach().float().requires_grad_(True) for t in (x, bias, r))
+    from bitkern.ops.matmul import epilogue_reference
+    (epilogue_reference(epilogue, xr @ w.T + br) + rr).backward(grad)
+    for got, want in ((x.grad, xr.grad), (bias.grad, br.grad), (r.grad, rr.grad)):
+        assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_compiles_fullgraph_with_the_fake():
+    spec, qweight, x, bias, r = _case("int4", "swiglu", 2, residual=True)
+    weight, weight_format = op_arguments(bitkern.pack(qweight))
+
+    def fused(x, r):
+        return torch.ops.bitkern.linear_epilogue(x, weight, weight_format, bias, torch.float32, "swiglu", r) * 2
+
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, r), fused(x, r))
+
+
+def test_bad_epilogue_is_named_before_any_kernel_is_built():
+    qweight = bitkern.quantize(torch.randn(N, K), "int4")
+    with pytest.raises(ValueError, match="epilogue='tanh'"):
+        Matmul.for_weight(qweight, "bfloat16", epilogue="tanh")
+    with pytest.raises(ValueError, match="swiglu"):
+        Matmul.for_weight(qweight, "bfloat16", epilogue="swiglu").check_shape(48, K)
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", residual=True)
+    with pytest.raises(ValueError, match="residual must be a tensor of shape"):
+        spec(torch.randn(2, K).bfloat16(), bitkern.pack(qweight), None, torch.randn(3, N))
