@@ -17,6 +17,14 @@ from .nn import Conv2d, Linear, dequantize_model, load, quantize_model, save  # 
 __version__ = "0.1.0"
 
 
+def fuse(model, *example_inputs):
+    """Rewrite `model`'s q/k/v, gate/up + SwiGLU and Linear + activation patterns in place into fused bitkern
+    kernels where the cost model says they win (see `bitkern.fusion`); returns the model."""
+    from .fusion import fuse as fuse_model
+
+    return fuse_model(model, *example_inputs)
+
+
 def load_pretrained(path, **from_pretrained_kwargs):
     """A GPTQ / AWQ / bitsandbytes-4bit checkpoint directory (or one written by `bitkern.save`) as a transformers
     model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
@@ -25,5 +33,5 @@ def load_pretrained(path, **from_pretrained_kwargs):
     return load(path, **from_pretrained_kwargs)
 
 
-__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load", "load_pretrained", "nn",
+__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "fuse", "load", "load_pretrained", "nn",
            "ops", "pack", "quantize", "quantize_model", "save", "ttype"]

@@ -30,7 +30,8 @@ def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     if rows.shape[0] == 0:
         return torch.empty(shape, dtype=torch_dtype(spec.output_dtype), device=x.device)
     kernel = kernel_for(kernel_spec, n, k, kernel_spec.rows(rows), weight.layout, None if quick else device_of(x))
-    y = kernel(rows, weight, bias, None if residual is None else residual.reshape(rows.shape[0], -1))
+    y = kernel(rows, weight, bias) if residual is None else \
+        kernel(rows, weight, bias, residual.reshape(rows.shape[0], -1))
     return y if y.shape == shape else y.reshape(shape)
 
 

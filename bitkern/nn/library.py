@@ -62,9 +62,10 @@ def _float_view(bits: Optional[Tensor], dtype: str | None) -> Optional[Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _spec(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool,
+def spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool,
           geometry: ConvGeometry | None = None, epilogue: str = "none", residual: bool = False) -> Matmul:
-    """The Matmul spec of a call (a Conv2d spec when a convolution `geometry` is given)."""
+    """The Matmul spec of an op call (a Conv2d spec when a convolution `geometry` is given); `bitkern.fusion`
+    prices fused calls by it."""
     described = WeightFormat.decode(weight_format)
     block = get(described.dtype).block_size > 1
     fields = dict(output_dtype=output, group_size=described.group_size, zero_mode=described.zero_mode, bias=bias,
@@ -82,7 +83,7 @@ def _weight(weight: list, weight_format: str) -> PackedWeight:
 def linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
            output_dtype: torch.dtype) -> Tensor:
     """y[..., N] = x[..., K] · dequant(W)ᵀ (+ bias), computed in x's dtype, returned in `output_dtype`."""
-    spec = _spec(weight_format, x.dtype, output_dtype, bias is not None)
+    spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None)
     return spec(x, _weight(weight, weight_format), bias)
 
 
@@ -98,7 +99,7 @@ def linear_epilogue(x: Tensor, weight: list[Optional[Tensor]], weight_format: st
     """y = f(x · dequant(W)ᵀ (+ bias)) (+ residual) in one kernel: f a `bitkern.ops.Matmul` epilogue ("relu",
     "silu", "gelu", or "swiglu" over a stacked gate/up weight, giving half its rows as columns); the residual
     is shaped like y, in `output_dtype`."""
-    spec = _spec(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None)
+    spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None)
     return spec(x, _weight(weight, weight_format), bias, residual)
 
 
@@ -127,7 +128,7 @@ def conv2d(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: 
     (taps, then channels); padding is (top, bottom, left, right) zeros."""
     geometry = ConvGeometry(x.shape[-1], x.shape[1], x.shape[2], tuple(kernel_size), tuple(stride), tuple(dilation),
                             tuple(padding))
-    spec = _spec(weight_format, x.dtype, output_dtype, bias is not None, geometry)
+    spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, geometry)
     return spec(x, _weight(weight, weight_format), bias)
 
 
