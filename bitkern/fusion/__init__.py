@@ -7,6 +7,7 @@ Entry points: `bitkern.fuse(model, *example_inputs)` rewrites an eager model's k
 under torch.compile.
 """
 
+from .inductor import FusionPass, install
 from .plan import Report, candidates, explain, fuse
 
-__all__ = ["Report", "candidates", "explain", "fuse"]
+__all__ = ["FusionPass", "Report", "candidates", "explain", "fuse", "install"]

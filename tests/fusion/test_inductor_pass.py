@@ -1,0 +1,64 @@
+"""The Inductor post-grad pass: a residual add and an activation after a bitkern linear become one
+linear_epilogue call where the cost model fuses (same results within the kernels' rounding), are left alone where
+it does not, and a user's own post-grad pass stays installed."""
+
+import torch
+from torch import nn
+
+import bitkern
+from bitkern.fusion import FusionPass, install
+from bitkern.fusion import cost
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = bitkern.Linear(64, 128, True, "int4", 32, compute_dtype=torch.bfloat16)
+        self.down = bitkern.Linear(128, 64, True, "int4", 32, compute_dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) + x
+
+
+def _ops(graph_calls: list) -> list:
+    return [str(node.target) for graph in graph_calls for node in graph.nodes if node.op == "call_function"]
+
+
+def test_pass_folds_activation_and_residual_into_the_kernels(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", None)
+    fusion_pass = install()
+    seen = []
+
+    def record(graph):
+        seen.append(graph)
+
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", [*torch._inductor.config.
+                                                                                post_grad_custom_post_pass, record])
+    model = Block()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        reference = model(x)
+        compiled = torch.compile(model, fullgraph=True)
+        y = compiled(x)
+    ops = _ops(seen)
+    assert ops.count("bitkern.linear_epilogue.default") == 2 and "bitkern.linear.default" not in ops
+    assert [(kind, fused) for kind, _, _, fused in fusion_pass.decisions] == [("relu", True), ("residual", True)]
+    assert torch.allclose(y, reference, atol=1e-4 * float(reference.abs().max()))
+
+
+def test_pass_keeps_what_the_cost_model_rejects_and_user_passes_stay(monkeypatch):
+    def users_pass(graph):
+        users_pass.calls += 1
+
+    users_pass.calls = 0
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", users_pass)
+    fusion_pass = install()
+    assert torch._inductor.config.post_grad_custom_post_pass == [users_pass, fusion_pass]
+    assert install() is fusion_pass  # installed once
+    monkeypatch.setattr(cost, "MIN_GAIN", 1e9)  # nothing wins
+    model = Block()
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.compile(model, fullgraph=True)(x)
+    assert users_pass.calls >= 1 and fusion_pass.decisions and not any(f for *_, f in fusion_pass.decisions)
+    assert isinstance(fusion_pass, FusionPass)
