@@ -65,10 +65,13 @@ class SharedInputLinears(nn.Module):
 
     def outputs(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Member `index`'s output for x: computed with the others' on the first call with x."""
-        fresh = self._input is None or self._input[0] is not x or self._input[1] != x._version
+        # the version counter tells an input modified in place since; inference tensors have none, and under
+        # torch.compile the trace is one forward pass
+        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
+        fresh = self._input is None or self._input[0] is not x or self._input[1] != version
         if fresh or index in self._taken:
             self._outputs = self.layer(x).split(self.sizes, dim=-1)
-            self._input, self._taken = (x, x._version), set()
+            self._input, self._taken = (x, version), set()
         self._taken.add(index)
         output = self._outputs[index]
         if len(self._taken) == len(self.sizes):  # every member has its output: hold no tensor longer
