@@ -2,7 +2,8 @@
 hidden 2048, MLP 5632, 8 layers, 32 heads, 8 KV heads, every Linear but lm_head int4 g128, bf16 compute,
 float32 model), at 1, 16 and 128 tokens, eager and torch.compile'd.
 
-For each token count the fused model is `bitkern.fuse(copy, example)` decided at that token count (the cost model
+Compiled, the fused model also runs bitkern's Inductor post-grad pass (`bitkern.fusion.FusionPass`: residual
+adds and activations after a linear), whose decisions are printed.  For each token count the fused model is `bitkern.fuse(copy, example)` decided at that token count (the cost model
 may keep a group unfused: the `explain` tables printed show each decision).  Both models are timed in the same
 process, in alternation (per round: unfused, fused), after warm-up; reported: medians of time per token, the
 median of per-round ratios unfused/fused, and bitkern kernel calls per decoder layer.
@@ -77,7 +78,7 @@ def interleaved(calls: dict, rounds: int) -> dict:
 
 def main() -> None:
     import bitkern
-    from bitkern.fusion import explain
+    from bitkern.fusion import FusionPass, explain
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -98,9 +99,11 @@ def main() -> None:
         wholes = {name: (lambda model=model: model(ids, use_cache=False)) for name, model in variants.items()}
         calls = {name: kernel_calls(call) for name, call in layers.items()}
         runs = [("layer", "eager", layers), ("model", "eager", wholes)]
-        if arguments.compiled:
-            runs += [("layer", "compiled", {n: torch.compile(c) for n, c in layers.items()}),
-                     ("model", "compiled", {n: torch.compile(c) for n, c in wholes.items()})]
+        if arguments.compiled:  # the fused model compiles with bitkern's post-grad pass, the unfused without
+            fusion_pass = FusionPass()
+            options = {"unfused": {}, "fused": {"post_grad_custom_post_pass": [fusion_pass]}}
+            runs += [("layer", "compiled", {n: torch.compile(c, options=options[n]) for n, c in layers.items()}),
+                     ("model", "compiled", {n: torch.compile(c, options=options[n]) for n, c in wholes.items()})]
         for scope, mode, timed in runs:
             times = interleaved(timed, arguments.rounds)
             ratios = [u / f for u, f in zip(times["unfused"], times["fused"])]
@@ -110,6 +113,9 @@ def main() -> None:
                    "speedup": statistics.median(ratios), "kernel_calls_per_layer": calls}
             results.append(row)
             print(json.dumps(row), flush=True)
+            if mode == "compiled":
+                print(f"post-grad pass decisions (pattern, rows, modeled gain, fused): {fusion_pass.decisions}")
+                fusion_pass.decisions.clear()
     print(f"load: {os.getloadavg()}")
 
 

@@ -64,19 +64,20 @@ class Candidate:
             return Call(layer.op_weight()[1], compute, output, layer.bias is not None, epilogue)
 
         size = output.itemsize
+        casts = int(compute != output)  # each layer converts x to its compute dtype: a torch op per kernel call
         if self.kind == "qkv":
             stacked = stacked_format(layers)
-            return Variant([call(layer) for layer in layers]), Variant([Call(stacked, compute, output, any(
-                layer.bias is not None for layer in layers))])
+            return Variant([call(layer) for layer in layers], torch_ops=3 * casts), Variant(
+                [Call(stacked, compute, output, any(layer.bias is not None for layer in layers))], torch_ops=casts)
         if self.kind == "swiglu":
             width = layers[0].out_features
             # silu reads gate, writes its result; the product reads both and writes y
-            unfused = Variant([call(layer) for layer in layers], torch_ops=2, bytes_per_row=5 * width * size)
+            unfused = Variant([call(layer) for layer in layers], torch_ops=2 + 2 * casts, bytes_per_row=5 * width * size)
             return unfused, Variant([Call(stacked_format(layers), compute, output, layers[0].bias is not None
-                                          or layers[1].bias is not None, "swiglu")])
+                                          or layers[1].bias is not None, "swiglu")], torch_ops=casts)
         epilogue = ACTIVATIONS[type(self.members[1])]
-        return (Variant([call(layers[0])], torch_ops=1, bytes_per_row=2 * layers[0].out_features * size),
-                Variant([call(layers[0], epilogue)]))
+        return (Variant([call(layers[0])], torch_ops=1 + casts, bytes_per_row=2 * layers[0].out_features * size),
+                Variant([call(layers[0], epilogue)], torch_ops=casts))
 
     def build(self) -> dict:
         """{name: module} to set on the owner (built before anything is replaced)."""
