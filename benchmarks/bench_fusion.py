@@ -1,6 +1,6 @@
 """Fused against unfused bitkern kernels in a Llama: one decoder layer and the whole tiny Llama (random weights,
-hidden 2048, MLP 5632, 8 layers, 32 heads, 8 KV heads, every Linear but lm_head int4 g128, bf16 compute,
-float32 model), at 1, 16 and 128 tokens, eager and torch.compile'd.
+hidden 2048, MLP 5632, 8 layers, 32 heads, 8 KV heads, bf16, every Linear but lm_head int4 g128: the model of
+benchmarks/llama_threads.py), at 1, 16 and 128 tokens, eager and torch.compile'd.
 
 Compiled, the fused model also runs bitkern's Inductor post-grad pass (`bitkern.fusion.FusionPass`: residual
 adds and activations after a linear), whose decisions are printed.  For each token count the fused model is `bitkern.fuse(copy, example)` decided at that token count (the cost model
@@ -8,7 +8,7 @@ may keep a group unfused: the `explain` tables printed show each decision).  Bot
 process, in alternation (per round: unfused, fused), after warm-up; reported: medians of time per token, the
 median of per-round ratios unfused/fused, and bitkern kernel calls per decoder layer.
 
-Run: python benchmarks/bench_fusion.py [--rounds 7] [--layers 8] [--tokens 1 16 128] [--compiled]
+Run: python benchmarks/bench_fusion.py [--rounds 7] [--layers 8] [--tokens 1 16 128] [--compiled] [--threads N]
 (the first run builds the kernels into the cache; report the load: `uptime`)
 """
 
@@ -32,14 +32,15 @@ def tiny_llama(layers: int):
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     bitkern.quantize_model(model, "int4", group_size=128, compute_dtype=torch.bfloat16, skip=["lm_head"])
     return model
 
 
 def layer_call(model, tokens: int):
     """A callable running decoder layer 0 on `tokens` hidden states (rotary embeddings precomputed)."""
-    hidden = torch.randn(1, tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    hidden = torch.randn(1, tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(2),
+                         dtype=torch.bfloat16)
     positions = torch.arange(tokens)[None]
     embeddings = model.model.rotary_emb(hidden, positions)
     layer = model.model.layers[0]
@@ -85,7 +86,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--compiled", action="store_true", help="also time both models under torch.compile")
+    parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: its own)")
     arguments = parser.parse_args()
+    if arguments.threads:
+        torch.set_num_threads(arguments.threads)
     unfused = tiny_llama(arguments.layers)
     print(f"load: {os.getloadavg()}, threads: {torch.get_num_threads()}")
     results = []

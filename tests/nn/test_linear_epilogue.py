@@ -105,3 +105,22 @@ def test_bad_epilogue_is_named_before_any_kernel_is_built():
     spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", residual=True)
     with pytest.raises(ValueError, match="residual must be a tensor of shape"):
         spec(torch.randn(2, K).bfloat16(), bitkern.pack(qweight), None, torch.randn(3, N))
+
+
+@pytest.mark.parametrize("epilogue,residual", [("swiglu", True), ("gelu", False)])
+def test_amx_kernels_build_with_epilogues(epilogue, residual):
+    """The AMX template shares the tile16 output stage: its epilogue kernels compile for an AMX CPU (run where
+    one is present, by the matrix-template tests); SwiGLU configurations pair their tiles."""
+    import dataclasses
+
+    from bitkern.codegen.cpu import amx
+    from bitkern.tuner import host_cpu
+
+    cpu = host_cpu()
+    device = dataclasses.replace(cpu, llvm_cpu="sapphirerapids", has_amx_bf16=True,
+                                 flags=cpu.flags | {"amx_tile", "amx_bf16"})
+    spec, *_ = _case("int4", epilogue, 1, residual)
+    configs = amx.TEMPLATE.configs(spec, N, K, (1, 16), device, None)
+    assert configs and (epilogue != "swiglu" or all(c.n_tiles % 2 == 0 for c in configs))
+    kernel = amx.TEMPLATE.build(spec, N, K, configs[0], "tile16", (1, 16), device)
+    assert kernel.template == "amx" and kernel.spec.epilogue == epilogue
