@@ -9,7 +9,7 @@ tuner's per-architecture limits).
 
 from .gemm import GemmConfig, Resources
 from .gemv import GemvConfig
-from .kernel import TEMPLATES, CudaKernel, build_kernel, load_kernel
+from .kernel import TEMPLATES, CudaKernel, build_kernel, kernel_from_files, load_kernel
 from .layout import LAYOUT, Lop3Weight, to_lop3
 
 
@@ -31,4 +31,4 @@ def resources(spec, k: int, config) -> Resources:
 
 
 __all__ = ["CudaKernel", "GemmConfig", "GemvConfig", "LAYOUT", "Lop3Weight", "Resources", "TEMPLATES",
-           "build_kernel", "load_kernel", "pack", "resources"]
+           "build_kernel", "kernel_from_files", "load_kernel", "pack", "resources"]
