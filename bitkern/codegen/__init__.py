@@ -8,6 +8,7 @@ Entry points: `pack(weight)` (a QuantizedWeight in its device's kernel layout) a
 from .cpu.layout import LAYOUTS as CPU_LAYOUTS
 from .cpu.layout import PackedWeight
 from .cpu.layout import layout_for as cpu_layout_for
+from .cpu.layout import packed_shapes as cpu_packed_shapes
 from .cpu.layout import to_layout as cpu_to_layout
 
 CUDA_LAYOUT = "lop3"
@@ -29,6 +30,16 @@ def to_layout(weight, layout: str) -> PackedWeight:
 
         return to_lop3(weight)
     return cpu_to_layout(weight, layout)
+
+
+def packed_shapes(layout: str, ttype, shape: tuple[int, int], group_size: int, zero_mode: str) -> dict:
+    """{qweight, scales, zeros, tensor_scale: shape, or None where the weight has none} of a weight of `shape`
+    [N, K] in `layout`, without making it (group_size resolved: K for per-channel)."""
+    if layout == CUDA_LAYOUT:
+        from .cuda.layout import lop3_shapes
+
+        return lop3_shapes(ttype, shape, group_size, zero_mode)
+    return cpu_packed_shapes(layout, ttype, shape, group_size, zero_mode)
 
 
 def packed_class(layout: str) -> type:
@@ -54,4 +65,4 @@ def pack(weight) -> PackedWeight:
     return to_layout(weight, layout_for(weight.ttype, weight.device.type))
 
 
-__all__ = ["CUDA_LAYOUT", "PackedWeight", "layout_for", "pack", "packed_class", "to_layout"]
+__all__ = ["CUDA_LAYOUT", "PackedWeight", "layout_for", "pack", "packed_class", "packed_shapes", "to_layout"]

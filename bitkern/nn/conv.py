@@ -47,14 +47,22 @@ class Conv2d(QuantizedModule):
         self.register_parameter("bias", None if source.bias is None else nn.Parameter(source.bias.detach()))
 
     @classmethod
+    def empty_like(cls, module, dtype="nf4", group_size=None, zero_mode: str | None = None, compute_dtype=None,
+                   scale_dtype=torch.float16) -> "Conv2d":
+        """An empty layer on the meta device with the geometry and bias of `module` (an nn.Conv2d or a
+        bitkern.Conv2d, left as it is) and these weight settings: what a checkpoint is loaded into."""
+        return cls(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+                   module.dilation, getattr(module, "groups", 1), module.bias is not None,
+                   getattr(module, "padding_mode", "zeros"), dtype, group_size, zero_mode, compute_dtype,
+                   device="meta", scale_dtype=scale_dtype)
+
+    @classmethod
     def from_float(cls, module: nn.Conv2d, dtype="nf4", group_size=None, zero_mode: str | None = None,
                    compute_dtype=None, scale_dtype=torch.float16) -> "Conv2d":
         """Quantize an nn.Conv2d (its weight's device and values; the bias is copied as it is)."""
         if not isinstance(module, nn.Conv2d):
             raise TypeError(f"module must be a torch.nn.Conv2d, got {type(module).__name__}")
-        layer = cls(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
-                    module.dilation, module.groups, module.bias is not None, module.padding_mode, dtype, group_size,
-                    zero_mode, compute_dtype, device="meta", scale_dtype=scale_dtype)
+        layer = cls.empty_like(module, dtype, group_size, zero_mode, compute_dtype, scale_dtype)
         layer._set_weight(module.weight)
         if module.bias is not None:
             layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)

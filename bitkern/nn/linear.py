@@ -32,13 +32,20 @@ class Linear(QuantizedModule):
         self.register_parameter("bias", None if source.bias is None else nn.Parameter(source.bias.detach()))
 
     @classmethod
+    def empty_like(cls, module, dtype="nf4", group_size=None, zero_mode: str | None = None, compute_dtype=None,
+                   scale_dtype=torch.float16) -> "Linear":
+        """An empty layer on the meta device with the sizes and bias of `module` (an nn.Linear or a
+        bitkern.Linear, left as it is) and these weight settings: what a checkpoint is loaded into."""
+        return cls(module.in_features, module.out_features, module.bias is not None, dtype, group_size, zero_mode,
+                   compute_dtype, device="meta", scale_dtype=scale_dtype)
+
+    @classmethod
     def from_float(cls, module: nn.Linear, dtype="nf4", group_size=None, zero_mode: str | None = None,
                    compute_dtype=None, scale_dtype=torch.float16) -> "Linear":
         """Quantize an nn.Linear (its weight's device and values; the bias is copied as it is)."""
         if not isinstance(module, nn.Linear):
             raise TypeError(f"module must be a torch.nn.Linear, got {type(module).__name__}")
-        layer = cls(module.in_features, module.out_features, module.bias is not None, dtype, group_size, zero_mode,
-                    compute_dtype, device="meta", scale_dtype=scale_dtype)
+        layer = cls.empty_like(module, dtype, group_size, zero_mode, compute_dtype, scale_dtype)
         layer._set_weight(module.weight)
         if module.bias is not None:
             layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import ttype
-from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, to_layout
+from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, packed_shapes, to_layout
 from ..codegen.cpu.layout import aligned
 from ..codegen.cpu.layout import LAYOUTS as CPU_LAYOUTS
 from ..ttype import QuantizedWeight, packed_length
@@ -44,11 +44,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_weight_dtype(dtype) -> str:
-    """The name of a storable weight type; ValueError naming `dtype` and the accepted names otherwise."""
-    if isinstance(dtype, str) and dtype in weight_dtypes():
-        return dtype
-    if isinstance(dtype, ttype.TType) and dtype.name in weight_dtypes():
-        return dtype.name
+    """The name of a storable weight type, given by name, as a TType or as a torch dtype that names one (as
+    `bitkern.quantize` takes them: torch.int8 is "int8"); ValueError naming `dtype` and the accepted names
+    otherwise."""
+    if isinstance(dtype, (str, ttype.TType, torch.dtype)):
+        try:
+            name = ttype.get(dtype).name
+        except ValueError:
+            name = None
+        if name in weight_dtypes():
+            return name
     raise ValueError(f"dtype={dtype!r} is not supported for weights; accepted: {', '.join(weight_dtypes())}")
 
 
@@ -215,6 +220,10 @@ class QuantizedModule(nn.Module):
         if bias is not None and tuple(bias.shape) != (self.gemm_shape[0],):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; {type(self).__name__} with "
                              f"{self.gemm_shape[0]} outputs takes a bias of shape ({self.gemm_shape[0]},)")
+        if bias is not None and bias.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"bias has dtype {bias.dtype}; {type(self).__name__} adds a bias of "
+                            f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)} (in float32, exactly), and casts none "
+                            f"silently: convert it explicitly (e.g. layer.bias.data = layer.bias.data.float())")
         compute = self.compute_dtype or x.dtype
         return x.to(compute), x.dtype
 
@@ -235,6 +244,57 @@ class QuantizedModule(nn.Module):
 
     def get_extra_state(self) -> dict:
         return self.weight_settings()
+
+    def settings_arguments(self) -> dict:
+        """The weight settings as the constructor's and `from_float`'s keyword arguments."""
+        return {"dtype": self.weight_dtype, "group_size": self.group_size, "zero_mode": self.zero_mode,
+                "compute_dtype": self.compute_dtype, "scale_dtype": self.scale_dtype}
+
+    def check_weight_tensors(self, tensors: dict, layout: str, where: str = "") -> None:
+        """Raise ValueError naming the tensor unless `tensors` ({buffer name: (shape, dtype)} of the weight
+        buffers given) are exactly those of a weight with this module's settings stored in `layout`: the
+        shapes N, K, the group size and the type's bits imply there, in their storage dtypes."""
+        weight_type = ttype.get(self.weight_dtype)
+        n, k = self.gemm_shape
+        expected = packed_shapes(layout, weight_type, (n, k), self.group_size, self.zero_mode)
+        weight = (f"a [{n}, {k}] {self.weight_dtype} weight (group_size={self.group_size}, zero_mode={self.zero_mode}) "
+                  f"in layout {layout!r}")
+        for name in WEIGHT_BUFFERS:
+            want, have = expected[name], tensors.get(name)
+            if want is None and have is not None:
+                raise ValueError(f"{where}{name} is given, but {weight} has none")
+            if want is not None and have is None:
+                raise ValueError(f"{where}{name} is missing; {weight} stores one of shape {list(want)}")
+            if want is None:
+                continue
+            shape, dtype = tuple(have[0]), have[1]
+            if shape != tuple(want):
+                raise ValueError(f"{where}{name} has shape {list(shape)}, but {weight} stores it as {list(want)}")
+            accepted = self._storage_dtypes(name)
+            if dtype not in accepted:
+                raise ValueError(f"{where}{name} has dtype {dtype}, but {weight} stores it as "
+                                 f"{' or '.join(str(d) for d in accepted)}")
+
+    def _storage_dtypes(self, name: str) -> tuple:
+        """The dtypes a weight buffer may come in: its storage dtype, or for float metadata also the float
+        dtype whose raw bits it holds."""
+        scale = (self.scale_dtype, _BITS[self.scale_dtype.itemsize])
+        if name == "qweight":
+            return (torch.int32,)
+        if name == "scales":
+            return (torch.uint8,) if ttype.get(self.weight_dtype).block_size > 1 else scale
+        if name == "zeros":
+            return scale if self.zero_mode == "hqq" else (torch.uint8,)
+        return (torch.float32, torch.int32)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's load_state_dict, all or nothing: the state is first loaded into an empty twin of this module
+        (on the meta device: tensors are referenced, not copied), so a state that does not fit — other
+        settings, missing or unexpected tensors, shapes or dtypes that contradict the settings — raises
+        before any tensor of this module changes."""
+        twin = type(self).empty_like(self, **self.settings_arguments())
+        nn.Module.load_state_dict(twin, state_dict, strict, assign=True)
+        return super().load_state_dict(state_dict, strict, assign)
 
     def set_extra_state(self, state) -> None:
         self._check_settings(state)
@@ -258,14 +318,24 @@ class QuantizedModule(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        """Check the settings before any tensor is copied, and bring the incoming weight to the layout the
-        kernels for this module's device read (a module on meta takes the incoming layout as it is)."""
-        for name in WEIGHT_BUFFERS:  # float metadata given as floats is taken as its bits, never converted
-            if isinstance(state_dict.get(prefix + name), torch.Tensor):
-                state_dict[prefix + name] = _raw_bits(state_dict[prefix + name])
+        """Check the settings and every incoming weight tensor and the bias before any tensor changes, and
+        bring the incoming weight to the layout the kernels for this module's device read (a module on meta
+        takes the incoming layout as it is)."""
         state = state_dict.get(prefix + "_extra_state")
-        if state is not None and all(prefix + name in state_dict for name in ("qweight", "scales")):
+        if state is not None:
             self._check_settings(state)
+        given = {name: state_dict[prefix + name] for name in WEIGHT_BUFFERS
+                 if isinstance(state_dict.get(prefix + name), torch.Tensor)}
+        if given:
+            layout = self.layout if state is None else state["layout"]
+            self.check_weight_tensors({name: (t.shape, t.dtype) for name, t in given.items()}, layout, prefix)
+        bias = state_dict.get(prefix + "bias")
+        if self.bias is not None and isinstance(bias, torch.Tensor) and tuple(bias.shape) != (self.gemm_shape[0],):
+            raise ValueError(f"{prefix}bias has shape {list(bias.shape)}; this {type(self).__name__} has "
+                             f"{self.gemm_shape[0]} outputs")
+        for name in given:  # float metadata given as floats is taken as its bits, never converted
+            state_dict[prefix + name] = _raw_bits(state_dict[prefix + name])
+        if state is not None and given:
             incoming = library.packed_weight(
                 *(state_dict.get(prefix + name) for name in WEIGHT_BUFFERS), self.weight_dtype,
                 *self.gemm_shape, self.group_size, self.zero_mode, self.scale_dtype, state["layout"])

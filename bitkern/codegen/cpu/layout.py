@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ttype import QuantizedWeight, codes_per_word, pack, unpack
+from ...ttype import QuantizedWeight, codes_per_word, pack, packed_length, unpack
 
 AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
@@ -106,6 +106,23 @@ def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
     tile = (lambda t: None if t is None else _tile_rows(t, rows))
     return PackedWeight("tile16", weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
                         tile(weight.scales), tile(weight.zeros), weight.tensor_scale)
+
+
+def packed_shapes(layout: str, ttype, shape: tuple[int, int], group_size: int, zero_mode: str) -> dict:
+    """The shapes `to_layout` gives a weight's qweight, scales, zeros and tensor_scale (None: the weight has
+    none), computed without making them (to check a checkpoint's tensors against its metadata)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not known; accepted: {list(LAYOUTS)}")
+    n, k = shape
+    groups = k // group_size
+    if layout == "rowmajor":
+        codes, per_group = (n, packed_length(k, ttype.bits)), (n, groups)
+    else:
+        tiles = math.ceil(n / AMX_TILE_ROWS)
+        codes = (tiles, padded_k(k, ttype.bits) // codes_per_word(ttype.bits), AMX_TILE_ROWS)
+        per_group = (tiles, groups, AMX_TILE_ROWS)
+    return {"qweight": codes, "scales": per_group, "zeros": None if zero_mode == "none" else per_group,
+            "tensor_scale": () if ttype.tensor_scale else None}
 
 
 def _tile_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:

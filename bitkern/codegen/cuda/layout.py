@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ttype import QuantizedWeight, codes_per_word, pack, unpack
+from ...ttype import QuantizedWeight, codes_per_word, pack, packed_length, unpack
 from ..cpu.layout import PackedWeight
 
 LAYOUT = "lop3"
@@ -88,6 +88,16 @@ class Lop3Weight(PackedWeight):
         crop = (lambda t: None if t is None else t[:n, :groups].contiguous())
         return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, pack(codes, bits),
                                crop(self.scales), crop(self.zeros), self.tensor_scale)
+
+
+def lop3_shapes(ttype, shape: tuple[int, int], group_size: int, zero_mode: str) -> dict:
+    """The shapes `to_lop3` gives a weight's qweight, scales, zeros and tensor_scale (None: the weight has
+    none), computed without making them."""
+    check_type(ttype)
+    n_pad, k_pad = padded_shape(*shape)
+    per_group = (n_pad, math.ceil(k_pad / layout_group(group_size, shape[1])))
+    return {"qweight": (n_pad, packed_length(k_pad, ttype.bits)), "scales": per_group,
+            "zeros": None if zero_mode == "none" else per_group, "tensor_scale": () if ttype.tensor_scale else None}
 
 
 def to_lop3(weight: QuantizedWeight) -> Lop3Weight:
