@@ -150,6 +150,14 @@ def _unmap_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 
+def tile16_shift(k, bits: int):
+    """The bit offset of the code of reduction index k (an int or an index expression) inside its tile16
+    word: a word's even k's come first, then its odd k's."""
+    per_word = codes_per_word(bits)
+    within = k % per_word
+    return (within // 2 + (within % 2) * ((per_word + 1) // 2)) * bits
+
+
 class Tile16Storage:
     """The tile16 layout as a weight storage of the Matmul tensor expression (see `bitkern.ops.expr`)."""
 
@@ -173,9 +181,7 @@ class Tile16Storage:
         from tvm import tirx
 
         word = self.qweight[i // AMX_TILE_ROWS, j // self.per_word, i % AMX_TILE_ROWS].astype("uint32")
-        within = j % self.per_word
-        position = within // 2 + (within % 2) * ((self.per_word + 1) // 2)  # even k's first, then odd k's
-        shift = (position * self.bits).astype("uint32")
+        shift = tile16_shift(j, self.bits).astype("uint32")
         return tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const((1 << self.bits) - 1, "uint32"))
 
     def scale(self, i, g):
