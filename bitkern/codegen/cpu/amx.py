@@ -20,6 +20,7 @@ truncated to bf16, exact: one B tile per 16 columns where "affine" multiplies tw
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +66,8 @@ def unsupported_reason(spec: Matmul, k: int) -> str | None:
     if depth * ttype.bits < 32:
         return f"group_size={group}, shorter than one 32-bit word of {ttype.bits}-bit codes"
     if not decode_strategies(spec):
-        return f"{ttype.bits}-bit codes with {spec.activation_dtype} activations (their affine decode keeps " \
-               f"bf16's accuracy only)"
+        return f"{ttype.name} with {spec.activation_dtype} activations (bf16 holds its values inexactly; the " \
+               f"other templates decode them exactly)"
     return None
 
 
@@ -79,12 +80,22 @@ def nibbles(spec: Matmul, decode: str) -> int:
 def decode_strategies(spec: Matmul) -> tuple[str, ...]:
     """Decode strategies that apply to the spec.  "affine" folds a 128 offset out of float32 sums, which
     costs up to ~2^-16 relative accuracy: below bf16 activations' own rounding, so it is offered for them
-    only; 8-bit codes have no table decode, and convert (exact) serves every activation type."""
+    only; 8-bit codes have no table decode, and convert (exact) serves every activation type.  "lut" decodes
+    into bf16, exact for types whose values bf16 holds (integers, e2m1); others (nf4) are decoded through
+    bf16 only for bf16 activations, whose compute type it is: for fp16/fp32 activations the result would
+    depend on the template, that is on the M bucket, where the other templates decode exactly."""
     ttype = get(spec.weight_dtype)
     affine = ttype.kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
     if ttype.bits == 8:
         return ("affine", "convert") if affine else ("convert",)
-    return ("affine", "lut") if affine else ("lut",)
+    table = ("lut",) if spec.activation_dtype == "bfloat16" or _exact_in_bf16(ttype) else ()
+    return ("affine", *table) if affine else table
+
+
+@functools.lru_cache(maxsize=None)
+def _exact_in_bf16(ttype) -> bool:
+    """Whether bf16 holds every value of the type (its bf16 decode table is then exact)."""
+    return bool(torch.equal(ttype.lut("bfloat16").float(), ttype.values))
 
 
 def build(spec: Matmul, n: int, k: int, config: AmxConfig, name: str = "main"):

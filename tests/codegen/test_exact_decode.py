@@ -1,0 +1,54 @@
+"""Types whose values bf16 does not hold (nf4) are computed exactly with float32 and float16 activations in
+every M bucket: no template decodes them through bf16 then (the AMX and AVX512-BF16 templates serve them with
+bf16 activations only), so a row's result does not depend on the rows that come with it."""
+
+import pytest
+import torch
+
+import bitkern
+from bitkern.ops import Matmul
+from bitkern.tuner import host_cpu, m_bucket
+from bitkern.tuner.space import templates_for
+
+N, K = 64, 256
+ROWS = (1, 3, 8, 16, 17, 64, 130)  # one M per bucket
+
+
+@pytest.fixture(scope="module")
+def weight():
+    q = bitkern.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), "nf4", group_size=64)
+    return q, bitkern.pack(q)
+
+
+def test_the_bf16_templates_serve_nf4_for_bf16_activations_only():
+    for activation in ("float32", "float16", "bfloat16"):
+        spec = Matmul("nf4", activation, group_size=64)
+        reasons = templates_for(spec, K, m_bucket(8), "tile16", host_cpu())
+        if activation == "bfloat16":
+            assert reasons["dot"] is None or "AVX512-BF16" in reasons["dot"] or "AMX" in reasons["dot"]
+        else:
+            assert "bf16 holds its values inexactly" in reasons["dot"] or "AMX" in reasons["dot"]
+            assert "bf16 holds its values inexactly" in reasons["amx"] or "no AMX" in reasons["amx"]
+
+
+def test_float32_rows_are_exact_in_every_bucket(weight):
+    q, packed = weight
+    spec = Matmul.for_weight(q, "float32")
+    x = torch.randn(max(ROWS), K, generator=torch.Generator().manual_seed(1))
+    exact = spec.exact(x, q)
+    for m in ROWS:
+        error = float((spec(x[:m], packed).double() - exact[:m]).abs().max() / exact.abs().max())
+        assert error < 1e-5, f"M={m}: relative error {error:.2g} (a bf16 decode gives ~1e-3)"
+
+
+def test_float16_rows_round_as_the_exact_result_in_every_bucket(weight):
+    """Within one float16 step of the exact result, plus float32 summation's error where sums cancel (a bf16
+    decode is off by ~2^-9 of the weights)."""
+    q, packed = weight
+    spec = Matmul.for_weight(q, "float16")
+    x = torch.randn(max(ROWS), K, generator=torch.Generator().manual_seed(2)).half()
+    reference = spec.reference(x, q).float()
+    step = torch.finfo(torch.float16).eps * reference.abs() + 2.0 ** -16 * reference.abs().max()
+    for m in ROWS:
+        excess = float(((spec(x[:m], packed).float() - reference[:m]).abs() - step[:m]).max())
+        assert excess <= 0, f"M={m}: {excess:.3g} beyond one float16 step"
