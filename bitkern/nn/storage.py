@@ -220,10 +220,6 @@ class QuantizedModule(nn.Module):
         if bias is not None and tuple(bias.shape) != (self.gemm_shape[0],):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; {type(self).__name__} with "
                              f"{self.gemm_shape[0]} outputs takes a bias of shape ({self.gemm_shape[0]},)")
-        if bias is not None and bias.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"bias has dtype {bias.dtype}; {type(self).__name__} adds a bias of "
-                            f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)} (in float32, exactly), and casts none "
-                            f"silently: convert it explicitly (e.g. layer.bias.data = layer.bias.data.float())")
         compute = self.compute_dtype or x.dtype
         return x.to(compute), x.dtype
 

@@ -23,6 +23,7 @@ LAYOUTS = ("nt",)  # x [M, K] row-major, weight [N, K] (nn.Linear's layout)
 _SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
                 "bias", "layout", "scale_dtype")
 _TORCH_DTYPES = {**{name: pair[0] for name, pair in COMPUTE_DTYPES.items()}, "int32": torch.int32}
+BIAS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # added in float32: exact
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ class Matmul:
                 and type(x) is torch.Tensor and x.dtype is activation and x.dim() >= 1 and x.shape[-1] == k
                 and x.is_cpu and weight.qweight.is_cpu
                 and (bias is None if not self.bias else
-                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu))
+                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu
+                     and bias.dtype in BIAS_DTYPES))
 
     def _kernel_input(self, x: torch.Tensor, n: int, k: int) -> tuple:
         """(the spec whose kernel runs, its contiguous input, the shape of y) for a checked x.  A contiguous
@@ -163,6 +165,9 @@ class Matmul:
                 raise ValueError(f"bias must be a tensor of shape ({n},), got {got}")
             if bias.device != weight.device:
                 raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+            if bias.dtype not in BIAS_DTYPES:
+                raise TypeError(f"bias has dtype {bias.dtype}; the kernels add a float32, float16 or bfloat16 bias "
+                                f"(exactly, in float32) and cast none silently: convert it explicitly")
 
     def reference(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The reference result: `exact` cast to the output type."""
