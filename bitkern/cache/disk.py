@@ -289,9 +289,11 @@ class DiskStore:
         return final
 
     def _commit(self, final: Path, files: dict[str, bytes]) -> None:
-        """Write `files` into a hidden 0700 directory beside `final` and rename it into place; another writer
-        that got there first wins."""
+        """Write `files` into a hidden 0700 directory beside `final` and rename it into place; whatever is at
+        `final` already (another writer's entry, or one this process refused) stays."""
         make_directories(self.root, final.parent)
+        if os.path.lexists(final):
+            return
         temporary = _temporary_beside(final)
         try:
             for name, data in files.items():
@@ -347,7 +349,7 @@ def _exported_library(module, directory: Path) -> bytes:
     temporary = _temporary_beside(directory / "export")
     try:
         module.export_library(str(temporary / LIBRARY))
-        return read_file(temporary / LIBRARY)
+        return (temporary / LIBRARY).read_bytes()
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
 

@@ -77,9 +77,11 @@ def make_private_directory(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-def read_file(path: Path, limit: int = MAX_FILE_BYTES) -> bytes:
-    """The bytes of the regular file `path`, which must be this user's and not writable by others; opened
-    without following a symbolic link and without blocking on a FIFO."""
+def read_file(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of the regular file `path`, which must be this user's and not writable by others, and at most
+    `limit` (default MAX_FILE_BYTES) long; opened without following a symbolic link and without blocking on
+    a FIFO."""
+    limit = MAX_FILE_BYTES if limit is None else limit
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
