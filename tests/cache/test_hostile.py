@@ -322,6 +322,19 @@ def test_a_cache_dir_below_a_file_builds_in_memory(world, caplog, in_memory_buil
     _falls_back(world, caplog, in_memory_build, "Not a directory", store=DiskStore())
 
 
+def test_prebuild_into_a_cache_it_cannot_use_is_an_error(world):
+    """Prebuilding only makes sense into a cache: it refuses one it would not store kernels in."""
+    from bitkern.cache.prebuild import parse_shapes, prebuild
+
+    target = world.tmp / "a-file"
+    target.write_text("not a directory")
+    with pytest.raises(ValueError, match="is not a directory; prebuild stores kernels there"):
+        prebuild(parse_shapes(f"{N}:{K}"), store=DiskStore(target), progress=False)
+    os.chmod(world.cache, 0o777)
+    with pytest.raises(ValueError, match="group or others can write it"):
+        prebuild(parse_shapes(f"{N}:{K}"), store=world.store, progress=False)
+
+
 def test_a_read_only_cache_builds_in_memory_with_a_warning(world, caplog, in_memory_build):
     shutil.rmtree(world.entry)
     with _read_only(world.entry.parent):

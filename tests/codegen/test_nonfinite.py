@@ -49,6 +49,19 @@ def _x(m, k, dtype):
     return x
 
 
+def _check_non_finite(template, m, direct, weight, zero_mode, activation):
+    """The first configuration of `template` for M rows, on x with ±Inf and NaN, against torch's pattern."""
+    group = 32 if bitkern.ttype.get(weight).block_size == 1 else None
+    q = bitkern.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), weight, group_size=group,
+                         zero_mode=zero_mode)
+    spec = Matmul.for_weight(q, activation)
+    kernel = _kernel(spec, m, template, direct)
+    x = _x(m, K, getattr(torch, activation))
+    exact = spec.exact(x, q)
+    assert torch.isinf(exact[0]).sum() > N // 2 and torch.isnan(exact[0]).sum() < N // 2  # mostly ±Inf
+    _assert_torch_pattern(kernel(x, bitkern.pack(q)), exact)
+
+
 CASES = [("dot", 1, None), ("dot", 3, True), ("dot", 8, False), ("dot", 40, None), ("lut", 1, None),
          ("lut", 3, None), ("generic", 3, None)]
 
@@ -58,14 +71,14 @@ CASES = [("dot", 1, None), ("dot", 3, True), ("dot", 8, False), ("dot", 40, None
     ("int4", None, "bfloat16"), ("int4", None, "float32"), ("uint4", "gptq", "float16"), ("nf4", None, "bfloat16"),
     ("uint2", "gptq", "bfloat16"), ("int8", None, "float32")])
 def test_non_finite_x_gives_torchs_infinities(template, m, direct, weight, zero_mode, activation):
-    q = bitkern.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), weight, group_size=32,
-                         zero_mode=zero_mode)
-    spec = Matmul.for_weight(q, activation)
-    kernel = _kernel(spec, m, template, direct)
-    x = _x(m, K, getattr(torch, activation))
-    exact = spec.exact(x, q)
-    assert torch.isinf(exact[0]).sum() > N // 2 and torch.isnan(exact[0]).sum() < N // 2  # mostly ±Inf
-    _assert_torch_pattern(kernel(x, bitkern.pack(q)), exact)
+    _check_non_finite(template, m, direct, weight, zero_mode, activation)
+
+
+@pytest.mark.parametrize("template, m", [("dot", 1), ("dot", 40), ("lut", 3)])
+@pytest.mark.parametrize("weight, zero_mode, activation", [
+    ("mxfp4", None, "bfloat16"), ("nvfp4", None, "float16"), ("uint4", "hqq", "float32")])
+def test_non_finite_x_with_block_scales_and_float_zero_points(template, m, weight, zero_mode, activation):
+    _check_non_finite(template, m, None, weight, zero_mode, activation)
 
 
 @pytest.mark.parametrize("channels", [16, 32])  # a staged gather, and one of whole 32-channel runs
