@@ -107,7 +107,8 @@ class DiskStore:
             return f"cannot be read ({error})"
         if not stat.S_ISDIR(status.st_mode):
             return "is not a directory"
-        return untrusted_reason(status)
+        reason = untrusted_reason(status)
+        return None if reason is None else f"is not used: {reason}"
 
     # -- entries ----------------------------------------------------------------------------------------
     def load(self, key: KernelKey):
@@ -170,7 +171,11 @@ class DiskStore:
         return found
 
     def verify(self) -> list[tuple[Path, str | None]]:
-        """Every entry of the running versions and what is wrong with it (None: nothing)."""
+        """Every entry of the running versions and what is wrong with it (None: nothing); the root alone where
+        the store cannot be used at all."""
+        problem = self.problem()
+        if problem:
+            return [(self.root, f"the kernel cache {problem}")]
         results = []
         for directory in _entry_dirs(self.version_dir):
             try:

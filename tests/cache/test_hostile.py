@@ -399,6 +399,8 @@ def test_verify_and_export_report_and_skip_what_is_not_trusted(world, tmp_path):
     [(path, reason)] = world.store.verify()
     assert path == world.entry and "group or others can write it" in reason
     assert world.store.export(tmp_path / "out.tar.gz") == 0
+    os.chmod(world.cache, 0o777)
+    assert world.store.verify() == [(world.cache, "the kernel cache is not used: group or others can write it (mode 777)")]
 
 
 # -- bundles ---------------------------------------------------------------------------------------------
