@@ -390,8 +390,7 @@ def _kernel_from(manifest: dict, files: dict[str, bytes]):
 
 
 def _cpu_kernel_from(manifest: dict, files: dict[str, bytes], key: KernelKey):
-    from ..codegen.cpu.configs import config_from_dict
-    from ..codegen.cpu.kernel import CpuKernel
+    from ..codegen import template
     from ..codegen.cpu.layout import aligned
     from .private import load_library
 
@@ -401,9 +400,8 @@ def _cpu_kernel_from(manifest: dict, files: dict[str, bytes], key: KernelKey):
 
         loaded = load_tensors(files[CONSTANTS])
         constants = [aligned(loaded[f"c{i}"]) for i in range(len(loaded))]  # file offsets are not aligned
-    return CpuKernel(key.spec, key.n, key.k, manifest["template"],
-                     config_from_dict(manifest["template"], manifest["config"]), key.layout,
-                     tuple(manifest["m_range"]), load_library(files[LIBRARY]), constants)
+    return template(manifest["template"]).restore(key.spec, key.n, key.k, manifest["config"], key.layout,
+                                                  tuple(manifest["m_range"]), load_library(files[LIBRARY]), constants)
 
 
 def _config_dict(kernel) -> dict:

@@ -25,7 +25,7 @@ from torch import nn
 
 from .conv import Conv2d
 from .linear import Linear
-from .storage import WEIGHT_BUFFERS, QuantizedModule, log
+from .storage import QuantizedModule, log
 
 FILE_FORMAT = "bitkern.safetensors/1"
 _EXTRA = "._extra_state"
@@ -169,9 +169,9 @@ def _planned_module(model: nn.Module, name: str, settings: dict, path: str) -> Q
                          f"has {list(module.weight.shape)}")
     else:
         try:
-            layer = quantized.empty_like(module, dtype=settings["dtype"], group_size=settings["group_size"],
-                                         zero_mode=settings["zero_mode"], compute_dtype=settings.get("compute_dtype"),
-                                         scale_dtype=getattr(torch, settings["scale_dtype"], settings["scale_dtype"]))
+            layer = quantized._meta_layer(module, dtype=settings["dtype"], group_size=settings["group_size"],
+                                          zero_mode=settings["zero_mode"], compute_dtype=settings.get("compute_dtype"),
+                                          scale_dtype=getattr(torch, settings["scale_dtype"], settings["scale_dtype"]))
         except (TypeError, ValueError) as error:
             raise ValueError(f"{path}: module {name!r}: {error}") from None
     try:
@@ -193,7 +193,7 @@ def _check_tensors(model: nn.Module, modules: dict, replacements: dict, files: d
     for name, settings in modules.items():
         module = replacements.get(name) or model.get_submodule(name)
         prefix = f"{name}." if name else ""
-        given = {buffer: files[prefix + buffer] for buffer in WEIGHT_BUFFERS if prefix + buffer in files}
+        given = {name: files[prefix + name] for name in module.state_tensors() if prefix + name in files}
         try:
             module.check_weight_tensors(given, settings["layout"], prefix)
         except ValueError as error:

@@ -9,38 +9,32 @@ as the module's extra state and are checked on load before any tensor is copied.
 
 from __future__ import annotations
 
+import abc
 import logging
 
 import torch
 from torch import nn
 
 from .. import ttype
-from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, packed_shapes, to_layout
+from ..codegen import PackedWeight, layout_for, pack, packed_class, to_layout
 from ..codegen.cpu.layout import aligned
-from ..codegen.cpu.layout import LAYOUTS as CPU_LAYOUTS
-from ..ttype import QuantizedWeight, packed_length
+from ..ttype import Layout, QuantizedWeight, StoredWeight, WeightFormat, dtype_name
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
 from . import library
-from .library import FLOAT_DTYPES
+from .library import FLOAT_DTYPES, raw_bits
 
 log = logging.getLogger("bitkern")
 
 STATE_FORMAT = "bitkern.weight/1"
-PORTABLE_LAYOUT = "rowmajor"
-WEIGHT_BUFFERS = ("qweight", "scales", "zeros", "tensor_scale")
+WEIGHT_BUFFERS = StoredWeight.TENSORS
 # Settings a checkpoint must share with the module it is loaded into (the rest of the state is geometry).
 WEIGHT_SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "weight_shape")
-_BITS = {2: torch.int16, 4: torch.int32}
 
 
 def weight_dtypes() -> list[str]:
     """Registered types a module can store its weight in (at most 8 bits per element)."""
     return [name for name in ttype.names() if ttype.get(name).bits <= 8]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def check_weight_dtype(dtype) -> str:
@@ -81,20 +75,20 @@ def default_group_size(weight_type, group_size):
     return group_size
 
 
-LAYOUTS = (*CPU_LAYOUTS, CUDA_LAYOUT)
-
-
-def kernel_layout(weight_dtype: str, device: torch.device) -> str | None:
+def kernel_layout(weight_dtype: str, device: torch.device) -> Layout | None:
     """The layout the kernels for `device` read, or None where bitkern has no kernels to ask (meta)."""
     return layout_for(ttype.get(weight_dtype), device.type) if device.type in ("cpu", "cuda") else None
 
 
-class QuantizedModule(nn.Module):
+class QuantizedModule(nn.Module, abc.ABC):
     """Base of `bitkern.Linear` and `bitkern.Conv2d`: a weight of `weight_shape` computed as a [N, K] GEMM.
 
     Attributes: weight_dtype (type name), group_size (resolved: in_features for per-channel), zero_mode,
-    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype).
+    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype); float_class: the torch
+    module a subclass quantizes (`from_float`).
     """
+
+    float_class: type
 
     def _configure(self, weight_shape: tuple, dtype, group_size, zero_mode, scale_dtype, compute_dtype) -> None:
         """Validate and record the weight settings (before any tensor is made)."""
@@ -107,7 +101,7 @@ class QuantizedModule(nn.Module):
         check_zero_mode(weight_type, self.zero_mode)
         self.scale_dtype = check_float_dtype("scale_dtype", scale_dtype, SCALE_DTYPES)
         self.compute_dtype = compute_dtype
-        self.layout = PORTABLE_LAYOUT
+        self.layout = Layout.ROWMAJOR
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -131,11 +125,43 @@ class QuantizedModule(nn.Module):
         if tuple(weight.shape) != self.weight_shape:
             raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {self.weight_shape}")
         if weight.is_meta:
-            self._store(self._empty_portable(weight.device))
+            self._store(PackedWeight.empty(self.weight_format(Layout.ROWMAJOR), weight.device))
             return
         q = ttype.quantize(self._gemm_matrix(weight.detach()), self.weight_dtype, group_size=self.group_size,
                            zero_mode=self.zero_mode, scale_dtype=self.scale_dtype)
         self._store(pack(q))
+
+    @classmethod
+    def from_float(cls, module: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None,
+                   compute_dtype=None, scale_dtype=torch.float16) -> "QuantizedModule":
+        """Quantize a float module of `float_class` (its weight's device and values; the bias is copied as it is);
+        the settings are those of the class's constructor."""
+        if not isinstance(module, cls.float_class):
+            raise TypeError(f"module must be a torch.nn.{cls.float_class.__name__}, got {type(module).__name__}")
+        layer = cls._meta_layer(module, dtype=dtype, group_size=group_size, zero_mode=zero_mode,
+                                compute_dtype=compute_dtype, scale_dtype=scale_dtype)
+        return layer._take_parameters(module)
+
+    @classmethod
+    @abc.abstractmethod
+    def _meta_layer(cls, module: nn.Module, **settings) -> "QuantizedModule":
+        """An empty layer on the meta device with the geometry of `module` (a float one, or a bitkern one of this
+        class) and these settings: what `from_float` fills, and what a checkpoint is checked and loaded into."""
+
+    def _take_parameters(self, module: nn.Module) -> "QuantizedModule":
+        """This layer with the float `module`'s weight quantized and its bias (or None) copied as it is."""
+        self._set_weight(module.weight)
+        bias = module.bias
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                                               requires_grad=bias.requires_grad))
+        return self
+
+    def _give_parameters(self, module: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """The float `module` (built on meta in `dtype`) holding the dequantized weight and this layer's bias."""
+        module.weight = nn.Parameter(self.dequantize_weight(dtype))
+        if self.bias is not None:
+            module.bias = nn.Parameter(self.bias.detach().to(dtype).clone(), requires_grad=self.bias.requires_grad)
+        return module
 
     def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
         """The [N, K] matrix the kernels multiply by, from a weight of `weight_shape`."""
@@ -145,19 +171,11 @@ class QuantizedModule(nn.Module):
         """The inverse of `_gemm_matrix`."""
         return matrix.reshape(self.weight_shape)
 
-    def _empty_portable(self, device) -> PackedWeight:
-        """Uninitialised buffers in the portable layout (shapes as `bitkern.QuantizedWeight` documents)."""
-        weight_type = ttype.get(self.weight_dtype)
-        n, k = self.gemm_shape
-        groups = (n, k // self.group_size)
-        scale = torch.uint8 if weight_type.block_size > 1 else self.scale_dtype
-        zero = {"none": None, "hqq": self.scale_dtype}.get(self.zero_mode, torch.uint8)
-        return PackedWeight(
-            PORTABLE_LAYOUT, weight_type, (n, k), self.group_size, self.zero_mode,
-            torch.empty(n, packed_length(k, weight_type.bits), dtype=torch.int32, device=device),
-            torch.empty(groups, dtype=scale, device=device),
-            None if zero is None else torch.empty(groups, dtype=zero, device=device),
-            torch.empty((), dtype=torch.float32, device=device) if weight_type.tensor_scale else None)
+    def weight_format(self, layout) -> WeightFormat:
+        """The format of this module's weight in `layout`."""
+        block = ttype.get(self.weight_dtype).block_size > 1
+        return WeightFormat(self.weight_dtype, self.gemm_shape, self.group_size, self.zero_mode,
+                            "uint8" if block else dtype_name(self.scale_dtype), layout)
 
     def _apply(self, fn, recurse: bool = True):
         """Moves and casts apply to the buffers as they are; a move to another kind of device then re-lays
@@ -171,13 +189,19 @@ class QuantizedModule(nn.Module):
         return result
 
     def _store(self, weight: PackedWeight) -> None:
+        """Hold `weight` as this module's buffers (float metadata as raw bits) and its format as the ops take it."""
         self.layout = weight.layout
-        for name in WEIGHT_BUFFERS:
-            self.register_buffer(name, _raw_bits(getattr(weight, name)))
+        tensors, self._format_text = library.op_arguments(weight)
+        for name, tensor in zip(WEIGHT_BUFFERS, tensors):
+            self.register_buffer(name, tensor)
+
+    def op_weight(self) -> tuple[list, str]:
+        """The stored weight as the (weight, weight_format) arguments of the custom ops (`bitkern.nn.library`)."""
+        return [getattr(self, name) for name in WEIGHT_BUFFERS], self._format_text
 
     def packed_weight(self) -> PackedWeight:
         """The stored weight as a `bitkern.PackedWeight` (views of the buffers, no copy)."""
-        return library.packed_weight(*self._weight_args())
+        return library.weight_of(self.op_weight()[0], WeightFormat.decode(self._format_text))
 
     def quantized_weight(self) -> QuantizedWeight:
         """The stored weight in the portable layout (`bitkern.QuantizedWeight`)."""
@@ -185,13 +209,7 @@ class QuantizedModule(nn.Module):
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight, of `weight_shape`, that this module computes with."""
-        return self._from_gemm_matrix(torch.ops.bitkern.dequantize(*self._weight_args(), dtype))
-
-    def _weight_args(self) -> tuple:
-        """The weight as custom-op arguments (see `bitkern.nn.library`)."""
-        n, k = self.gemm_shape
-        return (self.qweight, self.scales, self.zeros, self.tensor_scale, self.weight_dtype, n, k, self.group_size,
-                self.zero_mode, self.scale_dtype, self.layout)
+        return self._from_gemm_matrix(torch.ops.bitkern.dequantize(*self.op_weight(), dtype))
 
     @property
     def nbytes(self) -> int:
@@ -246,49 +264,43 @@ class QuantizedModule(nn.Module):
         return {"dtype": self.weight_dtype, "group_size": self.group_size, "zero_mode": self.zero_mode,
                 "compute_dtype": self.compute_dtype, "scale_dtype": self.scale_dtype}
 
-    def check_weight_tensors(self, tensors: dict, layout: str, where: str = "") -> None:
+    def state_tensors(self) -> tuple[str, ...]:
+        """Names of the tensors of this module's state that a checkpoint holds besides the bias: the weight's
+        buffers (and those a subclass adds)."""
+        return WEIGHT_BUFFERS
+
+    def check_weight_tensors(self, tensors: dict, layout, where: str = "") -> None:
         """Raise ValueError naming the tensor unless `tensors` ({buffer name: (shape, dtype)} of the weight
-        buffers given) are exactly those of a weight with this module's settings stored in `layout`: the
-        shapes N, K, the group size and the type's bits imply there, in their storage dtypes."""
-        weight_type = ttype.get(self.weight_dtype)
-        n, k = self.gemm_shape
-        expected = packed_shapes(layout, weight_type, (n, k), self.group_size, self.zero_mode)
+        buffers given) are exactly those of this module's weight format in `layout`: the shapes N, K, the group
+        size and the type's bits imply there, in their storage dtypes (float metadata also as its raw bits)."""
+        weight_format = self.weight_format(layout)
+        expected = packed_class(layout).empty(weight_format, "meta")
+        n, k = weight_format.shape
         weight = (f"a [{n}, {k}] {self.weight_dtype} weight (group_size={self.group_size}, zero_mode={self.zero_mode}) "
-                  f"in layout {layout!r}")
-        for name in WEIGHT_BUFFERS:
-            want, have = expected[name], tensors.get(name)
+                  f"in layout {weight_format.layout.value!r}")
+        for name, want in zip(WEIGHT_BUFFERS, expected.tensors()):
+            have = tensors.get(name)
             if want is None and have is not None:
                 raise ValueError(f"{where}{name} is given, but {weight} has none")
             if want is not None and have is None:
-                raise ValueError(f"{where}{name} is missing; {weight} stores one of shape {list(want)}")
+                raise ValueError(f"{where}{name} is missing; {weight} stores one of shape {list(want.shape)}")
             if want is None:
                 continue
             shape, dtype = tuple(have[0]), have[1]
-            if shape != tuple(want):
-                raise ValueError(f"{where}{name} has shape {list(shape)}, but {weight} stores it as {list(want)}")
-            accepted = self._storage_dtypes(name)
+            if shape != tuple(want.shape):
+                raise ValueError(f"{where}{name} has shape {list(shape)}, but {weight} stores it as "
+                                 f"{list(want.shape)}")
+            accepted = (want.dtype, raw_bits(want).dtype)
             if dtype not in accepted:
                 raise ValueError(f"{where}{name} has dtype {dtype}, but {weight} stores it as "
-                                 f"{' or '.join(str(d) for d in accepted)}")
-
-    def _storage_dtypes(self, name: str) -> tuple:
-        """The dtypes a weight buffer may come in: its storage dtype, or for float metadata also the float
-        dtype whose raw bits it holds."""
-        scale = (self.scale_dtype, _BITS[self.scale_dtype.itemsize])
-        if name == "qweight":
-            return (torch.int32,)
-        if name == "scales":
-            return (torch.uint8,) if ttype.get(self.weight_dtype).block_size > 1 else scale
-        if name == "zeros":
-            return scale if self.zero_mode == "hqq" else (torch.uint8,)
-        return (torch.float32, torch.int32)
+                                 f"{' or '.join(str(d) for d in dict.fromkeys(accepted))}")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's load_state_dict, all or nothing: the state is first loaded into an empty twin of this module
         (on the meta device: tensors are referenced, not copied), so a state that does not fit — other
         settings, missing or unexpected tensors, shapes or dtypes that contradict the settings — raises
         before any tensor of this module changes."""
-        twin = type(self).empty_like(self, **self.settings_arguments())
+        twin = type(self)._meta_layer(self, **self.settings_arguments())
         nn.Module.load_state_dict(twin, state_dict, strict, assign=True)
         return super().load_state_dict(state_dict, strict, assign)
 
@@ -309,8 +321,9 @@ class QuantizedModule(nn.Module):
                 raise ValueError(f"the state was saved with {key}={state.get(key)!r}, but this module has "
                                  f"{key}={mine[key]!r}; build the module with the state's settings (or load "
                                  f"with bitkern.load into a float model, which reads them from the file)")
-        if state.get("layout") not in LAYOUTS:
-            raise ValueError(f"the state's layout={state.get('layout')!r} is not known; accepted: {list(LAYOUTS)}")
+        if state.get("layout") not in [layout.value for layout in Layout]:
+            raise ValueError(f"the state's layout={state.get('layout')!r} is not known; accepted: "
+                             f"{[layout.value for layout in Layout]}")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -330,21 +343,20 @@ class QuantizedModule(nn.Module):
             raise ValueError(f"{prefix}bias has shape {list(bias.shape)}; this {type(self).__name__} has "
                              f"{self.gemm_shape[0]} outputs")
         for name in given:  # float metadata given as floats is taken as its bits, never converted
-            state_dict[prefix + name] = _raw_bits(state_dict[prefix + name])
+            state_dict[prefix + name] = raw_bits(state_dict[prefix + name])
         if state is not None and given:
-            incoming = library.packed_weight(
-                *(state_dict.get(prefix + name) for name in WEIGHT_BUFFERS), self.weight_dtype,
-                *self.gemm_shape, self.group_size, self.zero_mode, self.scale_dtype, state["layout"])
+            incoming = library.weight_of([state_dict.get(prefix + name) for name in WEIGHT_BUFFERS],
+                                         self.weight_format(state["layout"]))
             target = kernel_layout(self.weight_dtype, self.qweight.device) or incoming.layout
             if target != incoming.layout:
                 log.info("bitkern: re-laying %s weight %s from %s to %s", self.weight_dtype, prefix or "(root)",
                          incoming.layout, target)
                 incoming = to_layout(incoming.to_portable(), target)
-                for name in WEIGHT_BUFFERS:
-                    if getattr(incoming, name) is not None:
-                        state_dict[prefix + name] = _raw_bits(getattr(incoming, name))
+                for name, tensor in zip(WEIGHT_BUFFERS, library.op_arguments(incoming)[0]):
+                    if tensor is not None:
+                        state_dict[prefix + name] = tensor
             if target != self.layout:  # this module's buffers take the shapes of the incoming layout
-                self._store(_empty_like(incoming, self.qweight.device))
+                self._store(packed_class(target).empty(incoming.format, self.qweight.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         with torch.no_grad():  # assigned tensors (e.g. slices of a file) may sit anywhere; kernels need alignment
@@ -360,19 +372,6 @@ class QuantizedModule(nn.Module):
                 f"weight={_size(self.nbytes)} (saves {_size(float32_bytes - self.nbytes)}, "
                 f"{1 - self.nbytes / float32_bytes:.0%} of float32)")
         return text + (f", compute_dtype={dtype_name(self.compute_dtype)}" if self.compute_dtype else "")
-
-
-def _raw_bits(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """Float tensors as same-width integers (the buffers' storage); integer tensors unchanged."""
-    if tensor is None or not tensor.is_floating_point():
-        return tensor
-    return tensor.view(_BITS[tensor.element_size()])
-
-
-def _empty_like(weight: PackedWeight, device) -> PackedWeight:
-    empty = (lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device))
-    return PackedWeight(weight.layout, weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
-                        empty(weight.qweight), empty(weight.scales), empty(weight.zeros), empty(weight.tensor_scale))
 
 
 def _size(nbytes: int) -> str:

@@ -14,46 +14,58 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ...ttype import QuantizedWeight, codes_per_word, pack, packed_length, unpack
+from ...ttype import (Layout, QuantizedWeight, StoredWeight, WeightFormat, codes_per_word, effective_group_size, get,
+                      pack, packed_length, torch_dtype, unpack)
+from ...ttype.weight import weight_format
 
 AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
 TILE16_BITS = (1, 2, 4)  # widths whose words split into 16-bit halves of whole codes (AMX, lookup tables)
-LAYOUTS = ("tile16", "rowmajor")
 ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned vector loads
 log = logging.getLogger("bitkern")
 
 
-@dataclass(eq=False)
-class PackedWeight:
+class PackedWeight(StoredWeight):
     """A QuantizedWeight in a kernel layout; `to_portable()` gives back the portable QuantizedWeight."""
 
-    layout: str
-    ttype: object
-    shape: tuple[int, int]
-    group_size: int
-    zero_mode: str
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None = None
-    tensor_scale: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
-
-    @property
-    def nbytes(self) -> int:
-        parts = (self.qweight, self.scales, self.zeros, self.tensor_scale)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def __init__(self, layout, ttype, shape, group_size: int, zero_mode: str, qweight: torch.Tensor,
+                 scales: torch.Tensor, zeros: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+        super().__init__(weight_format(ttype, shape, group_size, zero_mode, scales, layout), qweight, scales, zeros,
+                         tensor_scale)
 
     @property
     def padded_k(self) -> int:
-        return padded_k(self.shape[1], self.ttype.bits) if self.layout == "tile16" else self.shape[1]
+        return padded_k(self.shape[1], self.ttype.bits) if self.layout == Layout.TILE16 else self.shape[1]
+
+    @classmethod
+    def empty(cls, format: WeightFormat, device) -> "PackedWeight":
+        """A weight of `format` with uninitialised tensors on `device` (meta: shapes and dtypes only), in the shapes
+        its layout gives them and the format's storage dtypes: what a checkpoint's tensors are checked against
+        and loaded into."""
+        dtypes = ("int32", format.scale_dtype, format.zero_dtype, "float32")
+        return cls.from_format(format, *(None if shape is None else
+                                         torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+                                         for shape, dtype in zip(cls.tensor_shapes(format), dtypes)))
+
+    @staticmethod
+    def tensor_shapes(format: WeightFormat) -> tuple:
+        """The shapes of qweight, scales, zeros and tensor_scale (None where the format has none) of a weight of
+        `format` in its layout (rowmajor or tile16), as `to_layout` makes them."""
+        ttype = get(format.dtype)
+        n, k = format.shape
+        groups = k // effective_group_size(format.group_size, k)
+        if format.layout == Layout.ROWMAJOR:
+            codes, per_group = (n, packed_length(k, ttype.bits)), (n, groups)
+        elif format.layout == Layout.TILE16:
+            tiles = -(-n // AMX_TILE_ROWS)
+            codes = (tiles, padded_k(k, ttype.bits) // codes_per_word(ttype.bits), AMX_TILE_ROWS)
+            per_group = (tiles, groups, AMX_TILE_ROWS)
+        else:
+            raise ValueError(f"layout={format.layout.value!r} is not a CPU layout; accepted: ['tile16', 'rowmajor']")
+        return codes, per_group, None if format.zero_dtype is None else per_group, () if ttype.tensor_scale else None
 
     def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
         """qweight, scales, zeros and tensor_scale (as [1]) as the CPU kernels take them, 64-byte aligned;
@@ -68,7 +80,7 @@ class PackedWeight:
 
     def to_portable(self) -> QuantizedWeight:
         """The same weight in the portable layout (for checkpoints)."""
-        if self.layout == "rowmajor":
+        if self.layout == Layout.ROWMAJOR:
             return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, self.qweight,
                                    self.scales, self.zeros, self.tensor_scale)
         n, k = self.shape
@@ -80,11 +92,6 @@ class PackedWeight:
                                untile(self.scales), untile(self.zeros), self.tensor_scale)
 
 
-def layout_for(ttype) -> str:
-    """The CPU layout a weight type is packed in (every template reads tile16)."""
-    return "tile16"
-
-
 def padded_k(k: int, bits: int) -> int:
     """K rounded up to a multiple of the AMX step and of the codes one word holds."""
     unit = math.lcm(AMX_STEP_K, codes_per_word(bits))
@@ -93,36 +100,19 @@ def padded_k(k: int, bits: int) -> int:
 
 def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
     """Transform a portable QuantizedWeight into `layout` (see the module docstring)."""
-    if layout == "rowmajor":
-        return PackedWeight("rowmajor", weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
+    if layout == Layout.ROWMAJOR:
+        return PackedWeight(Layout.ROWMAJOR, weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
                             weight.qweight, weight.scales, weight.zeros, weight.tensor_scale)
-    if layout != "tile16":
-        raise ValueError(f"layout={layout!r} is not known; accepted: {list(LAYOUTS)}")
+    if layout != Layout.TILE16:
+        raise ValueError(f"layout={layout!r} is not a CPU layout; accepted: ['tile16', 'rowmajor']")
     bits = weight.ttype.bits
     n, k = weight.shape
     rows = math.ceil(n / AMX_TILE_ROWS) * AMX_TILE_ROWS
     codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
     words = pack(_map_codes(codes, bits), bits)
     tile = (lambda t: None if t is None else _tile_rows(t, rows))
-    return PackedWeight("tile16", weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
+    return PackedWeight(Layout.TILE16, weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
                         tile(weight.scales), tile(weight.zeros), weight.tensor_scale)
-
-
-def packed_shapes(layout: str, ttype, shape: tuple[int, int], group_size: int, zero_mode: str) -> dict:
-    """The shapes `to_layout` gives a weight's qweight, scales, zeros and tensor_scale (None: the weight has
-    none), computed without making them (to check a checkpoint's tensors against its metadata)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not known; accepted: {list(LAYOUTS)}")
-    n, k = shape
-    groups = k // group_size
-    if layout == "rowmajor":
-        codes, per_group = (n, packed_length(k, ttype.bits)), (n, groups)
-    else:
-        tiles = math.ceil(n / AMX_TILE_ROWS)
-        codes = (tiles, padded_k(k, ttype.bits) // codes_per_word(ttype.bits), AMX_TILE_ROWS)
-        per_group = (tiles, groups, AMX_TILE_ROWS)
-    return {"qweight": codes, "scales": per_group, "zeros": None if zero_mode == "none" else per_group,
-            "tensor_scale": () if ttype.tensor_scale else None}
 
 
 def _tile_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -165,17 +155,14 @@ class Tile16Storage:
         from tvm import te
 
         from ...ops.expr import scale_storage, zero_storage
-        from ...ttype import get
 
         self.bits = get(spec.weight_dtype).bits
         self.per_word = codes_per_word(self.bits)
-        group = k if spec.group_size == -1 else spec.group_size
-        tiles, groups = math.ceil(n / AMX_TILE_ROWS), k // group
-        self.qweight = te.placeholder((tiles, padded_k(k, self.bits) // self.per_word, AMX_TILE_ROWS), "int32",
-                                      name="qweight")
-        self.scales = te.placeholder((tiles, groups, AMX_TILE_ROWS), scale_storage(spec), name="scales")
-        self.zeros = te.placeholder((tiles, groups, AMX_TILE_ROWS), zero_storage(spec), name="zeros") \
-            if spec.zero_mode != "none" else None
+        codes, per_group, zeros, _ = PackedWeight.tensor_shapes(
+            WeightFormat(spec.weight_dtype, (n, k), spec.group_size, spec.zero_mode, spec.scale_dtype, Layout.TILE16))
+        self.qweight = te.placeholder(codes, "int32", name="qweight")
+        self.scales = te.placeholder(per_group, scale_storage(spec), name="scales")
+        self.zeros = None if zeros is None else te.placeholder(zeros, zero_storage(spec), name="zeros")
 
     def code(self, i, j):
         from tvm import tirx
