@@ -94,7 +94,10 @@ def load(model: nn.Module, path: str | os.PathLike, device=None, strict: bool = 
     for alias, kept in header["aliases"].items():
         state[alias] = state[kept]
     state.update({name + _EXTRA if name else "_extra_state": settings for name, settings in header["modules"].items()})
-    _swap_in(model, replacements, state, strict)
+    try:
+        _swap_in(model, replacements, state, strict)
+    except ValueError as error:  # a value only the data shows (e.g. an input_order that is no permutation)
+        raise ValueError(f"{path}: {error}") from None
     still_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         log.warning("bitkern: after loading %s these tensors are still on the meta device (the file has none "

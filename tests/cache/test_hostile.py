@@ -739,6 +739,11 @@ TENSOR_CASES = {
     "an int tensor for a float parameter": (lambda t: {**t, "embed.weight": torch.zeros(10, 96, dtype=torch.int32)},
                                             "'embed.weight' has dtype"),
     "a bias of another size": (lambda t: {**t, "fc2.bias": torch.zeros(95)}, "'fc2.bias' has shape"),
+    "an input order of another length": (lambda t: {**t, "fc2.input_order": torch.arange(47)},
+                                         "fc2.input_order has shape \\[47\\]"),
+    "an input order of floats": (lambda t: {**t, "fc2.input_order": torch.arange(48.0)}, "fc2.input_order has .* dtype"),
+    "an input order that is no permutation": (lambda t: {**t, "fc2.input_order": torch.zeros(48, dtype=torch.long)},
+                                              "fc2.input_order must be a permutation"),
 }
 
 
@@ -796,6 +801,8 @@ STATE_CASES = {
     "a bias missing": (lambda s: {k: v for k, v in s.items() if k != "bias"}, RuntimeError, "Missing key"),
     "an unexpected key": (lambda s: {**s, "weight": torch.zeros(48, 96)}, RuntimeError, "Unexpected key"),
     "a bias of another size": (lambda s: {**s, "bias": torch.zeros(47)}, ValueError, "bias has shape"),
+    "an input order that is no permutation": (lambda s: {**s, "input_order": torch.zeros(96, dtype=torch.long)},
+                                              ValueError, "input_order must be a permutation"),
 }
 
 
