@@ -26,6 +26,7 @@ EPILOGUES = ("none", "relu", "silu", "gelu", "swiglu")
 SWIGLU_BLOCK = 16  # rows of gate, then of up, alternating in a SwiGLU weight (one 16-column tile of each)
 _SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
                 "bias", "layout", "scale_dtype", "epilogue", "residual")
+BIAS_DTYPES = tuple(torch_dtype(name) for name in ("float32", "float16", "bfloat16"))  # added in float32: exact
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ class Matmul:
                 and type(x) is torch.Tensor and x.dtype is activation and x.dim() >= 1 and x.shape[-1] == k
                 and x.is_cpu and weight.qweight.is_cpu
                 and (bias is None if not self.bias else
-                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu)
+                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu
+                     and bias.dtype in BIAS_DTYPES)
                 and (residual is None if not self.residual else
                      type(residual) is torch.Tensor and residual.shape[:-1] == x.shape[:-1]
                      and residual.shape[-1] == self.out_features(n) and residual.is_contiguous()
@@ -178,6 +180,9 @@ class Matmul:
                 raise ValueError(f"bias must be a tensor of shape ({n},), got {got}")
             if bias.device != weight.device:
                 raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+            if bias.dtype not in BIAS_DTYPES:
+                raise TypeError(f"bias has dtype {bias.dtype}; the kernels add a float32, float16 or bfloat16 bias "
+                                f"(exactly, in float32) and cast none silently: convert it explicitly")
         self.check_shape(n, k)
         if self.residual != (residual is not None):
             raise ValueError(f"residual {'is required' if self.residual else 'must be None'}: the spec has "
