@@ -122,6 +122,21 @@ class DiskStore:
                 raise
         return final
 
+    def pinned(self, key: KernelKey) -> list:
+        """The stored kernels pinned to a configuration (`KernelKey.pinned`) for the kernel `key` names, e.g. a
+        kit's prebuilt tuning candidates: loaded (verified), ordered by their configurations' names."""
+        found = []
+        for entry in self.entries():
+            stored = entry.get("key")
+            if not isinstance(stored, dict) or not stored.get("pinned") or stored.get("target") != key.target:
+                continue
+            other = KernelKey.from_dict(stored)
+            if other.tuned() == key.tuned():
+                kernel = self.load(other)
+                if kernel is not None:
+                    found.append((other.pinned, kernel))
+        return [kernel for _, kernel in sorted(found, key=lambda item: item[0])]
+
     def entries(self, all_versions: bool = False) -> list[dict]:
         """Manifests of the stored entries (with their directory), the running versions' only by default."""
         found = []
