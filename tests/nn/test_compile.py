@@ -121,6 +121,18 @@ def test_cuda_graph_capture_and_replay():
         assert not torch.equal(captured, expected)
 
 
+@pytest.mark.requires_cuda
+def test_torch_compile_on_cuda_matches_eager():
+    """Inductor on CUDA (fullgraph): the bitkern ops inside the compiled graph run the same kernels as eager."""
+    model = _quantized_block(compute_dtype=torch.float16).cuda().half()
+    x = torch.randn(2, 6, DIM, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True)(x)
+    assert compiled.dtype == torch.float16
+    assert_matches(compiled, eager, 2e-3)
+
+
 def test_cuda_move_is_refused_clearly_where_torch_has_no_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
