@@ -90,8 +90,9 @@ class DiskStore:
             shutil.rmtree(directory, ignore_errors=True)
             return None
 
-    def save(self, key: KernelKey, kernel) -> Path:
-        """Write `kernel` (compiled in this process) as the entry of `key`, atomically."""
+    def save(self, key: KernelKey, kernel, copy_of: KernelKey | None = None) -> Path:
+        """Write `kernel` (compiled in this process) as the entry of `key`, atomically; `copy_of`: the entry `kernel`
+        was loaded from (a prebuilt candidate), whose files are copied (and checked against its checksums)."""
         from safetensors.torch import save_file
 
         final = self.entry_dir(key)
@@ -100,7 +101,9 @@ class DiskStore:
         temporary = final.parent / f".{key.digest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         temporary.mkdir()
         try:
-            if key.target.startswith("cuda-"):
+            if copy_of is not None:
+                _copy_files(self.entry_dir(copy_of), temporary)
+            elif key.target.startswith("cuda-"):
                 kernel.save(str(temporary))  # cubin, PTX, the .cu source and the launch description
             else:
                 kernel.module.export_library(str(temporary / LIBRARY))
@@ -123,8 +126,8 @@ class DiskStore:
         return final
 
     def pinned(self, key: KernelKey) -> list:
-        """The stored kernels pinned to a configuration (`KernelKey.pinned`) for the kernel `key` names, e.g. a
-        kit's prebuilt tuning candidates: loaded (verified), ordered by their configurations' names."""
+        """(key, kernel) of the stored kernels pinned to a configuration (`KernelKey.pinned`) for the kernel `key`
+        names, e.g. a kit's prebuilt tuning candidates: loaded (verified), ordered by their configurations' names."""
         found = []
         for entry in self.entries():
             stored = entry.get("key")
@@ -134,8 +137,8 @@ class DiskStore:
             if other.tuned() == key.tuned():
                 kernel = self.load(other)
                 if kernel is not None:
-                    found.append((other.pinned, kernel))
-        return [kernel for _, kernel in sorted(found, key=lambda item: item[0])]
+                    found.append((other, kernel))
+        return sorted(found, key=lambda item: item[0].pinned)
 
     def entries(self, all_versions: bool = False) -> list[dict]:
         """Manifests of the stored entries (with their directory), the running versions' only by default."""
@@ -229,6 +232,15 @@ class DiskStore:
                     shutil.rmtree(leftover, ignore_errors=True)
             except OSError:
                 pass
+
+
+def _copy_files(source: Path, target: Path) -> None:
+    """Copy an entry's files (its manifest aside) into `target`, each checked against the entry's checksum."""
+    manifest = json.loads((source / MANIFEST).read_text())
+    for name, checksum in manifest["files"].items():
+        shutil.copyfile(source / name, target / name)
+        if _sha256(target / name) != checksum:
+            raise ValueError(f"{source / name} does not match its checksum")
 
 
 def _kernel_from(directory: Path, manifest: dict):

@@ -74,28 +74,30 @@ def _load_or_build(key: KernelKey, device, store: DiskStore):
     with store.lock(key):
         kernel = store.load(key)  # another process may have built it while we waited
         if kernel is None:
-            tuned = _tuned(key, device, store)
+            tuned, copy_of = _tuned(key, device, store)
             kernel = tuned.kernel
             kernel.record = tuned.record
-            store.save(key, kernel)
+            store.save(key, kernel, copy_of)
     return kernel
 
 
 def _tuned(key: KernelKey, device, store: DiskStore):
-    """The kernel of `key` and its record: the pinned configuration built, the fastest of the store's prebuilt
-    candidates, or the tuner's choice built."""
-    from ..tuner import choose, build_pinned, tune
+    """(the kernel of `key` with its record, the key of the stored entry it is, if any): the pinned configuration
+    built, the fastest of the store's prebuilt candidates, or the tuner's choice built."""
+    from ..tuner import build_pinned, choose, tune
 
     profile = tuning_mode() == "profile"
     if key.pinned:
         _check_can_build(key, device, store)
         template, fields = key.pinned.split(":", 1)
-        return build_pinned(key.spec, key.n, key.k, key.bucket, key.layout, device, template, json.loads(fields))
+        return build_pinned(key.spec, key.n, key.k, key.bucket, key.layout, device, template, json.loads(fields)), None
     prebuilt = store.pinned(key)
     if prebuilt:
-        return choose(key.spec, key.n, key.k, key.bucket, key.layout, device, prebuilt, profile=profile)
+        tuned = choose(key.spec, key.n, key.k, key.bucket, key.layout, device, [kernel for _, kernel in prebuilt],
+                       profile=profile)
+        return tuned, next(stored for stored, kernel in prebuilt if kernel is tuned.kernel)
     _check_can_build(key, device, store)
-    return tune(key.spec, key.n, key.k, key.bucket, key.layout, device, profile=profile)
+    return tune(key.spec, key.n, key.k, key.bucket, key.layout, device, profile=profile), None
 
 
 def _check_can_build(key: KernelKey, device, store: DiskStore) -> None:

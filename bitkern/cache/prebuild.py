@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -80,6 +80,7 @@ class PrebuildReport:
     built: int
     seconds: float
     target: str
+    failed: list = field(default_factory=list)  # (request, error) of kernels that did not build (keep_going)
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,10 @@ def prebuild(shapes: list[LinearShape], dtype: str = "int4", group_size: int = 1
 
 
 def prebuild_requests(requests: list[Request], store: DiskStore | None = None, workers: int = 1,
-                      progress: bool = True, description: str = "prebuild") -> PrebuildReport:
+                      progress: bool = True, description: str = "prebuild", keep_going: bool = False) -> PrebuildReport:
     """Compile (or find in the store) every requested kernel, in `workers` processes (TVM holds the interpreter
-    while it lowers; nvcc runs beside it).  The report's target names the requests' targets."""
+    while it lowers; nvcc runs beside it).  A kernel that fails to build raises, or with `keep_going` is listed in
+    the report's `failed` and the others are built.  The report's target names the requests' targets."""
     store = store or DiskStore()
     start = time.perf_counter()
     jobs = [job for request in requests for job in _jobs(request)]
@@ -131,15 +133,14 @@ def prebuild_requests(requests: list[Request], store: DiskStore | None = None, w
     if workers > 1 and len(jobs) > 1:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked TVM or torch threads
         with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            done = pool.map(_build, jobs, [str(store.root)] * len(jobs), chunksize=1)
-            for _ in tqdm(done, total=len(jobs), desc=description, disable=not progress):
-                pass
+            done = pool.map(_build, jobs, [str(store.root)] * len(jobs), [keep_going] * len(jobs), chunksize=1)
+            errors = list(tqdm(done, total=len(jobs), desc=description, disable=not progress))
     else:
-        for job in tqdm(jobs, desc=description, disable=not progress):
-            _build(job, store)
+        errors = [_build(job, store, keep_going) for job in tqdm(jobs, desc=description, disable=not progress)]
     built = len({entry["directory"] for entry in store.entries()} - before)
     targets = ",".join(dict.fromkeys(request.target for request in requests))
-    return PrebuildReport(len(jobs), built, time.perf_counter() - start, targets)
+    failed = [(job, error) for job, error in zip(jobs, errors) if error is not None]
+    return PrebuildReport(len(jobs), built, time.perf_counter() - start, targets, failed)
 
 
 def _jobs(request: Request) -> list[Request]:
@@ -156,12 +157,19 @@ def _jobs(request: Request) -> list[Request]:
                                        top_k=request.candidates)]
 
 
-def _build(job: Request, store) -> None:
-    """Find or build the kernel of a job (a request without candidates) in `store` (a DiskStore or its root)."""
+def _build(job: Request, store, keep_going: bool = False) -> str | None:
+    """Find or build the kernel of a job (a request without candidates) in `store` (a DiskStore or its root); None,
+    or with `keep_going` the error that stopped the build."""
     store = store if isinstance(store, DiskStore) else DiskStore(store)
     device = device_for(job.target)
     layout = layout_for(get(job.spec.weight_dtype), device.kind)
-    if job.template is None:
-        kernel_for(job.spec, job.n, job.k, job.bucket[0], layout, device, store)
-    else:
-        pinned_kernel(job.spec, job.n, job.k, job.bucket, layout, device, job.template, job.config, store)
+    try:
+        if job.template is None:
+            kernel_for(job.spec, job.n, job.k, job.bucket[0], layout, device, store)
+        else:
+            pinned_kernel(job.spec, job.n, job.k, job.bucket, layout, device, job.template, job.config, store)
+    except Exception as error:  # any failure of the compiler stack is the job's: reported, the others go on
+        if not keep_going:
+            raise
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:500]
+    return None
