@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import bitkern
-from bitkern.gpukit.matrix import BENCH_GROUP, BENCH_SHAPES, bench_specs
+from bitkern.gpukit.matrix import BENCH_GROUP, BENCH_SHAPES, BENCH_TYPE, bench_specs
 
 WARMUP_MS, REP_MS = 10, 50
 COPY_BYTES = 1 << 30
@@ -46,13 +46,16 @@ def _bitkern(spec, weight: torch.Tensor):
     return bitkern.pack(quantized), quantized.dequantize(torch.float16)
 
 
-def _peers(weight16: torch.Tensor, errors: dict) -> dict:
-    """{peer: call(x16, x_bf16)} for one [N, K] weight (random 4-bit codes for tinygemm and gemlite: their times do
-    not depend on the values); a peer that cannot be set up is left out, its error noted once."""
+def _peers(weight16: torch.Tensor, errors: dict, every: bool) -> dict:
+    """{peer: call(x16, x_bf16)} for one [N, K] weight: cuBLAS fp16, and with `every` cuBLAS bf16, tinygemm and
+    gemlite (random 4-bit codes for these two: their times do not depend on the values); a peer that cannot be set
+    up is left out, its error noted once."""
     n, k = weight16.shape
+    peers = {"cublas_fp16": lambda x16, xbf: torch.matmul(x16, weight16.t())}
+    if not every:
+        return peers
     weight_bf16 = weight16.bfloat16()
-    peers = {"cublas_fp16": lambda x16, xbf: torch.matmul(x16, weight16.t()),
-             "cublas_bf16": lambda x16, xbf: torch.matmul(xbf, weight_bf16.t())}
+    peers["cublas_bf16"] = lambda x16, xbf: torch.matmul(xbf, weight_bf16.t())
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
     try:
         packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8)
@@ -80,36 +83,24 @@ def run(results: Path, budget_s: float = 150.0) -> tuple[str, str]:
     bandwidth = copy_bandwidth()
     rows, errors, left = [], {}, []
     generator = torch.Generator(device="cuda").manual_seed(0)
-    (spec, m_values), *others = bench_specs()
-    for n, k in BENCH_SHAPES:
-        if time.monotonic() > deadline:
-            left.append(f"{spec.weight_dtype} {n}x{k}")
-            continue
-        weight16 = (torch.randn(n, k, device="cuda", generator=generator) * 0.02).half()
-        packed, dequantized = _bitkern(spec, weight16.float())
-        peers = _peers(weight16, errors)
-        for m in m_values:
-            x16 = torch.randn(m, k, device="cuda", generator=generator).half()
-            xbf = x16.bfloat16()
-            row = {"type": spec.weight_dtype, "n": n, "k": k, "m": m,
-                   "bitkern_s": median_seconds(lambda: spec(x16, packed)),
-                   "bytes": _bytes(packed, m, n, k), "error": _error(spec(x16, packed), x16, dequantized)}
-            for peer, call in peers.items():
-                row[f"{peer}_s"] = median_seconds(lambda: call(x16, xbf))
-            rows.append(row)
-        del weight16, packed, dequantized, peers
-    for other, m_values in others:
+    for spec, m_values in bench_specs():
         for n, k in BENCH_SHAPES:
             if time.monotonic() > deadline:
-                left.append(f"{other.weight_dtype} {n}x{k}")
+                left.append(f"{spec.weight_dtype} {n}x{k}")
                 continue
             weight16 = (torch.randn(n, k, device="cuda", generator=generator) * 0.02).half()
-            packed, dequantized = _bitkern(other, weight16.float())
-            x16 = torch.randn(1, k, device="cuda", generator=generator).half()
-            rows.append({"type": other.weight_dtype, "n": n, "k": k, "m": 1,
-                         "bitkern_s": median_seconds(lambda: other(x16, packed)), "bytes": _bytes(packed, 1, n, k),
-                         "error": _error(other(x16, packed), x16, dequantized),
-                         "cublas_fp16_s": median_seconds(lambda: torch.matmul(x16, weight16.t()))})
+            packed, dequantized = _bitkern(spec, weight16.float())
+            peers = _peers(weight16, errors, every=spec.weight_dtype == BENCH_TYPE)
+            for m in m_values:
+                x16 = torch.randn(m, k, device="cuda", generator=generator).half()
+                xbf = x16.bfloat16()
+                row = {"type": spec.weight_dtype, "n": n, "k": k, "m": m,
+                       "bitkern_s": median_seconds(lambda: spec(x16, packed)),
+                       "bytes": _bytes(packed, m, n, k), "error": _error(spec(x16, packed), x16, dequantized)}
+                for peer, call in peers.items():
+                    row[f"{peer}_s"] = median_seconds(lambda: call(x16, xbf))
+                rows.append(row)
+            del weight16, packed, dequantized, peers
     for row in rows:
         row["hbm_fraction"] = row["bytes"] / row["bitkern_s"] / bandwidth
         for peer in PEERS:

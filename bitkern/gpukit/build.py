@@ -58,6 +58,7 @@ class KitReport:
     built: int
     seconds: float
     bytes: int
+    failed: int  # kernels that did not build (kit.json lists them; the dry run reports them)
 
 
 def build(out: str | os.PathLike, archs: list[str], smoke: bool = False, workers: int | None = None,
@@ -82,8 +83,9 @@ def build(out: str | os.PathLike, archs: list[str], smoke: bool = False, workers
     with tempfile.TemporaryDirectory(prefix="bitkern-kit-cache-") as cache:
         store = DiskStore(cache)
         report = prebuild_requests(requests, store, workers or os.cpu_count() or 1, progress,
-                                   f"gpu-kit {','.join(archs)}")
+                                   f"gpu-kit {','.join(archs)}", keep_going=True)
         listing = [_listed(request, store) for request in requests]
+        failed = [{"key": _key(job).to_dict(), "error": error} for job, error in report.failed]
         store.export(out / BUNDLE)
     _copy_package(repo, out)
     for name in TEST_FILES + BENCHMARK_FILES:
@@ -92,7 +94,7 @@ def build(out: str | os.PathLike, archs: list[str], smoke: bool = False, workers
     decode = {arch: _decode_cubin(repo, arch, out) for arch in archs}
     wheel = _gemlite_wheel(gemlite, out / "wheels")
     kit = {"archs": archs, "versions": versions(), "profile": "smoke" if smoke else "full", "kernels": listing,
-           "decode": decode, "gemlite": wheel, "tests": list(GPU_TESTS), "benchmark": BENCHMARK_FILES[0],
+           "failed": failed, "decode": decode, "gemlite": wheel, "tests": list(GPU_TESTS), "benchmark": BENCHMARK_FILES[0],
            "built": {"kernels": report.kernels, "compiled": report.built, "seconds": round(report.seconds, 1)}}
     (out / MANIFEST).write_text(json.dumps(kit, indent=1))
     (out / "run").write_text(_ENTRY)
@@ -101,7 +103,10 @@ def build(out: str | os.PathLike, archs: list[str], smoke: bool = False, workers
     if size > SIZE_BUDGET:
         log.warning("bitkern: the kit in %s holds %.1f MB, over the %.0f MB budget", out, size / 1e6,
                     SIZE_BUDGET / 1e6)
-    return KitReport(out, report.kernels, report.built, time.perf_counter() - start, size)
+    for item in failed:
+        log.warning("bitkern: gpu-kit could not build %s: %s", KernelKey.from_dict(item["key"]).describe(),
+                    item["error"])
+    return KitReport(out, report.kernels, report.built, time.perf_counter() - start, size, len(failed))
 
 
 def _source_checkout() -> Path:
@@ -114,11 +119,15 @@ def _source_checkout() -> Path:
     return repo
 
 
+def _key(request: Request) -> KernelKey:
+    pinned = pinned_name(request.template, request.config) if request.template else ""
+    return KernelKey(request.spec, request.n, request.k, tuple(request.bucket), Layout.LOP3.value,
+                     cuda_device(request.target).key, pinned)
+
+
 def _listed(request: Request, store: DiskStore) -> dict:
     """The kit.json entry of a request: its kind and key (and how many candidates the store holds)."""
-    pinned = pinned_name(request.template, request.config) if request.template else ""
-    key = KernelKey(request.spec, request.n, request.k, tuple(request.bucket), Layout.LOP3.value,
-                    cuda_device(request.target).key, pinned)
+    key = _key(request)
     if request.template:
         return {"kind": "pinned", "key": key.to_dict()}
     if request.candidates:

