@@ -58,12 +58,14 @@ def python_without_tvm(tmp_path_factory) -> str:
 
 
 def _run(command, pythonpath, cache=None, timeout=600):
+    """Run `command` with only `pythonpath` before the Python's own packages (from the filesystem root, so that
+    `python -c` does not put this checkout first)."""
     environment = {**os.environ, "PYTHONPATH": str(pythonpath)}
     environment.pop("BITKERN_KIT_DIR", None)
     if cache is not None:
         environment["BITKERN_CACHE_DIR"] = str(cache)
     return subprocess.run([str(part) for part in command], capture_output=True, text=True, env=environment,
-                          timeout=timeout)
+                          timeout=timeout, cwd="/")
 
 
 def test_smoke_kit_holds_what_it_lists(smoke_kit):
@@ -125,7 +127,7 @@ try:
     raise SystemExit("no error for a missing CUDA kernel")
 except KernelNotFound as error:
     print("CUDA:", error)
-layer = bitkern.Linear(64, 32, dtype="int4")
+layer = bitkern.Linear(64, 32, dtype="int4", group_size=32)
 try:
     layer(torch.randn(2, 64))
     raise SystemExit("no error for a missing CPU kernel")
@@ -162,6 +164,7 @@ from bitkern.cache.dispatch import rehearsal
 from bitkern.tuner import cuda_device
 model = bitkern.load(nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64, bias=False)),
                      {str(tmp_path / "model.safetensors")!r})
+assert bitkern.__file__.startswith({str(smoke_kit)!r}), bitkern.__file__
 assert isinstance(model[0], bitkern.Linear) and model[0].weight_dtype == "int4"
 with rehearsal(cuda_device("sm_90")) as launches:
     y = model(torch.randn(3, 256))

@@ -8,13 +8,15 @@ Run on a GPU machine:  python -m pytest tests/codegen/cuda/test_gpu.py -q   (or 
 Memory checking:       compute-sanitizer --tool memcheck python -m pytest tests/codegen/cuda/test_gpu.py -q -k edge
 """
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from bitkern.cache import pinned_kernel
+from bitkern.cache import KernelKey, KernelNotFound, pinned_kernel
+from bitkern.cache.key import pinned_name
 from bitkern.codegen.cuda import pack
 from bitkern.codegen.cuda.compile import nvcc
 from bitkern.codegen.cuda.launcher import module
@@ -43,7 +45,23 @@ def _kernel(case: Case, spec, arch: str):
     config = case.config(spec, arch)
     if config is None:
         pytest.skip(f"no {case.template} configuration builds {spec} with N={case.n}, K={case.k}")
-    return pinned_kernel(spec, case.n, case.k, ANY_ROWS, "lop3", cuda_device(), case.template, config)
+    try:
+        return pinned_kernel(spec, case.n, case.k, ANY_ROWS, "lop3", cuda_device(), case.template, config)
+    except KernelNotFound:
+        key = KernelKey(spec, case.n, case.k, ANY_ROWS, "lop3", cuda_device().key, pinned_name(case.template, config))
+        failed = _kit_build_failures().get(json.dumps(key.to_dict(), sort_keys=True))
+        if failed:
+            pytest.fail(f"the GPU kit could not build this kernel: {failed}")
+        raise
+
+
+def _kit_build_failures() -> dict:
+    """{key as JSON: error} of the kernels a GPU kit running these tests failed to build (none elsewhere)."""
+    manifest = Path(os.environ.get("BITKERN_KIT_DIR", "")) / "kit.json"
+    if not os.environ.get("BITKERN_KIT_DIR") or not manifest.is_file():
+        return {}
+    return {json.dumps(item["key"], sort_keys=True): item["error"]
+            for item in json.loads(manifest.read_text()).get("failed", [])}
 
 
 def _check(spec, q, x, bias, y):
