@@ -50,6 +50,7 @@ class CudaKernel:
 
     def __call__(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y[M, N] for a contiguous CUDA x[M, K] (inputs validated by the caller, as for the CPU kernels)."""
+        self._check_call(x, weight)
         self._check_device(x.device)
         y, calls = self.plan(x, weight, bias)
         module = self._module(x.device)
@@ -63,13 +64,8 @@ class CudaKernel:
         """(y, [LaunchCall]): the output allocated on x's device and the launches that compute it, arguments
         packed; everything a call does but the driver calls (a dry run checks them against the cubin with host
         tensors, `launcher.check_launches`)."""
-        m = x.shape[0]
-        if not 1 <= m <= MAX_ROWS:
-            raise ValueError(f"x has {m} rows; a CUDA kernel serves 1 to {MAX_ROWS}")
-        if not isinstance(weight, Lop3Weight):
-            raise TypeError(f"weight must be packed in the 'lop3' layout (bitkern.codegen.cuda.pack), "
-                            f"got {type(weight).__name__} layout {getattr(weight, 'layout', None)!r}")
-        device = x.device
+        self._check_call(x, weight)
+        m, device = x.shape[0], x.device
         y = torch.empty(m, self.n, dtype=torch_dtype(self.spec.output_dtype), device=device)
         tensors = {"x": x, "qweight": weight.qweight, "scales": weight.scales, "y": y}
         if weight.zeros is not None:
@@ -105,6 +101,14 @@ class CudaKernel:
                                     ("kernel.cu", self.source, "w"), ("kernel.json", json.dumps(description), "w")):
             with open(os.path.join(directory, name), mode) as handle:
                 handle.write(content)
+
+    @staticmethod
+    def _check_call(x: torch.Tensor, weight) -> None:
+        if not 1 <= x.shape[0] <= MAX_ROWS:
+            raise ValueError(f"x has {x.shape[0]} rows; a CUDA kernel serves 1 to {MAX_ROWS}")
+        if not isinstance(weight, Lop3Weight):
+            raise TypeError(f"weight must be packed in the 'lop3' layout (bitkern.codegen.cuda.pack), "
+                            f"got {type(weight).__name__} layout {getattr(weight, 'layout', None)!r}")
 
     def _check_device(self, device: torch.device) -> None:
         if device.type != "cuda":
