@@ -127,6 +127,10 @@ def prebuild_requests(requests: list[Request], store: DiskStore | None = None, w
     while it lowers; nvcc runs beside it).  A kernel that fails to build raises, or with `keep_going` is listed in
     the report's `failed` and the others are built.  The report's target names the requests' targets."""
     store = store or DiskStore()
+    problem = store.problem()
+    if problem:  # kernels would be built in memory only: nothing prebuilt
+        raise ValueError(f"the kernel cache {store.root} {problem}; prebuild stores kernels there (choose another "
+                         f"with --cache-dir or BITKERN_CACHE_DIR)")
     start = time.perf_counter()
     jobs = [job for request in requests for job in _jobs(request)]
     before = {entry["directory"] for entry in store.entries()}
