@@ -25,7 +25,6 @@ from ..ttype import get, torch_dtype
 from ..tuner.buckets import m_bucket
 
 ANY_ROWS = (1, 1 << 30)  # the rows a correctness kernel serves (M is symbolic in every CUDA kernel)
-FP8_ARCHS = ("sm_89", "sm_90")
 TUNING_CANDIDATES = 4  # configurations per benchmark kernel, timed on the device
 
 BENCH_SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192))  # (N, K): Llama-3 8B/70B
@@ -72,7 +71,11 @@ class Case:
                 (f"-s{self.seed}" if self.seed else "") + ("" if self.prefer is None else f"-{_short(self.prefer)}"))
 
     def supported_on(self, arch: str) -> bool:
-        return self.activation != "float8_e4m3" or arch in FP8_ARCHS
+        """Whether the case's template serves its spec and shape on `arch` (as the template itself says)."""
+        from ..codegen.cuda import TEMPLATES
+
+        template = next(template for template in TEMPLATES if template.name == self.template)
+        return template.spec_unsupported(self.spec(), self.n, self.k, arch) is None
 
     def inputs(self):
         """(spec, quantized weight, x, bias) on the host, the same on every machine."""
