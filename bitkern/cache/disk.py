@@ -147,14 +147,33 @@ class DiskStore:
             if lock is not None:
                 lock.release()
 
-    def save(self, key: KernelKey, kernel) -> Path | None:
+    def save(self, key: KernelKey, kernel, copy_of: KernelKey | None = None) -> Path | None:
         """Write `kernel` (compiled in this process) as the entry of `key`, atomically; None (after one
-        warning) where the store cannot be written."""
+        warning) where the store cannot be written.  `copy_of`: the entry `kernel` was loaded from (a prebuilt
+        candidate), whose files, read and checked against its checksums, are the new entry's."""
         try:
-            return self._save(key, kernel)
+            return self._save(key, kernel, copy_of)
         except (OSError, Untrusted) as error:
             self._warn_unusable(f"cannot be written ({error})")
             return None
+
+    def pinned(self, key: KernelKey) -> list:
+        """(key, kernel) of the stored kernels pinned to a configuration (`KernelKey.pinned`) for the kernel `key`
+        names, e.g. a kit's prebuilt tuning candidates: loaded (verified), ordered by their configurations' names."""
+        found = []
+        for entry in self.entries():
+            stored = entry.get("key")
+            if not isinstance(stored, dict) or not stored.get("pinned") or stored.get("target") != key.target:
+                continue
+            try:
+                other = KernelKey.from_dict(stored)
+            except (AttributeError, KeyError, TypeError, ValueError):  # a damaged manifest: load() reports it
+                continue
+            if other.tuned() == key.tuned():
+                kernel = self.load(other)
+                if kernel is not None:
+                    found.append((other, kernel))
+        return sorted(found, key=lambda item: item[0].pinned)
 
     def entries(self, all_versions: bool = False) -> list[dict]:
         """Manifests of the stored entries (with their directory), the running versions' only by default."""
@@ -273,14 +292,19 @@ class DiskStore:
                 raise ValueError(f"{name} does not match its checksum")
         return manifest, files
 
-    def _save(self, key: KernelKey, kernel) -> Path:
+    def _save(self, key: KernelKey, kernel, copy_of: KernelKey | None = None) -> Path:
         from safetensors.torch import save as save_tensors
 
         final = self.entry_dir(key)
         make_directories(self.root, final.parent)
         _remove_stale(final.parent)
         files: dict[str, bytes] = {}
-        if key.target.startswith("cuda-"):
+        if copy_of is not None:
+            found = self._read_entry(self.entry_dir(copy_of))
+            if found is None:
+                raise OSError(f"the entry {self.entry_dir(copy_of)} to copy is gone")
+            files = {name: data for name, data in found[1].items() if name != MANIFEST}
+        elif key.target.startswith("cuda-"):
             files = kernel.files()  # cubin, PTX, the .cu source and the launch description
         else:
             files[LIBRARY] = _exported_library(kernel.module, final.parent)
