@@ -405,10 +405,10 @@ def main() -> None:
                 samples[system][test].append(speeds[test])
         rounds[-1] |= {key: max(value, rounds[-1][key]) for key, value in bandwidths().items()}
         print(f"round {round_ + 1}/{args.rounds}: {rounds[-1]}", file=sys.stderr, flush=True)
+        (cache / "last_run.json").write_text(json.dumps({"samples": samples, "weight_bytes": weight_bytes,
+                                                          "rounds": rounds, "info": info}))  # kept should a round fail
     for process in workers.values():
         process.close()
-    (cache / "last_run.json").write_text(json.dumps({"samples": samples, "weight_bytes": weight_bytes,
-                                                      "rounds": rounds, "info": info}))
     text = report(samples, weight_bytes, rounds, info, commit, args)
     print(text)
     RESULTS.mkdir(exist_ok=True)

@@ -24,6 +24,7 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -265,7 +266,7 @@ def main() -> None:
         torch.set_num_threads(1)
     print(f"# decode profile ({'CPU seconds' if args.cpu_time else 'wall seconds'}): {args.dtype}, {args.steps} steps "
           f"after {PROMPT} tokens, {torch.get_num_threads()} "
-          f"threads, load average at start {os.getloadavg()}")
+          f"threads, load average at start {os.getloadavg()}; command: python {' '.join(sys.argv)}")
     model = load_model(make_model(args.cache_dir.expanduser() / "model"), args.dtype)
     prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
     probes = read_probes()
