@@ -8,7 +8,7 @@ import torch
 # fall back to TVM's thread pool, that pool is sized once, from this variable: torch's intra-op thread count.
 os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 
-from . import ops, ttype  # noqa: E402  (the thread count must be set before TVM loads)
+from . import cache, ops, ttype  # noqa: E402  (after the thread count; importing cache attaches the dispatch to ops)
 from .codegen import PackedWeight, pack  # noqa: E402
 from .ttype import QuantizedWeight, quantize  # noqa: E402
 from . import nn  # noqa: E402
@@ -16,5 +16,14 @@ from .nn import Conv2d, Linear, dequantize_model, load, quantize_model, save  # 
 
 __version__ = "0.1.0"
 
-__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load", "nn",
+
+def load_pretrained(path, **from_pretrained_kwargs):
+    """A GPTQ / AWQ / bitsandbytes-4bit checkpoint directory (or one written by `bitkern.save`) as a transformers
+    model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
+    from .integration.formats.pretrained import load_pretrained as load
+
+    return load(path, **from_pretrained_kwargs)
+
+
+__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load", "load_pretrained", "nn",
            "ops", "pack", "quantize", "quantize_model", "save", "ttype"]

@@ -14,46 +14,30 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ...ttype import QuantizedWeight, codes_per_word, pack, unpack
+from ...ttype import Layout, QuantizedWeight, StoredWeight, codes_per_word, effective_group_size, pack, unpack
+from ...ttype.weight import weight_format
 
 AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
 TILE16_BITS = (1, 2, 4)  # widths whose words split into 16-bit halves of whole codes (AMX, lookup tables)
-LAYOUTS = ("tile16", "rowmajor")
 ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned vector loads
 log = logging.getLogger("bitkern")
 
 
-@dataclass(eq=False)
-class PackedWeight:
+class PackedWeight(StoredWeight):
     """A QuantizedWeight in a kernel layout; `to_portable()` gives back the portable QuantizedWeight."""
 
-    layout: str
-    ttype: object
-    shape: tuple[int, int]
-    group_size: int
-    zero_mode: str
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None = None
-    tensor_scale: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
-
-    @property
-    def nbytes(self) -> int:
-        parts = (self.qweight, self.scales, self.zeros, self.tensor_scale)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def __init__(self, layout, ttype, shape, group_size: int, zero_mode: str, qweight: torch.Tensor,
+                 scales: torch.Tensor, zeros: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+        super().__init__(weight_format(ttype, shape, group_size, zero_mode, scales, layout), qweight, scales, zeros,
+                         tensor_scale)
 
     @property
     def padded_k(self) -> int:
-        return padded_k(self.shape[1], self.ttype.bits) if self.layout == "tile16" else self.shape[1]
+        return padded_k(self.shape[1], self.ttype.bits) if self.layout == Layout.TILE16 else self.shape[1]
 
     def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
         """qweight, scales, zeros and tensor_scale (as [1]) as the CPU kernels take them, 64-byte aligned;
@@ -68,7 +52,7 @@ class PackedWeight:
 
     def to_portable(self) -> QuantizedWeight:
         """The same weight in the portable layout (for checkpoints)."""
-        if self.layout == "rowmajor":
+        if self.layout == Layout.ROWMAJOR:
             return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, self.qweight,
                                    self.scales, self.zeros, self.tensor_scale)
         n, k = self.shape
@@ -80,11 +64,6 @@ class PackedWeight:
                                untile(self.scales), untile(self.zeros), self.tensor_scale)
 
 
-def layout_for(ttype) -> str:
-    """The CPU layout a weight type is packed in (every template reads tile16)."""
-    return "tile16"
-
-
 def padded_k(k: int, bits: int) -> int:
     """K rounded up to a multiple of the AMX step and of the codes one word holds."""
     unit = math.lcm(AMX_STEP_K, codes_per_word(bits))
@@ -93,18 +72,18 @@ def padded_k(k: int, bits: int) -> int:
 
 def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
     """Transform a portable QuantizedWeight into `layout` (see the module docstring)."""
-    if layout == "rowmajor":
-        return PackedWeight("rowmajor", weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
+    if layout == Layout.ROWMAJOR:
+        return PackedWeight(Layout.ROWMAJOR, weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
                             weight.qweight, weight.scales, weight.zeros, weight.tensor_scale)
-    if layout != "tile16":
-        raise ValueError(f"layout={layout!r} is not known; accepted: {list(LAYOUTS)}")
+    if layout != Layout.TILE16:
+        raise ValueError(f"layout={layout!r} is not a CPU layout; accepted: ['tile16', 'rowmajor']")
     bits = weight.ttype.bits
     n, k = weight.shape
     rows = math.ceil(n / AMX_TILE_ROWS) * AMX_TILE_ROWS
     codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
     words = pack(_map_codes(codes, bits), bits)
     tile = (lambda t: None if t is None else _tile_rows(t, rows))
-    return PackedWeight("tile16", weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
+    return PackedWeight(Layout.TILE16, weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
                         tile(weight.scales), tile(weight.zeros), weight.tensor_scale)
 
 
@@ -144,7 +123,7 @@ class Tile16Storage:
 
         self.bits = get(spec.weight_dtype).bits
         self.per_word = codes_per_word(self.bits)
-        group = k if spec.group_size == -1 else spec.group_size
+        group = effective_group_size(spec.group_size, k)
         tiles, groups = math.ceil(n / AMX_TILE_ROWS), k // group
         self.qweight = te.placeholder((tiles, padded_k(k, self.bits) // self.per_word, AMX_TILE_ROWS), "int32",
                                       name="qweight")
