@@ -16,16 +16,19 @@ from .kernel import CpuTemplate
 from .layout import AMX_STEP_K, TILE16_BITS
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}  # bf16 planes that sum to an activation of each type
-MATRIX_BITS = (*TILE16_BITS, 8)
-DECODES = ("affine", "lut", "convert")
+MATRIX_BITS = (*TILE16_BITS, 8, 16)
+DECODES = ("affine", "lut", "convert", "raw")
 TILE_BYTES = 16 * 64  # a decoded bf16 B tile (16 k pairs x 16 columns), a float32 C tile (16 x 16)
 
 
 def decode_strategies(spec: Matmul) -> tuple[str, ...]:
     """Decode strategies that apply to the spec.  "affine" folds a 128 offset out of float32 sums, which
     costs up to ~2^-16 relative accuracy: below bf16 activations' own rounding, so it is offered for them
-    only; 8-bit codes have no table decode, and convert (exact) serves every activation type."""
+    only; 8-bit codes have no table decode, and convert (exact) serves every activation type; bfloat16 codes are
+    B-tile elements as they are (raw)."""
     ttype = get(spec.weight_dtype)
+    if ttype.bits == 16:
+        return ("raw",)
     affine = ttype.kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
     if ttype.bits == 8:
         return ("affine", "convert") if affine else ("convert",)
@@ -75,6 +78,8 @@ class MatrixTemplate(CpuTemplate):
             return f"{ttype.bits}-bit codes (it decodes {MATRIX_BITS}-bit codes)"
         if ttype.bits == 8 and ttype.kind not in (INT, UINT):
             return f"8-bit {ttype.kind} codes (8-bit codes decode as integers)"
+        if ttype.bits == 16 and ttype.float_format != get("bfloat16").float_format:
+            return f"16-bit {ttype.name} codes (16-bit codes are read as bfloat16)"
         if spec.activation_dtype not in PLANES:
             return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"
         depth = step_depth(group, k)
