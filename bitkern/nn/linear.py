@@ -7,6 +7,7 @@ from torch import nn
 
 from ..codegen import pack
 from ..ttype import QuantizedWeight
+from . import library
 from .storage import QuantizedModule, check_positive
 
 
@@ -73,6 +74,8 @@ class Linear(QuantizedModule):
         x, output_dtype = self._compute_input(x)
         if self.input_order is not None:
             x = x.index_select(-1, self.input_order)
+        if library.eager(x, self.bias):
+            return library.run_linear(x, self.packed_weight(), self._format_text, self.bias, output_dtype)
         weight, weight_format = self.op_weight()
         return torch.ops.bitkern.linear(x, weight, weight_format, self.bias, output_dtype)
 
