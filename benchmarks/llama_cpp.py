@@ -19,8 +19,9 @@ Recipe (CI does not run it; needs cmake, a C++ compiler and PyPI; everything bui
 4. Rounds: llama-bench -t 2 -p 128,512 -n 64 -r REPETITIONS per GGUF, interleaved with bitkern through transformers
    (one process per model, default environment, kernels prepared before the first round): prompt = one forward of
    128 / 512 random tokens (cache on, logits of the last token only, as llama-bench and `generate` do); generation =
-   `model.generate` greedy, 65 new tokens after an 8-token prompt, timed from the first to the 65th new token with a
-   stopping-criteria clock (64 decode steps, each with generate's own per-step work).  Every round also reads DRAM
+   `model.generate` greedy with a static KV cache and without an end-of-sequence token (as llama-bench), 65 new
+   tokens after an 8-token prompt, timed from the first to the 65th new token with a stopping-criteria clock (64 decode steps, each with
+   generate's own per-step work).  Every round also reads DRAM
    with the streaming probes of benchmarks/conftest.py and records the load average.  On a crowded machine (load
    above the 2 cores) wall times mostly measure waits for a core, so each round also counts generation at 1 thread
    in tokens per CPU second: llama-bench -t 1 -p 0 -n 64 (CPU time of a run of 1 + R repetitions less that of a run
@@ -54,16 +55,22 @@ CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num
               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
 PROMPTS, GENERATED, GENERATE_PROMPT = (128, 512), 64, 8
 THREADS = 2
+# generate's options for every transformers model: a static KV cache (measured at 1 thread: ~6 ms less per decode
+# step of bitkern int4 than the default DynamicCache, benchmarks/results/llama_decode_profile_cpu.md)
+GENERATE_OPTIONS = {"cache_implementation": "static"}
 # GGUF name -> llama-quantize options and type (None: the converter's bf16 file itself)
 GGUF_TYPES = {"Q4_0 (output Q6_K)": ["Q4_0"], "Q4_0, output bf16": ["--output-tensor-type", "bf16", "Q4_0"],
               "Q4_K_M": ["Q4_K_M"], "Q8_0": ["Q8_0"], "bf16": None}
-# bitkern model name -> (layers' type, group size), (output layer's type, group size) or None (None: torch bf16)
-BITKERN = {"bitkern int4 g128, output int8 g128": (("int4", 128), ("int8", 128)),
-           "bitkern int4 g128": (("int4", 128), None), "bitkern nf4 g64": (("nf4", 64), None),
-           "bitkern int8 g128": (("int8", 128), None), "torch bf16": None}
-# same-output-precision pairs compared round by round: (bitkern model, llama.cpp type)
+# bitkern model name -> (layers' type, group size, quantize_model's output_layer) or None (None: torch bf16).
+# output_layer "auto": the bf16 output layer as it is, on bitkern's kernels; "int8": quantized (group size the same)
+BITKERN = {"bitkern int4 g128": ("int4", 128, "auto"), "bitkern int4 g128, output int8 g128": ("int4", 128, "int8"),
+           "bitkern nf4 g64": ("nf4", 64, "auto"), "bitkern int8 g128, output int8 g128": ("int8", 128, "int8"),
+           "torch bf16": None}
+# same-output-precision pairs compared round by round: (bitkern model, llama.cpp type); llama.cpp's Q8_0 keeps its
+# output layer in Q8_0, Q4_0 puts it in Q6_K
 PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, output int8 g128", "Q4_0 (output Q6_K)"),
-         ("bitkern nf4 g64", "Q4_0, output bf16"), ("bitkern int8 g128", "Q8_0"), ("torch bf16", "bf16")]
+         ("bitkern nf4 g64", "Q4_0, output bf16"), ("bitkern int8 g128, output int8 g128", "Q8_0"),
+         ("torch bf16", "bf16")]
 CPU_TEST = f"tg{GENERATED}, 1 thread, per CPU s"  # tokens per CPU second: a crowded machine's waits do not count
 TESTS = [f"pp{n}" for n in PROMPTS] + [f"tg{GENERATED}", CPU_TEST]
 COMMANDS: list[str] = []  # every command of the recipe, in order, whether it ran now or its output was cached
@@ -254,18 +261,17 @@ def load_model(model_dir, name: str):
     if BITKERN[name] is not None:
         import bitkern
 
-        (dtype, group), head = BITKERN[name]
-        bitkern.quantize_model(model, dtype, group_size=group, compute_dtype=torch.bfloat16, skip=["lm_head"])
-        if head is not None:
-            model.lm_head = bitkern.quantize_model(model.lm_head, head[0], group_size=head[1],
-                                                   compute_dtype=torch.bfloat16)
+        dtype, group, output_layer = BITKERN[name]
+        bitkern.quantize_model(model, dtype, group_size=group, compute_dtype=torch.bfloat16, output_layer=output_layer)
     return model
 
 
 def generation_steps(model, prompt, new_tokens: int, clock=time.perf_counter, **options) -> list[float]:
     """Seconds of each decode step of a greedy `model.generate` of `new_tokens` tokens after `prompt` (the first
     new token comes from the prompt's forward: new_tokens - 1 values), each with generate's own per-step work;
-    clocked (by `clock`) in a stopping criterion that never stops."""
+    clocked (by `clock`) in a stopping criterion that never stops.  No end-of-sequence token (eos_token_id=None),
+    as llama-bench generates: min_new_tokens would keep generation going too, but its logits processor and the
+    end-of-sequence check run torch.isin over the vocabulary every step (measured ~1-3 ms per step at 1 thread)."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -277,7 +283,7 @@ def generation_steps(model, prompt, new_tokens: int, clock=time.perf_counter, **
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, stopping_criteria=StoppingCriteriaList([Clock()]),
+                   eos_token_id=None, stopping_criteria=StoppingCriteriaList([Clock()]),
                    pad_token_id=model.config.eos_token_id, **options)
     return [b - a for a, b in zip(times, times[1:])]
 
@@ -297,13 +303,14 @@ def worker(name: str, model_dir: str, repetitions: int) -> None:
         return n / (time.perf_counter() - start)
 
     def generate() -> float:
-        return GENERATED / sum(generation_steps(model, short, GENERATED + 1))
+        return GENERATED / sum(generation_steps(model, short, GENERATED + 1, **GENERATE_OPTIONS))
 
     def generate_one_thread() -> float:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return GENERATED / sum(generation_steps(model, short, GENERATED + 1, clock=time.process_time))
+            return GENERATED / sum(generation_steps(model, short, GENERATED + 1, clock=time.process_time,
+                                                    **GENERATE_OPTIONS))
         finally:
             torch.set_num_threads(threads)
 
@@ -360,9 +367,16 @@ def main() -> None:
     parser.add_argument("--venv", type=Path, default=None, help="converter venv (default <cache>/convert-venv)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--systems", default=";".join([*GGUF_TYPES, *BITKERN]),
+                        help="the systems to run, ';'-separated (default: all of them); a quick rerun of one pair: "
+                             "--systems 'bitkern int4 g128;Q4_0, output bf16'")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.model, args.repetitions)
+    chosen = [name.strip() for name in args.systems.split(";")]
+    unknown = [name for name in chosen if name not in GGUF_TYPES and name not in BITKERN]
+    if unknown:
+        parser.error(f"--systems: {unknown} are not known; known: {[*GGUF_TYPES, *BITKERN]}")
     cache = args.cache_dir.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     source, commit = llama_cpp_source(cache)
@@ -373,7 +387,7 @@ def main() -> None:
     weight_bytes = {name: sum(size for tensor, size in gguf_tensor_bytes(path, source, python).items()
                               if tensor != "token_embd.weight") for name, path in ggufs.items()}
     workers = {}
-    for name in BITKERN:
+    for name in [name for name in BITKERN if name in chosen]:
         print(f"preparing {name} ...", file=sys.stderr, flush=True)
         workers[name] = Worker(name, model, args.repetitions)
         weight_bytes[name] = workers[name].weight_bytes
@@ -391,7 +405,7 @@ def main() -> None:
         finally:
             torch.set_num_threads(THREADS)
 
-    order = [system for pair in zip(GGUF_TYPES, BITKERN) for system in pair]
+    order = [system for pair in zip(GGUF_TYPES, BITKERN) for system in pair if system in chosen]
     samples = {system: {test: [] for test in TESTS} for system in order}
     rounds, info = [], {}
     for round_ in range(args.rounds):
@@ -449,7 +463,7 @@ def report(samples, weight_bytes, rounds, info, commit, args) -> str:
         lines.append(f"| {system} | {' | '.join(cells[:4])} | {per_token / 1e6:.1f} | {' | '.join(cells[4:])} |")
     lines += ["", "Same output-layer precision, bitkern / llama.cpp, median of per-round ratios:", "",
               "| bitkern | llama.cpp | " + " | ".join(TESTS) + " |", "|---|---|" + "---|" * len(TESTS)]
-    for ours, theirs in PAIRS:
+    for ours, theirs in [(a, b) for a, b in PAIRS if a in samples and b in samples]:
         ratios = [statistics.median(a / b for a, b in zip(samples[ours][test], samples[theirs][test]))
                   for test in TESTS]
         lines.append(f"| {ours} | {theirs} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")

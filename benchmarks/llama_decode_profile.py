@@ -105,7 +105,8 @@ def kind_of(name: str, module) -> str:
     from bitkern.nn.storage import QuantizedModule
 
     if name == "lm_head":
-        return "lm_head (" + ("bitkern" if isinstance(module, QuantizedModule) else "torch bf16 GEMV") + ")"
+        return f"lm_head (bitkern {module.weight_dtype})" if isinstance(module, QuantizedModule) else \
+            "lm_head (torch bf16 GEMV)"
     if isinstance(module, QuantizedModule):
         return "bitkern Linears of the layers"
     kinds = {"LlamaAttention": "attention core (rope, KV cache update, SDPA, reshapes)", "LlamaRMSNorm": "RMSNorm",
@@ -192,7 +193,7 @@ def call_costs(rounds: int) -> None:
     layer = bitkern.Linear(256, 64, bias=False, dtype="int4", group_size=128, compute_dtype=torch.bfloat16).eval()
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     a, b = torch.randn(1, 1, 2048, dtype=torch.bfloat16), torch.randn(1, 1, 2048, dtype=torch.bfloat16)
-    arguments = layer._weight_args()
+    tensors, weight_format = layer.op_weight()
     weight = layer.packed_weight()
     spec = bitkern.ops.Matmul("int4", "bfloat16", output_dtype="bfloat16", group_size=128, zero_mode=layer.zero_mode)
     kernel = kernel_for(spec, 64, 256, 1, weight.layout, None)
@@ -201,7 +202,7 @@ def call_costs(rounds: int) -> None:
     calls = {"torch: a + b ([1, 1, 2048] bf16)": lambda: a + b,
              "torch: F.silu(a) * b": lambda: torch.nn.functional.silu(a) * b,
              "bitkern.Linear module call": lambda: layer(x),
-             "torch.ops.bitkern.linear": lambda: torch.ops.bitkern.linear(x, *arguments[:4], None, *arguments[4:],
+             "torch.ops.bitkern.linear": lambda: torch.ops.bitkern.linear(x, tensors, weight_format, None,
                                                                           torch.bfloat16),
              "Matmul spec call (packed weight given)": lambda: spec(x, weight),
              "kernel object call": lambda: kernel(x, weight),
@@ -227,9 +228,9 @@ def kernel_table(model, rounds: int, probes) -> None:
     else:
         dense.weight.data.copy_(head.weight)
     candidates["lm_head torch bf16"] = dense
-    for dtype in ("int8", "int4"):
-        candidates[f"lm_head bitkern {dtype} g128"] = bitkern.quantize_model(
-            copy.deepcopy(dense), dtype, group_size=128, compute_dtype=torch.bfloat16)
+    for dtype, group in (("bfloat16", -1), ("int8", 128), ("int4", 128)):
+        candidates[f"lm_head bitkern {dtype} g{group}"] = bitkern.quantize_model(
+            copy.deepcopy(dense), dtype, group_size=group, compute_dtype=torch.bfloat16)
     probe_calls, probe_bytes = probes
     rows = []
     with torch.inference_mode():

@@ -206,7 +206,8 @@ class QuantizedModule(nn.Module, abc.ABC):
 
     def op_weight(self) -> tuple[list, str]:
         """The stored weight as the (weight, weight_format) arguments of the custom ops (`bitkern.nn.library`)."""
-        return [getattr(self, name) for name in WEIGHT_BUFFERS], self._format_text
+        buffers = self._buffers
+        return [buffers[name] for name in WEIGHT_BUFFERS], self._format_text
 
     def packed_weight(self) -> PackedWeight:
         """The stored weight as a `bitkern.PackedWeight` (views of the buffers, no copy); the same object while the
@@ -248,12 +249,12 @@ class QuantizedModule(nn.Module, abc.ABC):
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"x has dtype {x.dtype}; {type(self).__name__} takes "
                             f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)} (convert it explicitly)")
-        bias = self.bias
+        bias = self._parameters["bias"]  # (the module's own dicts: attribute lookups cost µs per call)
         if bias is not None and tuple(bias.shape) != (self.gemm_shape[0],):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; {type(self).__name__} with "
                              f"{self.gemm_shape[0]} outputs takes a bias of shape ({self.gemm_shape[0]},)")
-        compute = self.compute_dtype or x.dtype
-        return x.to(compute), x.dtype
+        compute = self._compute_dtype or x.dtype
+        return (x if x.dtype is compute else x.to(compute)), x.dtype
 
     # -- state ----------------------------------------------------------------------------------------
 
