@@ -6,13 +6,14 @@ a vdpbf16ps micro-kernel."""
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import torch
 
 from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
-from .kernel import CpuTemplate
+from .kernel import CpuTemplate, check_prefetch
 from .layout import AMX_STEP_K, TILE16_BITS
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}  # bf16 planes that sum to an activation of each type
@@ -62,6 +63,30 @@ def check_decode(decode: str) -> None:
     """Raise unless `decode` names a decode strategy."""
     if decode not in DECODES:
         raise ValueError(f"decode={decode!r} is not known; accepted: {list(DECODES)}")
+
+
+@dataclass(frozen=True)
+class MatrixConfig:
+    """Fields the AMX and AVX512-BF16 configurations share (their defaults are the AMX template's).
+
+    n_tiles: 16-column tiles per task; small_m: one block of all M <= 16 rows; m_chunk: rows per task (large M);
+    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead (0: none); decode: strategy;
+    chunk_prologue (large M): each task builds its row chunk's activation planes itself and runs every column
+    block over them while they sit in L2, instead of one pass over all rows before the main loop (whose planes
+    outgrow the caches at large M and are re-read once per column block).
+    """
+
+    n_tiles: int = 4
+    small_m: bool = True
+    m_chunk: int = 256
+    stage_steps: int = 4
+    prefetch: int = 16
+    decode: str = "affine"
+    chunk_prologue: bool = False
+
+    def __post_init__(self):
+        check_decode(self.decode)
+        check_prefetch(self.prefetch)
 
 
 class MatrixTemplate(CpuTemplate):
