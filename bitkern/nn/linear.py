@@ -74,7 +74,7 @@ class Linear(QuantizedModule):
         x, output_dtype = self._compute_input(x)
         order, bias = self._buffers["input_order"], self._parameters["bias"]
         if order is not None:
-            x = x.index_select(-1, order)
+            x = torch.gather(x, -1, order.expand(*x.shape[:-1], self.in_features))
         if library.eager(x, bias):
             return library.run_linear(x, self.packed_weight(), self._format_text, bias, output_dtype)
         weight, weight_format = self.op_weight()
