@@ -66,19 +66,21 @@ def recorded(table: str) -> list[dict]:
     return [row for row in _rows if row["table"] == table]
 
 
-def interleaved(calls: dict, rounds: int = 15, round_s: float = 0.03) -> dict[str, list[float]]:
+def interleaved(calls: dict, rounds: int = 15, round_s: float = 0.03,
+                clock=time.perf_counter) -> dict[str, list[float]]:
     """Median seconds per call of each entry, round by round, the entries taking turns within every round.  On
     this shared VM the memory bandwidth drifts by up to 1.5x within a minute: a ratio taken round by round
-    (`round_ratio`) compares two entries under the same conditions, where two separate measurements may not."""
+    (`round_ratio`) compares two entries under the same conditions, where two separate measurements may not.
+    clock: what is measured (time.process_time: CPU seconds, which a crowded machine's waits do not inflate)."""
     repeats = {name: max(2, min(50, int(round_s / max(_warmed_up(call), 1e-6)))) for name, call in calls.items()}
     medians = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
             samples = []
             for _ in range(repeats[name]):
-                start = time.perf_counter()
+                start = clock()
                 call()
-                samples.append(time.perf_counter() - start)
+                samples.append(clock() - start)
             medians[name].append(statistics.median(samples))
     return medians
 
@@ -88,8 +90,7 @@ def round_ratio(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
-@pytest.fixture(scope="session")
-def dram_probes() -> tuple[dict, int]:
+def read_probes() -> tuple[dict, int]:
     """Calls that each read ROTATION_BYTES once from DRAM, and that byte count: torch.sum and a TVM streaming
     reader (vector loads, all threads).  Neither always wins on this VM; the bandwidth is the faster one's."""
     words = ROTATION_BYTES // 4 // 1024 * 1024
@@ -98,18 +99,28 @@ def dram_probes() -> tuple[dict, int]:
             "tvm stream": _stream_reader(buffer)}, words * 4
 
 
-@pytest.fixture(scope="session")
-def dram_read_gbs(dram_probes) -> float:
-    """The machine's DRAM read bandwidth (GB/s) at the start of the run: the best of 7 reads of each probe."""
-    probes, nbytes = dram_probes
+def best_read_gbs(probes: dict, nbytes: int, reads: int = 7, clock=time.perf_counter) -> float:
+    """DRAM read bandwidth (GB/s) now: the best of `reads` reads of each probe (after one untimed read); with
+    clock=time.process_time, GB per CPU second."""
     best = 0.0
     for probe in probes.values():
         probe()
-        for _ in range(7):
-            start = time.perf_counter()
+        for _ in range(reads):
+            start = clock()
             probe()
-            best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
+            best = max(best, nbytes / (clock() - start) / 1e9)
     return best
+
+
+@pytest.fixture(scope="session")
+def dram_probes() -> tuple[dict, int]:
+    return read_probes()
+
+
+@pytest.fixture(scope="session")
+def dram_read_gbs(dram_probes) -> float:
+    """The machine's DRAM read bandwidth (GB/s) at the start of the run."""
+    return best_read_gbs(*dram_probes)
 
 
 def _stream_reader(buffer: torch.Tensor):

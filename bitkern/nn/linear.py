@@ -7,6 +7,7 @@ from torch import nn
 
 from ..codegen import pack
 from ..ttype import QuantizedWeight
+from . import library
 from .storage import QuantizedModule, check_positive
 
 
@@ -71,10 +72,13 @@ class Linear(QuantizedModule):
             raise ValueError(f"x has shape {tuple(x.shape)}; this Linear has in_features={self.in_features}, "
                              f"so x must be [..., {self.in_features}]")
         x, output_dtype = self._compute_input(x)
-        if self.input_order is not None:
-            x = torch.gather(x, -1, self.input_order.expand(*x.shape[:-1], self.in_features))
+        order, bias = self._buffers["input_order"], self._parameters["bias"]
+        if order is not None:
+            x = torch.gather(x, -1, order.expand(*x.shape[:-1], self.in_features))
+        if library.eager(x, bias):
+            return library.run_linear(x, self.packed_weight(), self._format_text, bias, output_dtype)
         weight, weight_format = self.op_weight()
-        return torch.ops.bitkern.linear(x, weight, weight_format, self.bias, output_dtype)
+        return torch.ops.bitkern.linear(x, weight, weight_format, bias, output_dtype)
 
     def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
         return weight if self.input_order is None else weight.index_select(1, self.input_order)

@@ -12,7 +12,7 @@ from torch import nn
 from .conv import Conv2d
 from .linear import Linear
 from .. import ttype
-from ..ttype.quantize import check_group_size
+from ..ttype.quantize import CAST_TYPES, check_group_size
 from .storage import QuantizedModule, check_weight_dtype, default_group_size
 
 log = logging.getLogger("bitkern")
@@ -21,38 +21,76 @@ _QUANTIZED = {nn.Linear: Linear, nn.Conv2d: Conv2d}
 
 
 def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None, compute_dtype=None,
-                   scale_dtype=torch.float16, skip: Iterable[str] | Callable | None = None) -> nn.Module:
+                   scale_dtype=torch.float16, skip: Iterable[str] | Callable | None = None,
+                   output_layer: str | None = "auto") -> nn.Module:
     """Replace every nn.Linear and nn.Conv2d of `model` by a bitkern.Linear / bitkern.Conv2d in `dtype`.
 
     skip: module names to leave in float (a name covers its submodules), or a predicate
     `skip(name, module) -> bool`.  Only modules of exactly these classes are replaced: subclasses (such as
     nn.MultiheadAttention's out_proj, whose weight its owner reads directly) stay float, and this is logged.
-    Layers whose input size `group_size` does not divide are reported together, before anything is replaced.  Weights on the meta device give empty layers to load
-    a checkpoint into.  Returns `model` (or the new module when `model` itself is a Linear/Conv2d).
+    Layers whose input size `group_size` does not divide are reported together, before anything is replaced.
+    Weights on the meta device give empty layers to load a checkpoint into.  Returns `model` (or the new module
+    when `model` itself is a Linear/Conv2d).
+
+    output_layer: what becomes of the model's output layer (transformers' `get_output_embeddings()`, an
+    nn.Linear; a name in `skip` leaves it as it is): "auto" (default) stores a bfloat16 weight as it is in
+    bitkern's "bfloat16" type (the same values, streamed by bitkern's kernels: the same logits up to float
+    summation order) unless it is the input embedding's (tied), and leaves any other weight float; a weight type
+    name stores it in that type, opt-in ("bfloat16" casts it, "int8" or the layers' type quantize it as
+    llama.cpp's Q6_K output layer does, with `group_size` and the type's default zero mode); None quantizes it
+    like any other layer.
     """
     weight_type = ttype.get(check_weight_dtype(dtype))
     skipped = _skip_predicate(model, skip)
+    options = {"dtype": dtype, "group_size": group_size, "zero_mode": zero_mode, "compute_dtype": compute_dtype,
+               "scale_dtype": scale_dtype}
+    head, head_options = _output_layer(model, output_layer, options)
     targets = []
     for name, module in model.named_modules():
         if not isinstance(module, tuple(_QUANTIZED)) or skipped(name, module):
             continue
-        if type(module) in _QUANTIZED:
-            targets.append((name, module))
+        if module is head:
+            if head_options is not None:
+                targets.append((name, module, head_options))
+        elif type(module) in _QUANTIZED:
+            targets.append((name, module, options))
         else:
             log.info("bitkern: %s stays float: %s is a subclass of nn.Linear/nn.Conv2d, whose weight its owner "
                      "may read directly (as nn.MultiheadAttention does)", name or "(model)", type(module).__name__)
-    options = {"dtype": dtype, "group_size": group_size, "zero_mode": zero_mode, "compute_dtype": compute_dtype,
-               "scale_dtype": scale_dtype}
-    _check_group_size(targets, weight_type, group_size)
-    replaced = [(name, _QUANTIZED[type(module)].from_float(module, **options)) for name, module in targets]
+    _check_group_size([(name, module) for name, module, settings in targets if settings is options], weight_type,
+                      group_size)
+    replaced = [(name, _QUANTIZED[type(module)].from_float(module, **settings)) for name, module, settings in targets]
     for name, layer in replaced:
         if name:
             _replace(model, name, layer)
-    before = sum(m.weight.numel() * m.weight.element_size() for _, m in targets)
+    before = sum(m.weight.numel() * m.weight.element_size() for _, m, _ in targets)
     after = sum(layer.nbytes for _, layer in replaced)
     log.info("bitkern: quantized %d layers to %s (weights %.1f MiB -> %.1f MiB)", len(replaced), dtype,
              before / 2**20, after / 2**20)
     return replaced[0][1] if replaced and replaced[0][0] == "" else model
+
+
+def _output_layer(model: nn.Module, output_layer, options: dict) -> tuple[nn.Module | None, dict | None]:
+    """The model's output layer when `output_layer` treats it apart, and the settings it is stored with (None:
+    left as it is)."""
+    if output_layer is None:
+        return None, None
+    if output_layer != "auto":
+        check_weight_dtype(output_layer)
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if type(head) is not nn.Linear:
+        return None, None
+    settings = {**options, "dtype": output_layer, "zero_mode": None}
+    if output_layer == "auto":
+        embedding = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+        tied = embedding is not None and getattr(embedding, "weight", None) is head.weight
+        if head.weight.dtype != torch.bfloat16 or tied:
+            return head, None
+        settings["dtype"] = "bfloat16"
+    if settings["dtype"] in CAST_TYPES:
+        settings["group_size"] = -1  # scale 1 whatever the group: one per row is the least to store
+    return head, settings
 
 
 def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -19,7 +19,7 @@ from .. import ttype
 from ..codegen import PackedWeight, layout_for, pack, packed_class, to_layout
 from ..codegen.cpu.layout import aligned
 from ..ttype import Layout, QuantizedWeight, StoredWeight, WeightFormat, dtype_name
-from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
+from ..ttype.quantize import (CAST_TYPES, DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
 from . import library
 from .library import FLOAT_DTYPES, raw_bits
@@ -33,8 +33,9 @@ WEIGHT_SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "weight_sh
 
 
 def weight_dtypes() -> list[str]:
-    """Registered types a module can store its weight in (at most 8 bits per element)."""
-    return [name for name in ttype.names() if ttype.get(name).bits <= 8]
+    """Registered types a module can store its weight in (at most 8 bits per element, and bfloat16: a bf16 weight
+    as it is)."""
+    return [name for name in ttype.names() if ttype.get(name).bits <= 8 or name in CAST_TYPES]
 
 
 def check_weight_dtype(dtype) -> str:
@@ -181,6 +182,7 @@ class QuantizedModule(nn.Module, abc.ABC):
         """Moves and casts apply to the buffers as they are; a move to another kind of device then re-lays
         the weight into the layout that device's kernels read (tile16 on CPUs, lop3 on CUDA GPUs)."""
         result = super()._apply(fn, recurse)
+        self.__dict__.pop("_packed", None)  # holds the tensors from before
         target = kernel_layout(self.weight_dtype, self.qweight.device)
         if target is not None and target != self.layout and not self.qweight.is_meta:
             log.info("bitkern: re-laying %s weight from %s to %s for %s", self.weight_dtype, self.layout, target,
@@ -197,11 +199,17 @@ class QuantizedModule(nn.Module, abc.ABC):
 
     def op_weight(self) -> tuple[list, str]:
         """The stored weight as the (weight, weight_format) arguments of the custom ops (`bitkern.nn.library`)."""
-        return [getattr(self, name) for name in WEIGHT_BUFFERS], self._format_text
+        buffers = self._buffers
+        return [buffers[name] for name in WEIGHT_BUFFERS], self._format_text
 
     def packed_weight(self) -> PackedWeight:
-        """The stored weight as a `bitkern.PackedWeight` (views of the buffers, no copy)."""
-        return library.weight_of(self.op_weight()[0], WeightFormat.decode(self._format_text))
+        """The stored weight as a `bitkern.PackedWeight` (views of the buffers, no copy); the same object while the
+        buffers are the same tensors, so that what it derives for the kernels is made once."""
+        tensors, text = self.op_weight()
+        kept = self.__dict__.get("_packed")
+        if kept is None or kept[1] is not text or any(a is not b for a, b in zip(kept[0], tensors)):
+            kept = self.__dict__["_packed"] = (tensors, text, library.weight_of(tensors, WeightFormat.decode(text)))
+        return kept[2]
 
     def quantized_weight(self) -> QuantizedWeight:
         """The stored weight in the portable layout (`bitkern.QuantizedWeight`)."""
@@ -234,12 +242,12 @@ class QuantizedModule(nn.Module, abc.ABC):
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"x has dtype {x.dtype}; {type(self).__name__} takes "
                             f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)} (convert it explicitly)")
-        bias = self.bias
+        bias = self._parameters["bias"]  # (the module's own dicts: attribute lookups cost µs per call)
         if bias is not None and tuple(bias.shape) != (self.gemm_shape[0],):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; {type(self).__name__} with "
                              f"{self.gemm_shape[0]} outputs takes a bias of shape ({self.gemm_shape[0]},)")
-        compute = self.compute_dtype or x.dtype
-        return x.to(compute), x.dtype
+        compute = self._compute_dtype or x.dtype
+        return (x if x.dtype is compute else x.to(compute)), x.dtype
 
     # -- state ----------------------------------------------------------------------------------------
 

@@ -12,6 +12,9 @@ elements along K (q: the element code, v(q): its value, s: the group's scale):
 
 For "none", s = absmax / (largest value of the type), which is bitsandbytes' blockwise absmax rule for
 nf4 and fp4; the binary type int1 (±1) takes s = mean |w| instead, the L2-optimal binary scale.
+bfloat16 (`CAST_TYPES`) is not quantized but cast: s = 1 and the codes are torch's round-to-nearest-even
+bfloat16 of the weight, so a bf16 model's weight is stored exactly (the output layer of a quantized model,
+streamed by the same kernels).
 Block-scaled types carry their own rule: MX (OCP MX v1.0 §6.3) stores the shared exponent
 floor(log2(absmax)) − emax(element) as an e8m0 code per 32; NVFP4 stores absmax / 6 / t as an e4m3
 code per 16, with one float32 t = absmax(tensor) / (6 · 448) per tensor.
@@ -25,6 +28,7 @@ import math
 
 import torch
 
+from .dtypes import torch_dtype
 from .packing import pack, packed_length, unpack
 from .registry import get
 from .types import INT, UINT, TType
@@ -34,6 +38,7 @@ INTEGER_ZERO_MODES = ("gptq", "awq")
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_GROUP_SIZE = 128
 _ROWS_PER_CHUNK = 256  # bounds the float64 temporaries of nearest-value rounding
+CAST_TYPES = ("bfloat16",)  # 16-bit types a weight is cast to (scale 1), not quantized
 
 
 class QuantizedWeight(StoredWeight):
@@ -122,9 +127,9 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
         raise TypeError(f"weight must be a floating-point torch.Tensor, got {got}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    if ttype.bits > 8:
+    if ttype.bits > 8 and ttype.name not in CAST_TYPES:
         raise ValueError(f"dtype={ttype.name!r} is not a low-precision type; quantize accepts types of at most "
-                         f"8 bits (for {ttype.name} cast the weight with .to())")
+                         f"8 bits and {', '.join(CAST_TYPES)} (for {ttype.name} cast the weight with .to())")
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype={scale_dtype} is not supported; accepted: {list(SCALE_DTYPES)}")
     if not bool(torch.isfinite(weight).all()):
@@ -135,6 +140,8 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     check_zero_mode(ttype, zero_mode)
 
+    if ttype.name in CAST_TYPES:
+        return _cast(ttype, weight, group_size, zero_mode, scale_dtype)
     groups = weight.float().reshape(n, k // group_size, group_size)
     zeros = tensor_scale = None
     if ttype.block_size > 1:
@@ -147,6 +154,16 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
         scales, zeros, codes = _asymmetric(ttype, groups, zero_mode, scale_dtype)
     return QuantizedWeight(ttype, (n, k), group_size, zero_mode, pack(codes.reshape(n, k), ttype.bits),
                            scales, zeros, tensor_scale)
+
+
+def _cast(ttype: TType, weight: torch.Tensor, group_size: int, zero_mode: str, scale_dtype) -> QuantizedWeight:
+    """The weight cast to a 16-bit float type of `CAST_TYPES` (scale 1): its codes are the cast's bits, two per
+    word as `pack` lays them (the even k in the low half)."""
+    n, k = weight.shape
+    bits = weight.to(torch_dtype(ttype.name)).contiguous().view(torch.int16)
+    words = torch.nn.functional.pad(bits, (0, k % 2)).view(torch.int32)
+    scales = torch.ones(n, k // group_size, dtype=scale_dtype, device=weight.device)
+    return QuantizedWeight(ttype, (n, k), group_size, zero_mode, words, scales)
 
 
 def default_zero_mode(ttype: TType) -> str:

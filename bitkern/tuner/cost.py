@@ -28,6 +28,7 @@ CPU_CYCLES = {
     # per decoded B tile: 16 stores, shifts, ternlog or vpermw; convert (estimated from its ~7 vector ops per row
     # on two ports, not measured on AMX) four shifts, two int-to-float conversions, a shift and an OR
     "amx_decode_tile.affine": 19, "amx_decode_tile.lut": 21, "amx_decode_tile.convert": 56,
+    "amx_decode_tile.raw": 16,  # bfloat16 codes: the 16 stores alone (estimated)
     "amx_decode_stall": 12,  # per decoded tile the AMX load waits for (the decode runs too few tiles ahead)
     "amx_c_tile_move": 12,  # per C tile stored to or reloaded from L1 when a stage ends inside a group
     "amx_group_tile": 16,  # per C tile and group in the epilogue: stored to L1 and read back
@@ -44,10 +45,12 @@ CPU_CYCLES = {
     # per 16 decoded B rows stored to L1 for the micro-kernel (Zen 4 stores a zmm in two cycles; fitted: 4096x4096
     # int1 GEMV 0.49 ms staged against 0.27 ms direct); convert adds its ~7 vector ops per row (estimated)
     "dot_decode_stage.affine": 40, "dot_decode_stage.lut": 40, "dot_decode_stage.convert": 100,
+    "dot_decode_stage.raw": 32,  # bfloat16 codes: the stores alone (estimated)
     # per decoded B row fed straight into the products (load share, shift, mask, OR; fitted on Zen 4: the direct
     # int1 GEMV, decode-bound, took ~3 cycles per row); convert fitted on Zen 4 from int8 4096x4096 M=1 with the
     # weights in cache: 0.47 ms against 0.28-0.33 ms for the affine decode's two nibble rows
     "dot_decode_direct.affine": 1.5, "dot_decode_direct.lut": 1.5, "dot_decode_direct.convert": 6,
+    "dot_decode_direct.raw": 0.5,  # bfloat16 codes: the load alone (estimated)
     "dot_group_row": 4,  # per C row and group: zeroing, scaling into the row's float32 accumulator
     "dot_group_row_plane": 1,  # per nibble plane of a C row and group: summing it in
     "dot_c_row_move": 1,  # per C row stored to or reloaded from L1 when a stage ends inside a group

@@ -106,6 +106,24 @@ def test_input_gradient_matches_the_float_layer_and_weights_stay_frozen():
     assert [name for name, p in layer.named_parameters()] == ["bias"]
 
 
+def test_inference_calls_skip_the_dispatcher_and_give_the_op_s_results():
+    """Eager inference runs the op's body on the weight object the layer keeps (made once, remade when the buffers
+    are replaced); calls that autograd records go through torch.ops.bitkern.linear: the same results, bit for bit."""
+    layer = bitkern.Linear.from_float(_float_linear(), "int4", compute_dtype=torch.bfloat16)
+    x = torch.randn(3, IN)
+    with torch.inference_mode():
+        direct = layer(x)
+    assert layer.packed_weight() is layer.packed_weight()
+    recorded = layer(x.clone().requires_grad_())
+    assert recorded.grad_fn is not None and torch.equal(recorded.detach(), direct)
+    other = bitkern.Linear.from_float(_float_linear(seed=1), "int4", compute_dtype=torch.bfloat16)
+    kept = layer.packed_weight()
+    layer.load_state_dict(other.state_dict(), assign=True)
+    assert layer.packed_weight() is not kept
+    with torch.no_grad():
+        assert torch.equal(layer(x), other(x)) and not torch.equal(layer(x), direct)
+
+
 def test_asking_for_the_weight_or_its_gradient_is_an_explicit_error():
     layer = bitkern.Linear(IN, OUT, dtype="int4")
     with pytest.raises(AttributeError, match="no float `weight`.*frozen.*no weight gradient.*dequantize"):

@@ -108,8 +108,11 @@ def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
     bits = weight.ttype.bits
     n, k = weight.shape
     rows = math.ceil(n / AMX_TILE_ROWS) * AMX_TILE_ROWS
-    codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
-    words = pack(_map_codes(codes, bits), bits)
+    if codes_per_word(bits) == 2:  # 16-bit codes: the mapped word is the word itself, K pads with zero words
+        words = torch.nn.functional.pad(weight.qweight, (0, padded_k(k, bits) // 2 - weight.qweight.shape[1]))
+    else:
+        codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
+        words = pack(_map_codes(codes, bits), bits)
     tile = (lambda t: None if t is None else _tile_rows(t, rows))
     return PackedWeight(Layout.TILE16, weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
                         tile(weight.scales), tile(weight.zeros), weight.tensor_scale)

@@ -18,8 +18,8 @@ from .kernel import CpuTemplate, check_prefetch
 from .layout import AMX_STEP_K, TILE16_BITS
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}  # bf16 planes that sum to an activation of each type
-MATRIX_BITS = (*TILE16_BITS, 8)
-DECODES = ("affine", "lut", "convert")
+MATRIX_BITS = (*TILE16_BITS, 8, 16)
+DECODES = ("affine", "lut", "convert", "raw")
 TILE_BYTES = 16 * 64  # a decoded bf16 B tile (16 k pairs x 16 columns), a float32 C tile (16 x 16)
 
 
@@ -31,8 +31,11 @@ def decode_strategies(spec: Matmul) -> tuple[str, ...]:
     float32 activations, their lossless compute type: the lookup and generic templates decode them exactly, so
     a float32 row's result does not depend on its M bucket (measured on Zen 4, 4096x4096, against the table
     decode: 1.1x the time at M=1, 2.0x at M=16, 1.7x at M=64).  float16, no lossless compute type for nf4,
-    keeps the bf16 table (excluding it cost 1.7x at M=1, 3.3x at M=16)."""
+    keeps the bf16 table (excluding it cost 1.7x at M=1, 3.3x at M=16).  bfloat16 codes are B-tile elements as
+    they are (raw)."""
     ttype = get(spec.weight_dtype)
+    if ttype.bits == 16:
+        return ("raw",)
     affine = ttype.kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
     if ttype.bits == 8:
         return ("affine", "convert") if affine else ("convert",)
@@ -121,6 +124,8 @@ class MatrixTemplate(CpuTemplate):
             return f"{ttype.bits}-bit codes (it decodes {MATRIX_BITS}-bit codes)"
         if ttype.bits == 8 and ttype.kind not in (INT, UINT):
             return f"8-bit {ttype.kind} codes (8-bit codes decode as integers)"
+        if ttype.bits == 16 and ttype.float_format != get("bfloat16").float_format:
+            return f"16-bit {ttype.name} codes (16-bit codes are read as bfloat16)"
         if spec.activation_dtype not in PLANES:
             return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"
         depth = step_depth(group, k)

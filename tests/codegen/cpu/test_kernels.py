@@ -24,7 +24,7 @@ def _run(spec, qweight, x, bias=None):
 
 
 WEIGHT_TYPES = ["int8", "uint8", "int4", "uint4", "int3", "uint3", "int2", "uint2", "int1", "uint1", "nf4",
-                "fp4_e2m1", "float8_e4m3", "float8_e5m2", "mxfp8", "mxfp4", "nvfp4"]
+                "fp4_e2m1", "float8_e4m3", "float8_e5m2", "mxfp8", "mxfp4", "nvfp4", "bfloat16"]
 
 
 @pytest.mark.parametrize("name", WEIGHT_TYPES)
@@ -152,7 +152,8 @@ def _spread(candidates):
     ("int4", "bfloat16", None, 128, 3, (1, 4)), ("fp4_e2m1", "float32", None, 64, 11, (5, 16)),
     ("int8", "bfloat16", None, 128, 3, (1, 4)), ("uint8", "bfloat16", "hqq", 64, 40, (17, 128)),
     ("uint2", "float16", "gptq", 128, 40, (17, 128)), ("int1", "bfloat16", None, -1, 130, (129, 1 << 30)),
-    ("uint8", "float16", "awq", 64, 7, (5, 16)), ("int8", "float32", None, -1, 40, (17, 128))])
+    ("uint8", "float16", "awq", 64, 7, (5, 16)), ("int8", "float32", None, -1, 40, (17, 128)),
+    ("bfloat16", "bfloat16", None, -1, 3, (1, 4)), ("bfloat16", "float32", None, 128, 40, (17, 128))])
 def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, zero_mode, group, m, bucket,
                                                               template):
     """The tuner may pick any candidate, so each family of the space (templates, decodes, small/large-M
@@ -188,7 +189,10 @@ def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, 
     ("uint8", "bfloat16", "awq", -1, 1, dict(n_tiles=1, rows=1, stage_steps=4, direct=True)),
     ("int1", "bfloat16", None, 128, 2, dict(n_tiles=1, rows=2, stage_steps=2, direct=True)),  # 4 and 8 splits
     ("int8", "float16", None, 64, 9, dict(n_tiles=3, rows=4, stage_steps=2, decode="convert")),
-    ("uint8", "float32", "gptq", 128, 3, dict(n_tiles=2, rows=2, stage_steps=1, decode="convert", direct=True))])
+    ("uint8", "float32", "gptq", 128, 3, dict(n_tiles=2, rows=2, stage_steps=1, decode="convert", direct=True)),
+    ("bfloat16", "bfloat16", None, -1, 1, dict(n_tiles=4, rows=1, stage_steps=2, decode="raw", direct=True)),
+    ("bfloat16", "float16", None, 64, 20, dict(n_tiles=2, rows=4, stage_steps=2, small_m=False, m_chunk=32,
+                                               decode="raw"))])
 @pytest.mark.requires_avx512_bf16
 def test_dot_template_register_blocks(name, activation, zero_mode, group, m, config):
     """The AVX512-BF16 template for register blocks of 1 to 16 rows, M not a multiple of them, N not a
@@ -400,8 +404,8 @@ def test_kernels_are_built_once_per_bucket():
     assert first.record.bucket == (1, 1) and first.record.chosen is not None
 
 
-@pytest.mark.parametrize("name", ["int4", "uint2", "int1", "nf4", "uint3", "int8", "mxfp4"])
-@pytest.mark.parametrize("n, k", [(16, 128), (37, 100), (5, 8)])
+@pytest.mark.parametrize("name", ["int4", "uint2", "int1", "nf4", "uint3", "int8", "mxfp4", "bfloat16"])
+@pytest.mark.parametrize("n, k", [(16, 128), (37, 100), (5, 8), (3, 33)])
 def test_layout_transform_round_trips(name, n, k):
     block = ttype.get(name).block_size > 1
     if block and k % 32:
@@ -465,3 +469,20 @@ def test_kernel_arguments_are_made_once_and_follow_replaced_tensors():
     weight.scales = weight.scales * 2  # a replaced tensor is picked up, not the one the arguments were made from
     assert weight.kernel_arguments()[1] is weight.scales
     assert torch.equal(spec(x, weight), y * 2)
+
+
+@pytest.mark.parametrize("m", [1, 2, 17])
+def test_bfloat16_weights_give_torch_s_bf16_linear_up_to_summation_order(m):
+    """A bf16 weight stored as bitkern's bfloat16 (a cast: scale 1) is multiplied exactly as torch's bf16 linear
+    does (bf16 products summed in float32, rounded to bf16 once): the results differ by the summation order only,
+    at most one bf16 rounding step of the output."""
+    generator = torch.Generator().manual_seed(m)
+    weight = torch.randn(300, 2048, generator=generator).bfloat16()
+    x = torch.randn(m, 2048, generator=generator).bfloat16()
+    q = bitkern.quantize(weight, "bfloat16", group_size=-1)
+    assert torch.equal(q.dequantize(torch.bfloat16), weight) and bool((q.scales == 1).all())
+    spec = Matmul.for_weight(q, "bfloat16", output_dtype="bfloat16")
+    y, expected = spec(x, pack(q)), torch.nn.functional.linear(x, weight)
+    exact = x.double() @ weight.double().T
+    assert float((y.double() - exact).abs().max()) <= float((expected.double() - exact).abs().max()) * 2 + 1e-6
+    assert float((y.float() - expected.float()).abs().max()) <= 2**-7 * float(exact.abs().max())

@@ -14,7 +14,8 @@ ternary-logic op per 32 codes; 2-bit codes are taken where they lie in the word,
 power of two whose mantissa puts them at weight 1 — d = 2^(7-at) + u — so one shift serves three k pairs,
 and per-group activation sums XD fold the smaller offsets back), "lut" for any type (a 32-entry bf16 table
 through vpermw), "convert" for 8-bit integer codes (each code extended to int32, converted to float32 and
-truncated to bf16, exact: one B tile per 16 columns where "affine" multiplies two nibbles).
+truncated to bf16, exact: one B tile per 16 columns where "affine" multiplies two nibbles), "raw" for bfloat16
+codes (a word holds the bf16 pair of its k pair: the B-tile row as it is).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def _decode_for(spec: Matmul, strategy: str) -> _Decode:
         return _Decode("lut", ttype.bits)
     if strategy == "convert":
         return _Decode("convert", 8, signed=ttype.kind == INT)
+    if strategy == "raw":
+        return _Decode("raw", 16)
     if ttype.bits == 8:  # code = 16·h + l: v = 16·(d_hi - 128 - 8·signed) + (d_lo - 128)
         flip = 8 if ttype.kind == INT else 0
         return _Decode("affine", 8, xor=(0, flip), alpha=(1.0, 16.0), offset=-128.0 - 16.0 * (128 + flip))
@@ -358,6 +361,8 @@ class Tile16Builder(abc.ABC):
         `prefetch` words ahead is prefetched."""
         s, cfg = self.s, self.cfg
         prefetch_ahead(self.qweight, tile_index, word_index, cfg.prefetch, cfg.n_tiles)
+        if self.dec.strategy == "raw":  # a word of bfloat16 codes is the B-tile row of its k pair
+            return [(0, 0, load(self.qweight, tile_index, word_index, ramp(0)))]
         word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
         if self.dec.strategy == "convert":
             return [(j, 0, self._converted(word, j)) for j in range(s.rows_per_word)]
