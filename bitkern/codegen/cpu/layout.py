@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ttype import QuantizedWeight, codes_per_word, pack, unpack
+from ...ttype import QuantizedWeight, codes_per_word, pack, packed_length, unpack
 
 AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
 TILE16_BITS = (1, 2, 4)  # widths whose words split into 16-bit halves of whole codes (AMX, lookup tables)
 LAYOUTS = ("tile16", "rowmajor")
 ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned vector loads
+_CHUNK_WORDS = 1 << 16  # words mapped at a time when laying out (the temporaries stay in cache)
 log = logging.getLogger("bitkern")
 
 
@@ -74,9 +75,13 @@ class PackedWeight:
         n, k = self.shape
         bits = self.ttype.bits
         words = self.qweight.permute(0, 2, 1).reshape(-1, self.qweight.shape[1])[:n]
-        codes = _unmap_codes(unpack(words, bits, (n, words.shape[1] * codes_per_word(bits))), bits)[:, :k]
         untile = (lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].contiguous())
-        return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, pack(codes, bits),
+        if bits in WORD_MAPPED_BITS:
+            qweight = trim_words(unmap_words(words, bits)[:, :packed_length(k, bits)].contiguous(), k, bits)
+        else:
+            codes = _unmap_codes(unpack(words, bits, (n, words.shape[1] * codes_per_word(bits))), bits)[:, :k]
+            qweight = pack(codes, bits)
+        return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, qweight,
                                untile(self.scales), untile(self.zeros), self.tensor_scale)
 
 
@@ -101,11 +106,30 @@ def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
     bits = weight.ttype.bits
     n, k = weight.shape
     rows = math.ceil(n / AMX_TILE_ROWS) * AMX_TILE_ROWS
-    codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
-    words = pack(_map_codes(codes, bits), bits)
     tile = (lambda t: None if t is None else _tile_rows(t, rows))
-    return PackedWeight("tile16", weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
+    if bits in WORD_MAPPED_BITS:
+        words = _mapped_tiles(weight.qweight, k, bits, rows)
+    else:
+        codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
+        words = tile(pack(_map_codes(codes, bits), bits))
+    return PackedWeight("tile16", weight.ttype, weight.shape, weight.group_size, weight.zero_mode, words,
                         tile(weight.scales), tile(weight.zeros), weight.tensor_scale)
+
+
+def _mapped_tiles(qweight: torch.Tensor, k: int, bits: int, rows: int) -> torch.Tensor:
+    """Portable words -> tile16 words [rows/16, padded words, 16], mapped a chunk of 16-row tiles at a time
+    (so the temporaries stay in cache); padding is zero."""
+    n, length = qweight.shape
+    tiles = torch.zeros(rows // AMX_TILE_ROWS, padded_k(k, bits) // codes_per_word(bits), AMX_TILE_ROWS,
+                        dtype=torch.int32, device=qweight.device)
+    step = max(1, _CHUNK_WORDS // (length * AMX_TILE_ROWS)) * AMX_TILE_ROWS
+    for start in range(0, n, step):
+        mapped = map_words(trim_words(qweight[start:start + step], k, bits), bits)
+        mapped = torch.nn.functional.pad(mapped, (0, 0, 0, (-mapped.shape[0]) % AMX_TILE_ROWS))
+        first = start // AMX_TILE_ROWS
+        tiles[first:first + mapped.shape[0] // AMX_TILE_ROWS, :length] = \
+            mapped.view(-1, AMX_TILE_ROWS, length).permute(0, 2, 1)
+    return tiles
 
 
 def _tile_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -131,6 +155,41 @@ def _unmap_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     grouped = codes.reshape(codes.shape[0], -1, per_word)
     return grouped[..., torch.argsort(_word_order(bits))].reshape(codes.shape)
 
+
+# Widths whose word map is a perfect unshuffle of the word's bit fields, done with delta swaps on whole words
+# (Hacker's Delight 7-2): the swap at shift s exchanges the fields under `mask` with those s bits above them.
+WORD_MAPPED_BITS = (1, 2, 4, 8)
+_UNSHUFFLE = ((1, 0x22222222), (2, 0x0C0C0C0C), (4, 0x00F000F0), (8, 0x0000FF00))
+
+
+def map_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Portable int32 words -> the same words with each word's even k's in its low half and odd k's in its
+    high half (the tile16 and lop3 map), for widths in WORD_MAPPED_BITS."""
+    return _delta_swaps(words, [(s, m) for s, m in _UNSHUFFLE if s >= bits])
+
+
+def unmap_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `map_words`."""
+    return _delta_swaps(words, [(s, m) for s, m in reversed(_UNSHUFFLE) if s >= bits])
+
+
+def _delta_swaps(words: torch.Tensor, swaps) -> torch.Tensor:
+    words = words.clone()
+    for shift, mask in swaps:  # the masks leave bit 31 alone, so int32's arithmetic shift is exact under them
+        moved = (words ^ (words >> shift)) & mask
+        words ^= moved ^ (moved << shift)
+    return words
+
+
+def trim_words(words: torch.Tensor, k: int, bits: int) -> torch.Tensor:
+    """Portable words of rows of `k` codes with the unused positions of each row's last word zeroed (as `pack`
+    leaves them, whatever a checkpoint put there)."""
+    used = (k % codes_per_word(bits)) * bits
+    if used == 0:
+        return words
+    words = words.clone()
+    words[:, -1] &= (1 << used) - 1
+    return words
 
 
 class Tile16Storage:
