@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..codegen import pack
+from ..ttype import QuantizedWeight
 from .storage import QuantizedModule, check_positive
 
 
@@ -42,6 +44,30 @@ class Linear(QuantizedModule):
         layer._set_weight(module.weight)
         if module.bias is not None:
             layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
+        return layer
+
+    @classmethod
+    def from_quantized(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                       compute_dtype=None) -> "Linear":
+        """A Linear holding an already quantized weight (a checkpoint's tensors as a QuantizedWeight, in the
+        portable layout), laid out for the kernels of the weight's device; `bias` (float, [out_features]) is
+        taken as it is."""
+        if not isinstance(weight, QuantizedWeight):
+            raise TypeError(f"weight must be a bitkern.QuantizedWeight, got {type(weight).__name__}")
+        out_features, in_features = weight.shape
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (out_features,)):
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"bias must be a tensor of shape ({out_features},), got {got}")
+        block = weight.ttype.block_size > 1
+        if weight.zero_mode == "hqq" and weight.zeros.dtype != weight.scales.dtype:
+            raise ValueError(f"hqq zeros have dtype {weight.zeros.dtype}, the scales {weight.scales.dtype}; a "
+                             f"Linear stores both in one scale dtype")
+        layer = cls(in_features, out_features, bias is not None, weight.ttype.name, weight.group_size,
+                    weight.zero_mode, compute_dtype, device="meta",
+                    scale_dtype=torch.float16 if block else weight.scales.dtype)
+        layer._store(pack(weight))
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach(), requires_grad=bias.requires_grad)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ INTEGER_ZERO_MODES = ("gptq", "awq")
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_GROUP_SIZE = 128
 _ROWS_PER_CHUNK = 256  # bounds the float64 temporaries of nearest-value rounding by search
-_CHUNK_ELEMENTS = 1 << 18  # quantize rows in chunks of about this many weights, so temporaries stay in cache
+_CHUNK_ELEMENTS = 1 << 20  # quantize rows in chunks of about this many weights, so temporaries stay in cache
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # weight dtypes that divide by float32 scales exactly
 
 

@@ -25,7 +25,7 @@ AMX_STEP_K = 32
 TILE16_BITS = (1, 2, 4)  # widths whose words split into 16-bit halves of whole codes (AMX, lookup tables)
 LAYOUTS = ("tile16", "rowmajor")
 ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned vector loads
-_CHUNK_WORDS = 1 << 16  # words mapped at a time when laying out (the temporaries stay in cache)
+_CHUNK_WORDS = 1 << 18  # words mapped at a time when laying out (the temporaries stay in cache)
 log = logging.getLogger("bitkern")
 
 
