@@ -5,7 +5,8 @@ random weights, a bfloat16 checkpoint of 1.1 GB), each measurement in a fresh pr
   and of the int4 checkpoint `save_pretrained` wrote: seconds, and the process's memory above what it held
   before loading (sampled every millisecond), at its peak and after loading, against the checkpoint's size:
   anonymous memory (RssAnon, the process's own) and all resident memory (VmRSS, with the pages of the mapped
-  checkpoint; transformers maps the files and a float model keeps its weights in the mapped pages).
+  checkpoint; transformers maps the files and a float model keeps its weights in the mapped pages), in the
+  default environment and with OMP_WAIT_POLICY=PASSIVE.
 - `hf_generate`: greedy `generate` of 64 new tokens after a 16-token prompt, bitkern int4 (group 128) vs the
   bfloat16 model, tokens/s (median of 3 runs after a warm-up run, the two models taking turns), in the default
   environment and with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP workers sleep instead of spinning between
@@ -40,14 +41,17 @@ def checkpoints(tmp_path_factory):
     return {"bfloat16": folder / "bfloat16", "int4": folder / "int4"}
 
 
-def test_load_memory_and_time(checkpoints, record):
+@pytest.mark.parametrize("wait_policy", ["default", "PASSIVE"])
+def test_load_memory_and_time(checkpoints, record, wait_policy):
+    environment = {} if wait_policy == "default" else {"OMP_WAIT_POLICY": wait_policy}
     checkpoint_bytes = sum(f.stat().st_size for f in checkpoints["bfloat16"].glob("*.safetensors"))
     cases = {"float (bfloat16)": (checkpoints["bfloat16"], None),
              "int4 quantized on load": (checkpoints["bfloat16"], QUANTIZATION),
              "int4 pre-quantized": (checkpoints["int4"], None)}
     for name, (path, quantization) in cases.items():
-        result = _worker({"task": "load", "path": str(path), "quantization": quantization})
-        record("hf_load", load=name, seconds=result["seconds"], checkpoint_MiB=checkpoint_bytes / 2**20,
+        result = _worker({"task": "load", "path": str(path), "quantization": quantization}, environment)
+        record("hf_load", OMP_WAIT_POLICY=wait_policy, load=name, seconds=result["seconds"],
+               checkpoint_MiB=checkpoint_bytes / 2**20,
                peak_anon_MiB=result["peak"]["anon"] / 2**20, peak_rss_MiB=result["peak"]["rss"] / 2**20,
                held_anon_MiB=result["held"]["anon"] / 2**20, held_rss_MiB=result["held"]["rss"] / 2**20,
                peak_anon_vs_checkpoint=result["peak"]["anon"] / checkpoint_bytes, load_1min=_load())

@@ -187,6 +187,47 @@ def test_a_checkpoint_loads_without_float_weights_in_memory(quantized, tmp_path)
     assert all(isinstance(m, bitkern.Linear) for n, m in _linears(reloaded).items() if n != "lm_head")
 
 
+def test_a_checkpoint_of_another_format_loads_through_a_registered_source(quantized, tmp_path):
+    """A checkpoint format bitkern does not write (here: unpacked uint8 codes named `codes`, `scale`) loads
+    through `BitkernConfig(source=...)` once a CheckpointSource says which tensors a layer has and converts them."""
+    from bitkern.integration.hf import format as checkpoint_format
+    from safetensors.torch import load_file, save_file
+
+    renamed = {"weight_scale": "scale", "weight_zero": "zero", "weight_tensor_scale": "tensor_scale"}
+
+    def expected(settings, in_features, out_features):
+        native = checkpoint_format.expected_tensors(settings, in_features, out_features)
+        return {"codes": ((out_features, in_features), torch.uint8),
+                **{renamed[name]: spec for name, spec in native.items() if name != "weight"}}
+
+    def to_bitkern(tensors, settings, in_features, out_features):
+        return {"weight": bitkern.ttype.pack(tensors["codes"], bitkern.ttype.get(settings.dtype).bits),
+                **{name: tensors[other] for name, other in renamed.items() if other in tensors}}
+
+    model = quantized("int4")
+    model.save_pretrained(tmp_path / "saved")
+    state = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    layers = _linears(model)
+    converted = {}
+    for key, value in state.items():
+        module, _, tensor = key.rpartition(".")
+        if isinstance(layers.get(module), bitkern.Linear) and tensor == "weight":
+            converted[f"{module}.codes"] = layers[module].quantized_weight().codes()
+        else:
+            converted[f"{module}.{renamed.get(tensor, tensor)}"] = value
+    save_file(converted, str(tmp_path / "saved" / "model.safetensors"), metadata={"format": "pt"})
+    document = json.loads((tmp_path / "saved" / "config.json").read_text())
+    document["quantization_config"]["source"] = "unpacked_codes_test"
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(document))
+    checkpoint_format.register_source("unpacked_codes_test", checkpoint_format.CheckpointSource(expected, to_bitkern))
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    finally:
+        checkpoint_format.SOURCES.pop("unpacked_codes_test")
+    assert torch.equal(_logits(loaded), _logits(model))
+    assert loaded.config.quantization_config.source == "bitkern"  # saving it writes bitkern's format
+
+
 # -- generate, compile, dequantize, devices -------------------------------------------------------------------
 def test_generate_greedy_sampling_and_kv_caches(quantized):
     model = quantized("int4")

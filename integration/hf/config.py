@@ -9,10 +9,9 @@ import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ...ttype import TType
-from .format import FORMAT, SETTINGS, LayerSettings
+from .format import FORMAT, SETTINGS, SOURCES, LayerSettings
 
 METHOD = "bitkern"
-SOURCES = ("bitkern",)
 _KEYS = ("quant_method", "format", "source", *SETTINGS, "modules_to_not_convert", "overrides")
 
 
@@ -30,7 +29,8 @@ class BitkernConfig(QuantizationConfigMixin):
     A pattern (or name) is a regular expression matched against whole dot-separated parts of a module's
     name: "lm_head", "down_proj" (every layer's), "model.layers.0" (and everything in it),
     r"layers\\.(0|1)\\.mlp".
-    source: the format of a pre-quantized checkpoint's tensors ("bitkern": what save_pretrained writes).
+    source: the format of a pre-quantized checkpoint's tensors ("bitkern": what save_pretrained writes; others:
+    `format.register_source`).
     """
 
     def __init__(self, dtype="nf4", group_size: int | None = None, zero_mode: str | None = None,

@@ -7,7 +7,8 @@ Pre-quantized (a checkpoint `save_pretrained` wrote, see `format`): each convert
 `_CheckpointSlots` receptacle whose empty tensors carry the checkpoint's names, shapes and dtypes, so
 transformers loads the packed tensors as they are; the checkpoint's headers are checked against the slots
 before any tensor is read, and after loading every receptacle turns into a bitkern.Linear through
-`format.linear_from_checkpoint`.
+`format.linear_from_checkpoint` (checkpoints of other formats: their `format.CheckpointSource` names the
+receptacle's tensors and converts them first).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from transformers.quantizers.base import HfQuantizer, get_keys_to_not_convert
 
 from ... import Linear, dequantize_model
 from .config import BitkernConfig
-from .format import FORMAT, LayerSettings, checkpoint_tensors, expected_tensors, linear_from_checkpoint, misfits
+from .format import (FORMAT, SOURCES, CheckpointSource, LayerSettings, checkpoint_tensors, linear_from_checkpoint,
+                     misfits)
 
 log = logging.getLogger("bitkern")
 _SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -55,9 +57,11 @@ class BitkernHfQuantizer(HfQuantizer):
             config.modules_to_not_convert = sorted({*config.modules_to_not_convert, *kept})
         self.plan = _plan(model, config, kept)
         if self.pre_quantized:
-            slots = {name: _CheckpointSlots(model.get_submodule(name), settings) for name, settings in self.plan.items()}
+            source = SOURCES[config.source]
+            slots = {name: _CheckpointSlots(model.get_submodule(name), settings, source)
+                     for name, settings in self.plan.items()}
             if checkpoint_files:
-                _check_checkpoint(checkpoint_files, slots, model.base_model_prefix)
+                _check_checkpoint(checkpoint_files, slots, model.base_model_prefix, config.source)
             for name, slot in slots.items():
                 _replace(model, name, slot)
         return model
@@ -68,6 +72,7 @@ class BitkernHfQuantizer(HfQuantizer):
         return QuantizeOnLoad(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        self.quantization_config.source = "bitkern"  # the model's layers are bitkern's now, and save so
         for name, settings in self.plan.items():
             module = model.get_submodule(name)
             if isinstance(module, _CheckpointSlots):
@@ -117,10 +122,11 @@ class _CheckpointSlots(nn.Module):
     """Stands in for one converted nn.Linear while a pre-quantized checkpoint loads: empty (meta) tensors with the
     checkpoint's names, shapes and dtypes for transformers to fill, and the Linear's bias."""
 
-    def __init__(self, linear: nn.Linear, settings: LayerSettings):
+    def __init__(self, linear: nn.Linear, settings: LayerSettings, source: CheckpointSource):
         super().__init__()
         self.in_features, self.out_features, self.settings = linear.in_features, linear.out_features, settings
-        self.expected = expected_tensors(settings, linear.in_features, linear.out_features)
+        self.source = source
+        self.expected = source.expected_tensors(settings, linear.in_features, linear.out_features)
         for name, (shape, dtype) in self.expected.items():
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
         self.bias = linear.bias
@@ -132,6 +138,7 @@ class _CheckpointSlots(nn.Module):
         if unfilled:
             raise ValueError(f"{name}: the checkpoint holds no {unfilled} for this bitkern layer")
         try:
+            tensors = self.source.to_bitkern(tensors, self.settings, self.in_features, self.out_features)
             return linear_from_checkpoint(tensors, self.settings, self.in_features, self.out_features, self.bias)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{name}: {error}") from None
@@ -160,7 +167,7 @@ def _plan(model, config: BitkernConfig, kept: list[str]) -> dict[str, LayerSetti
     return plan
 
 
-def _check_checkpoint(files: list[str], slots: dict[str, _CheckpointSlots], prefix: str) -> None:
+def _check_checkpoint(files: list[str], slots: dict[str, _CheckpointSlots], prefix: str, source: str) -> None:
     """Raise, naming every module and tensor, unless the checkpoint's safetensors headers hold each slot's tensors
     with its shapes and dtypes (keys may carry the base model's prefix or lack it, as transformers allows)."""
     found = {}
@@ -182,7 +189,7 @@ def _check_checkpoint(files: list[str], slots: dict[str, _CheckpointSlots], pref
         candidates = (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}."))
         tensors = next((by_module[c] for c in candidates if c in by_module), {})
         problems += [f"{name}: {problem}" for problem in misfits(tensors, slot.settings, slot.in_features,
-                                                                   slot.out_features)]
+                                                                   slot.out_features, source)]
     if problems:
         shown = "; ".join(problems[:20]) + (f"; ... ({len(problems) - 20} more)" if len(problems) > 20 else "")
         raise ValueError(f"the bitkern checkpoint in {os.path.dirname(str(files[0]))} does not fit this model (other "
