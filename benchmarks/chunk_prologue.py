@@ -13,8 +13,8 @@ import time
 import torch
 
 import bitkern
-from bitkern.codegen.cpu.build import build_kernel
-from bitkern.codegen.cpu.configs import AmxConfig
+from bitkern.codegen import build_kernel
+from bitkern.codegen.cpu.amx import AmxConfig
 from bitkern.ops import Conv2d, ConvGeometry, Matmul
 from bitkern.tuner import host_cpu
 

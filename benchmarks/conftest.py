@@ -119,7 +119,7 @@ def _stream_reader(buffer: torch.Tensor):
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    from bitkern.codegen.cpu.tir import load, ramp, splat
+    from bitkern.codegen.cpu.emit.tir import load, ramp, splat
     from bitkern.tuner import host_cpu
 
     chunks = 1024

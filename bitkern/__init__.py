@@ -4,10 +4,11 @@ import os
 
 import torch
 
-# TVM sizes its thread pool once, from this variable; follow torch's intra-op thread count.
+# bitkern's kernels run their parallel loops on torch's own OpenMP threads (codegen.cpu.runtime); should they
+# fall back to TVM's thread pool, that pool is sized once, from this variable: torch's intra-op thread count.
 os.environ.setdefault("TVM_NUM_THREADS", str(torch.get_num_threads()))
 
-from . import ops, ttype  # noqa: E402  (the thread count must be set before TVM loads)
+from . import cache, ops, ttype  # noqa: E402  (after the thread count; importing cache attaches the dispatch to ops)
 from .codegen import PackedWeight, pack  # noqa: E402
 from .ttype import QuantizedWeight, quantize  # noqa: E402
 from . import nn  # noqa: E402
@@ -20,6 +21,14 @@ _hf_registration.install()  # transformers finds bitkern checkpoints' method onc
 __version__ = "0.1.0"
 
 
+def load_pretrained(path, **from_pretrained_kwargs):
+    """A GPTQ / AWQ / bitsandbytes-4bit checkpoint directory, or one `save_pretrained` of a bitkern model wrote,
+    as a transformers model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
+    from .integration.formats.pretrained import load_pretrained as load
+
+    return load(path, **from_pretrained_kwargs)
+
+
 def __getattr__(name: str):
     if name == "BitkernConfig":  # the transformers quantization config; importing it imports transformers
         try:
@@ -30,5 +39,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'bitkern' has no attribute {name!r}")
 
 
-__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load", "nn",
-           "ops", "pack", "quantize", "quantize_model", "save", "ttype"]
+__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load",
+           "load_pretrained", "nn", "ops", "pack", "quantize", "quantize_model", "save", "ttype"]

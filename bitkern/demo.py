@@ -4,13 +4,13 @@ output error, weight memory and speed against the float block on the current dev
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from .nn import quantize_model
 from .nn.storage import QuantizedModule
@@ -59,7 +59,9 @@ def run(dtypes=DEFAULT_TYPES, dim: int = 1024, heads: int = 16, hidden: int = 28
         seed: int = 0, seconds: float = 0.5) -> list[dict]:
     """Quantize one float block per type; return and print error, weight memory and speed vs float.
 
-    Speed is timed for one token (decoding) and for `tokens` tokens (a prompt), each for about `seconds`.
+    Every kernel is prepared (tuned, built or loaded) before anything is timed; then one token (decoding) and
+    `tokens` tokens (a prompt) are timed for about `seconds` per model and size, the models taking turns call
+    by call so that drift in the machine's speed hits them all alike.
     """
     if tokens < 2:
         raise ValueError(f"tokens={tokens} must be at least 2 (one token is timed on its own)")
@@ -67,25 +69,33 @@ def run(dtypes=DEFAULT_TYPES, dim: int = 1024, heads: int = 16, hidden: int = 28
     torch.manual_seed(seed)
     block = TransformerBlock(dim, heads, hidden).to(device).eval()
     inputs = {n: torch.randn(1, n, dim, device=device) for n in (1, tokens)}
+    half_inputs = {n: t.bfloat16() for n, t in inputs.items()}
+    models = [("float32", None, block, inputs), ("bfloat16", None, copy.deepcopy(block).to(torch.bfloat16), half_inputs)]
+    for name in dtypes:
+        quantized = quantize_model(copy.deepcopy(block), name, group_size=group_size, compute_dtype=compute_dtype)
+        layer = next(m for m in quantized.modules() if isinstance(m, QuantizedModule))
+        models.append((name, layer.group_size, quantized, inputs))
     with torch.no_grad():
+        _prepare(models)
         x = inputs[tokens]
         update = block(x) - x
-        error = (lambda model, inputs: float((model(inputs[tokens]).float() - x - update).norm() / update.norm()))
-        rows = [_row("float32", None, block, _weight_bytes(block), 0.0, inputs, seconds)]
-        half, half_inputs = copy.deepcopy(block).to(torch.bfloat16), {n: t.bfloat16() for n, t in inputs.items()}
-        rows.append(_row("bfloat16", None, half, _weight_bytes(half), error(half, half_inputs), half_inputs, seconds))
-        for name in dtypes:
-            quantized = quantize_model(copy.deepcopy(block), name, group_size=group_size, compute_dtype=compute_dtype)
-            layer = next(m for m in quantized.modules() if isinstance(m, QuantizedModule))
-            rows.append(_row(name, layer.group_size, quantized, _weight_bytes(quantized), error(quantized, inputs),
-                             inputs, seconds))
+        times = _interleaved_seconds(models, seconds)
+        rows = [{"dtype": name, "group": group, "weight_bytes": _weight_bytes(model),
+                 "error": float((model(sizes[tokens]).float() - x - update).norm() / update.norm()),
+                 **{f"ms_{n}": 1e3 * times[name, n] for n in sizes}}
+                for name, group, model, sizes in models]
     _print(rows, dim, heads, hidden, tokens, compute_dtype, device)
     return rows
 
 
-def _row(name, group, model, weight_bytes, error, inputs, seconds) -> dict:
-    return {"dtype": name, "group": group, "weight_bytes": weight_bytes, "error": error,
-            **{f"ms_{n}": 1e3 * _median_seconds(model, x, seconds) for n, x in inputs.items()}}
+def _prepare(models) -> None:
+    """One call of every model at every size: the quantized layers' kernels are tuned, built or loaded here,
+    never inside a timed call."""
+    calls = [(model, x) for _, _, model, sizes in models for x in sizes.values()]
+    for model, x in tqdm(calls, desc="preparing kernels", disable=None):
+        model(x)
+    if calls and calls[0][1].device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _weight_bytes(model: nn.Module) -> int:
@@ -94,19 +104,28 @@ def _weight_bytes(model: nn.Module) -> int:
                for m in model.modules() if isinstance(m, (nn.Linear, QuantizedModule)))
 
 
-def _median_seconds(model, x, seconds: float) -> float:
-    model(x)  # the first call compiles the kernels for these shapes
-    times = []
-    deadline = time.perf_counter() + seconds
-    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 100):
-        if x.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(x)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _interleaved_seconds(models, seconds: float) -> dict:
+    """Median seconds per call of every (model name, size), timed in rounds of one call each."""
+    calls = [(name, n, model, x) for name, _, model, sizes in models for n, x in sizes.items()]
+    samples = {(name, n): [] for name, n, _, _ in calls}
+    deadline = time.perf_counter() + seconds * len(calls)
+    rounds = 0
+    while rounds < 5 or (time.perf_counter() < deadline and rounds < 200):
+        for name, n, model, x in calls:
+            samples[name, n].append(_seconds(model, x))
+        rounds += 1
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def _seconds(model, x) -> float:
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    model(x)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def _print(rows, dim, heads, hidden, tokens, compute_dtype, device) -> None:
@@ -123,6 +142,3 @@ def _print(rows, dim, heads, hidden, tokens, compute_dtype, device) -> None:
                         for k in ("ms_1", f"ms_{tokens}")))
     print("error: relative L2 error of the block's update (output - input) vs float32; x fp32 / x bf16: speed-up "
           "over the float32 / bfloat16 block (above 1: faster); weights: the Linear layers' storage.")
-    if device.type == "cpu" and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
-        print("note: torch's OpenMP threads spin between ops and slow the TVM kernels that follow them; on few "
-              "cores start Python with OMP_WAIT_POLICY=PASSIVE for the quantized blocks' real speed.")

@@ -1,11 +1,56 @@
-"""Shared test helpers: compiling small TVM expressions for the host CPU; kernels chosen by the cost model
-(profiling top-k candidates per kernel would multiply the suite's compile time; test_tuner covers it)."""
+"""Shared test set-up: a fresh kernel cache per session, kernels chosen by the cost model (profiling top-k
+candidates per kernel would multiply the suite's compile time; tests/tuner covers it), the hardware markers, and
+compiling small TVM expressions for the host CPU."""
 
 import os
 
 import pytest
 
 os.environ.setdefault("BITKERN_TUNING", "model")
+
+
+def _has_amx() -> bool:
+    from bitkern.tuner import host_cpu
+
+    return host_cpu().has_amx_bf16
+
+
+def _has_avx512_bf16() -> bool:
+    from bitkern.tuner import host_cpu
+
+    return "avx512_bf16" in host_cpu().flags
+
+
+def _has_nvcc() -> bool:
+    from bitkern.codegen.cuda.compile import find_nvcc
+
+    return find_nvcc() is not None
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# marker: (what the test needs, whether this machine has it)
+HARDWARE = {
+    "requires_amx": ("a CPU with AMX-BF16", _has_amx),
+    "requires_avx512_bf16": ("a CPU with AVX512-BF16", _has_avx512_bf16),
+    "requires_nvcc": ("nvcc", _has_nvcc),
+    "requires_cuda": ("a CUDA GPU", _has_cuda),
+}
+
+
+def pytest_configure(config):
+    for name, (needs, _) in HARDWARE.items():
+        config.addinivalue_line("markers", f"{name}: runs only on a machine with {needs} (skipped elsewhere)")
+
+
+def pytest_runtest_setup(item):
+    for name, (needs, present) in HARDWARE.items():
+        if item.get_closest_marker(name) is not None and not present():
+            pytest.skip(f"needs {needs}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,12 +1,15 @@
-"""Compiled kernels keyed by (op spec, N, K, M bucket, weight layout, target, versions): an in-process map
-over an on-disk store under $BITKERN_CACHE_DIR (else $XDG_CACHE_HOME/bitkern, else ~/.cache/bitkern).
+"""Dispatch of a call to its kernel, and compiled kernels keyed by (op spec, N, K, M bucket, weight layout,
+target, versions): an in-process map over an on-disk store under $BITKERN_CACHE_DIR (else
+$XDG_CACHE_HOME/bitkern, else ~/.cache/bitkern).
 
-Entry point: `kernel_for(spec, n, k, m, layout, device)`; the store itself is `DiskStore` (ls, verify,
-clear, export and import of bundles).
+Entry points: `kernel_for(spec, n, k, m, layout, device)`; `dispatch.run(spec, x, weight, bias)`, which
+importing this package attaches to `bitkern.ops` (what calling a spec does); the store itself is `DiskStore`
+(ls, verify, clear, export and import of bundles).
 """
 
+from . import dispatch
 from .disk import DiskStore, cache_root
 from .key import KernelKey, versions
 from .lookup import forget, kernel_for, tuning_mode
 
-__all__ = ["DiskStore", "KernelKey", "cache_root", "forget", "kernel_for", "tuning_mode", "versions"]
+__all__ = ["DiskStore", "KernelKey", "cache_root", "dispatch", "forget", "kernel_for", "tuning_mode", "versions"]

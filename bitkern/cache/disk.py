@@ -229,8 +229,7 @@ def _kernel_from(directory: Path, manifest: dict):
 
 
 def _cpu_kernel_from(directory: Path, manifest: dict, key: KernelKey):
-    from ..codegen.cpu.configs import config_from_dict
-    from ..codegen.cpu.kernel import CpuKernel
+    from ..codegen import template
     from ..codegen.cpu.layout import aligned
     from .runtime import load_function
 
@@ -241,9 +240,8 @@ def _cpu_kernel_from(directory: Path, manifest: dict, key: KernelKey):
         loaded = load_file(str(directory / CONSTANTS))
         constants = [aligned(loaded[f"c{i}"]) for i in range(len(loaded))]  # file offsets are not aligned
     function = load_function(str(directory / LIBRARY))
-    kernel = CpuKernel(key.spec, key.n, key.k, manifest["template"],
-                       config_from_dict(manifest["template"], manifest["config"]), key.layout,
-                       tuple(manifest["m_range"]), function, constants)
+    kernel = template(manifest["template"]).restore(key.spec, key.n, key.k, manifest["config"], key.layout,
+                                                    tuple(manifest["m_range"]), function, constants)
     kernel.record = manifest.get("record")
     return kernel
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ..codegen.cpu.layout import layout_for
+from ..codegen import layout_for
 from ..ops.matmul import Matmul
 from ..ttype import get
 from ..tuner.buckets import m_bucket
@@ -87,12 +87,10 @@ def prebuild(shapes: list[LinearShape], dtype: str = "int4", group_size: int = 1
     ttype = get(dtype)
     device = device_for(target)
     if device.kind == "cuda":
-        from ..codegen.cuda.layout import LAYOUT, check_type
+        from ..codegen.cuda.layout import check_type
 
         check_type(ttype)
-        layout = LAYOUT
-    else:
-        layout = layout_for(ttype)
+    layout = layout_for(ttype, device.kind)
     store = store or DiskStore()
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     group = ttype.block_size if ttype.block_size > 1 else group_size

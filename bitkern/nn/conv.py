@@ -22,6 +22,8 @@ class Conv2d(QuantizedModule):
     """nn.Conv2d (groups=1, padding_mode="zeros") with its weight in `dtype`; the other weight arguments
     are those of `bitkern.Linear`, with in_features = in_channels · kernel height · kernel width."""
 
+    float_class = nn.Conv2d
+
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", dtype="nf4", group_size=None,
                  zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16):
@@ -43,22 +45,13 @@ class Conv2d(QuantizedModule):
         if device.type != "meta":
             source = source.to_empty(device=device)
             source.reset_parameters()
-        self._set_weight(source.weight)
-        self.register_parameter("bias", None if source.bias is None else nn.Parameter(source.bias.detach()))
+        self._take_parameters(source)
 
     @classmethod
-    def from_float(cls, module: nn.Conv2d, dtype="nf4", group_size=None, zero_mode: str | None = None,
-                   compute_dtype=None, scale_dtype=torch.float16) -> "Conv2d":
-        """Quantize an nn.Conv2d (its weight's device and values; the bias is copied as it is)."""
-        if not isinstance(module, nn.Conv2d):
-            raise TypeError(f"module must be a torch.nn.Conv2d, got {type(module).__name__}")
-        layer = cls(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
-                    module.dilation, module.groups, module.bias is not None, module.padding_mode, dtype, group_size,
-                    zero_mode, compute_dtype, device="meta", scale_dtype=scale_dtype)
-        layer._set_weight(module.weight)
-        if module.bias is not None:
-            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
-        return layer
+    def _meta_layer(cls, module: nn.Conv2d, **settings) -> "Conv2d":
+        return cls(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+                   module.dilation, module.groups, module.bias is not None, module.padding_mode, device="meta",
+                   **settings)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and (x.dim() not in (3, 4) or x.shape[-3] != self.in_channels):
@@ -68,8 +61,8 @@ class Conv2d(QuantizedModule):
             return self.forward(x.unsqueeze(0)).squeeze(0)
         channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         x, output_dtype = self._compute_input(x)
-        weight = self._weight_args()
-        y = torch.ops.bitkern.conv2d(x.permute(0, 2, 3, 1).contiguous(), *weight[:4], self.bias, *weight[4:],
+        weight, weight_format = self.op_weight()
+        y = torch.ops.bitkern.conv2d(x.permute(0, 2, 3, 1).contiguous(), weight, weight_format, self.bias,
                                      output_dtype, list(self.kernel_size), list(self.stride), list(self.dilation),
                                      list(self._padding_sides()))
         y = y.permute(0, 3, 1, 2)  # NCHW sizes over the NHWC result: channels-last strides
@@ -100,10 +93,7 @@ class Conv2d(QuantizedModule):
         """An nn.Conv2d holding the dequantized weight (in `dtype`) and this layer's bias."""
         module = nn.Conv2d(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
                            self.dilation, bias=self.bias is not None, device="meta", dtype=dtype)
-        module.weight = nn.Parameter(self.dequantize_weight(dtype))
-        if self.bias is not None:
-            module.bias = nn.Parameter(self.bias.detach().to(dtype).clone(), requires_grad=self.bias.requires_grad)
-        return module
+        return self._give_parameters(module, dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

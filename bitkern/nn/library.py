@@ -6,10 +6,10 @@
 formulas send gradients to x and the bias only (the quantized weight is frozen).
 `torch.ops.bitkern.dequantize` gives the float weight.
 
-A weight crosses the op boundary as its tensors plus a format, all plain op arguments:
-qweight, scales, zeros, tensor_scale (raw bits: float metadata travels as same-width integers, see
-`bitkern.nn.storage`) and weight_dtype, out_features, in_features, group_size, zero_mode,
-scale_dtype, layout.
+A weight crosses an op's boundary as two arguments (torch.library ops take plain values only): `weight`, its
+tensors in `StoredWeight.TENSORS` order (qweight, scales, zeros, tensor_scale; None where the format has none;
+float metadata as raw bits, same-width integers, so module-wide casts never round it), and `weight_format`, its
+`WeightFormat` as a string.  `op_arguments` and `weight_of` are the one place that converts between the two.
 """
 
 from __future__ import annotations
@@ -23,140 +23,155 @@ from torch import Tensor
 from ..codegen import PackedWeight, packed_class
 from ..ops import Conv2d, ConvGeometry, Matmul
 from ..ops.conv import conv_weight, out_size
-from ..ttype import get
+from ..ttype import StoredWeight, WeightFormat, get, torch_dtype
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_RAW_BITS = {2: torch.int16, 4: torch.int32}  # integer dtype of each float width
 
 
-def packed_weight(qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], tensor_scale: Optional[Tensor],
-                  weight_dtype: str, out_features: int, in_features: int, group_size: int, zero_mode: str,
-                  scale_dtype: torch.dtype, layout: str) -> PackedWeight:
-    """The PackedWeight that the op arguments describe (float metadata viewed back from its raw bits)."""
-    return packed_class(layout)(layout, get(weight_dtype), (out_features, in_features), group_size, zero_mode,
-                                qweight, float_view(scales, scale_dtype), float_view(zeros, scale_dtype),
-                                float_view(tensor_scale, torch.float32))
+def op_arguments(weight: StoredWeight) -> tuple[list, str]:
+    """(weight, weight_format): the op arguments of a stored weight."""
+    return [raw_bits(tensor) for tensor in weight.tensors()], weight.format.encode()
 
 
-def float_view(bits: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """The float tensor stored as same-width integer bits; uint8 codes (and None) stay as they are."""
+def weight_of(tensors: list, weight_format: WeightFormat) -> PackedWeight:
+    """The weight that op arguments describe: its format, and its tensors with float metadata viewed back from
+    their raw bits (views, no copies)."""
+    qweight, scales, zeros, tensor_scale = tensors
+    floats = (_float_view(scales, weight_format.scale_dtype), _float_view(zeros, weight_format.zero_dtype),
+              _float_view(tensor_scale, "float32"))
+    return packed_class(weight_format.layout).from_format(weight_format, qweight, *floats)
+
+
+def raw_bits(tensor: Tensor | None) -> Tensor | None:
+    """A float tensor as same-width integers (how float metadata is stored and crosses the ops); others as they
+    are."""
+    if tensor is None or not tensor.is_floating_point():
+        return tensor
+    return tensor.view(_RAW_BITS[tensor.element_size()])
+
+
+def _float_view(bits: Optional[Tensor], dtype: str | None) -> Optional[Tensor]:
+    """The float tensor of `dtype` stored as raw bits; uint8 codes (and None) stay as they are."""
     if bits is None or bits.dtype == torch.uint8:
         return bits
-    return bits.view(dtype)
+    return bits.view(torch_dtype(dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def _spec(weight_dtype: str, activation: torch.dtype, output: torch.dtype, group_size: int, zero_mode: str,
-          bias: bool, scale_dtype: torch.dtype, geometry: ConvGeometry | None = None) -> Matmul:
+def _spec(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool,
+          geometry: ConvGeometry | None = None) -> Matmul:
     """The Matmul spec of a call (a Conv2d spec when a convolution `geometry` is given)."""
-    block = get(weight_dtype).block_size > 1
-    fields = dict(output_dtype=output, group_size=group_size, zero_mode=zero_mode, bias=bias,
-                  scale_dtype=torch.float16 if block else scale_dtype)
+    described = WeightFormat.decode(weight_format)
+    block = get(described.dtype).block_size > 1
+    fields = dict(output_dtype=output, group_size=described.group_size, zero_mode=described.zero_mode, bias=bias,
+                  scale_dtype="float16" if block else described.scale_dtype)
     if geometry is not None:
-        return Conv2d(weight_dtype, activation, geometry=geometry, **fields)
-    return Matmul(weight_dtype, activation, **fields)
+        return Conv2d(described.dtype, activation, geometry=geometry, **fields)
+    return Matmul(described.dtype, activation, **fields)
+
+
+def _weight(weight: list, weight_format: str) -> PackedWeight:
+    return weight_of(weight, WeightFormat.decode(weight_format))
 
 
 @torch.library.custom_op("bitkern::linear", mutates_args=())
-def linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], tensor_scale: Optional[Tensor],
-           bias: Optional[Tensor], weight_dtype: str, out_features: int, in_features: int, group_size: int,
-           zero_mode: str, scale_dtype: torch.dtype, layout: str, output_dtype: torch.dtype) -> Tensor:
+def linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
+           output_dtype: torch.dtype) -> Tensor:
     """y[..., N] = x[..., K] · dequant(W)ᵀ (+ bias), computed in x's dtype, returned in `output_dtype`."""
-    weight = packed_weight(qweight, scales, zeros, tensor_scale, weight_dtype, out_features, in_features,
-                           group_size, zero_mode, scale_dtype, layout)
-    spec = _spec(weight_dtype, x.dtype, output_dtype, group_size, zero_mode, bias is not None, scale_dtype)
-    return spec(x, weight, bias)
+    spec = _spec(weight_format, x.dtype, output_dtype, bias is not None)
+    return spec(x, _weight(weight, weight_format), bias)
 
 
 @linear.register_fake
-def _linear_fake(x, qweight, scales, zeros, tensor_scale, bias, weight_dtype, out_features, in_features, group_size,
-                 zero_mode, scale_dtype, layout, output_dtype):
+def _linear_fake(x, weight, weight_format, bias, output_dtype):
+    out_features = WeightFormat.decode(weight_format).shape[0]
     return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
 
 
 @torch.library.custom_op("bitkern::dequantize", mutates_args=())
-def dequantize(qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], tensor_scale: Optional[Tensor],
-               weight_dtype: str, out_features: int, in_features: int, group_size: int, zero_mode: str,
-               scale_dtype: torch.dtype, layout: str, dtype: torch.dtype) -> Tensor:
+def dequantize(weight: list[Optional[Tensor]], weight_format: str, dtype: torch.dtype) -> Tensor:
     """The float [N, K] weight, in `dtype`."""
-    weight = packed_weight(qweight, scales, zeros, tensor_scale, weight_dtype, out_features, in_features,
-                           group_size, zero_mode, scale_dtype, layout)
-    return weight.to_portable().dequantize(dtype)
+    return _weight(weight, weight_format).to_portable().dequantize(dtype)
 
 
 @dequantize.register_fake
-def _dequantize_fake(qweight, scales, zeros, tensor_scale, weight_dtype, out_features, in_features, group_size,
-                     zero_mode, scale_dtype, layout, dtype):
-    return qweight.new_empty((out_features, in_features), dtype=dtype)
+def _dequantize_fake(weight, weight_format, dtype):
+    return weight[0].new_empty(WeightFormat.decode(weight_format).shape, dtype=dtype)
 
 
 @torch.library.custom_op("bitkern::conv2d", mutates_args=())
-def conv2d(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Optional[Tensor], tensor_scale: Optional[Tensor],
-           bias: Optional[Tensor], weight_dtype: str, out_features: int, in_features: int, group_size: int,
-           zero_mode: str, scale_dtype: torch.dtype, layout: str, output_dtype: torch.dtype, kernel_size: list[int],
-           stride: list[int], dilation: list[int], padding: list[int]) -> Tensor:
+def conv2d(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
+           output_dtype: torch.dtype, kernel_size: list[int], stride: list[int], dilation: list[int],
+           padding: list[int]) -> Tensor:
     """y [B, Hout, Wout, Cout] of the channels-last image x [B, H, W, Cin] with the [Cout, kh·kw·Cin] weight
     (taps, then channels); padding is (top, bottom, left, right) zeros."""
-    weight = packed_weight(qweight, scales, zeros, tensor_scale, weight_dtype, out_features, in_features,
-                           group_size, zero_mode, scale_dtype, layout)
     geometry = ConvGeometry(x.shape[-1], x.shape[1], x.shape[2], tuple(kernel_size), tuple(stride), tuple(dilation),
                             tuple(padding))
-    spec = _spec(weight_dtype, x.dtype, output_dtype, group_size, zero_mode, bias is not None, scale_dtype, geometry)
-    return spec(x, weight, bias)
+    spec = _spec(weight_format, x.dtype, output_dtype, bias is not None, geometry)
+    return spec(x, _weight(weight, weight_format), bias)
 
 
 @conv2d.register_fake
-def _conv2d_fake(x, qweight, scales, zeros, tensor_scale, bias, weight_dtype, out_features, in_features, group_size,
-                 zero_mode, scale_dtype, layout, output_dtype, kernel_size, stride, dilation, padding):
+def _conv2d_fake(x, weight, weight_format, bias, output_dtype, kernel_size, stride, dilation, padding):
     height, width = out_size(x.shape[1], x.shape[2], kernel_size, stride, dilation, padding)
+    out_features = WeightFormat.decode(weight_format).shape[0]
     return x.new_empty((x.shape[0], height, width, out_features), dtype=output_dtype)
 
 
-def _save_weight(ctx, inputs, output=None) -> None:
-    """(setup_context) What both backward formulas need: the weight's tensors and format, and the dtypes of
-    x and bias."""
-    x, qweight, scales, zeros, tensor_scale, bias, *weight_format = inputs[:14]
-    ctx.save_for_backward(qweight, scales, zeros, tensor_scale)
-    ctx.weight_format = weight_format[:-1]  # without output_dtype
+def _save_weight(ctx, x, weight, weight_format, bias) -> None:
+    """What both backward formulas need: the weight's tensors and format, and the dtypes of x and bias."""
+    ctx.save_for_backward(*weight)
+    ctx.weight_format = weight_format
     ctx.x_dtype = x.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
-def _bias_grad(ctx, grad):
+def _dequantized(ctx) -> Tensor:
+    """The float32 weight the saved tensors and format describe."""
+    return torch.ops.bitkern.dequantize(list(ctx.saved_tensors), ctx.weight_format, torch.float32)
+
+
+def _bias_grad(ctx, grad, needed: bool):
     """Σ dy over everything but the output channel (last), or None when the bias needs no gradient."""
-    if not ctx.needs_input_grad[5]:
+    if not needed:
         return None
     return grad.reshape(-1, grad.shape[-1]).float().sum(0).to(ctx.bias_dtype)
 
 
-def _conv2d_setup(ctx, inputs, output):
-    _save_weight(ctx, inputs)
-    ctx.geometry = (inputs[0].shape, *inputs[14:])
-
-
-def _conv2d_backward(ctx, grad):
-    """dx = the transposed convolution of dy with dequant(W) (float32), dbias = Σ dy; the weight gets none."""
-    grad_x = None
-    if ctx.needs_input_grad[0]:
-        (batch, height, width, channels), kernel_size, stride, dilation, (top, bottom, left, right) = ctx.geometry
-        weight = torch.ops.bitkern.dequantize(*ctx.saved_tensors, *ctx.weight_format, torch.float32)
-        weight = conv_weight(weight, kernel_size, channels)
-        padded = (batch, channels, height + top + bottom, width + left + right)
-        grad_padded = torch.nn.grad.conv2d_input(padded, weight, grad.float().permute(0, 3, 1, 2), stride, 0,
-                                                 dilation)
-        grad_x = grad_padded[:, :, top:top + height, left:left + width].permute(0, 2, 3, 1).to(ctx.x_dtype)
-    return (grad_x, None, None, None, None, _bias_grad(ctx, grad)) + (None,) * 12
-
-
-conv2d.register_autograd(_conv2d_backward, setup_context=_conv2d_setup)
+def _linear_setup(ctx, inputs, output) -> None:
+    x, weight, weight_format, bias, _ = inputs
+    _save_weight(ctx, x, weight, weight_format, bias)
 
 
 def _linear_backward(ctx, grad):
     """dx = dy · dequant(W) (float32 sums), dbias = Σ dy; the weight tensors get none (frozen)."""
+    x_needs, _, _, bias_needs, _ = ctx.needs_input_grad
+    grad_x = (grad.float() @ _dequantized(ctx)).to(ctx.x_dtype) if x_needs else None
+    return grad_x, None, None, _bias_grad(ctx, grad, bias_needs), None
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def _conv2d_setup(ctx, inputs, output) -> None:
+    x, weight, weight_format, bias, _, kernel_size, stride, dilation, padding = inputs
+    _save_weight(ctx, x, weight, weight_format, bias)
+    ctx.geometry = (x.shape, kernel_size, stride, dilation, padding)
+
+
+def _conv2d_backward(ctx, grad):
+    """dx = the transposed convolution of dy with dequant(W) (float32), dbias = Σ dy; the weight gets none."""
+    x_needs, _, _, bias_needs, *_ = ctx.needs_input_grad
     grad_x = None
-    if ctx.needs_input_grad[0]:
-        weight = torch.ops.bitkern.dequantize(*ctx.saved_tensors, *ctx.weight_format, torch.float32)
-        grad_x = (grad.float() @ weight).to(ctx.x_dtype)
-    return (grad_x, None, None, None, None, _bias_grad(ctx, grad)) + (None,) * 8
+    if x_needs:
+        (batch, height, width, channels), kernel_size, stride, dilation, (top, bottom, left, right) = ctx.geometry
+        weight = conv_weight(_dequantized(ctx), kernel_size, channels)
+        padded = (batch, channels, height + top + bottom, width + left + right)
+        grad_padded = torch.nn.grad.conv2d_input(padded, weight, grad.float().permute(0, 3, 1, 2), stride, 0,
+                                                 dilation)
+        grad_x = grad_padded[:, :, top:top + height, left:left + width].permute(0, 2, 3, 1).to(ctx.x_dtype)
+    return grad_x, None, None, _bias_grad(ctx, grad, bias_needs), None, None, None, None, None
 
 
-linear.register_autograd(_linear_backward, setup_context=_save_weight)
+conv2d.register_autograd(_conv2d_backward, setup_context=_conv2d_setup)

@@ -21,7 +21,13 @@ class Linear(QuantizedModule):
     scale_dtype: storage of the scales.  device: where the layer is made; "meta" makes an empty layer
     to load a checkpoint into.  A new layer is initialised like nn.Linear, then quantized.
     The weight is frozen: gradients flow to x and the bias.
+
+    A layer may store its weight with the input columns permuted (`from_quantized(..., input_order=...)`,
+    GPTQ's act-order): its buffer `input_order` then holds the permutation, each call gathers x's columns
+    in that order, and `dequantize_weight()` gives the weight in the original column order.
     """
+
+    float_class = nn.Linear
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype="nf4", group_size=None,
                  zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16):
@@ -29,45 +35,35 @@ class Linear(QuantizedModule):
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)
         self._configure((out_features, in_features), dtype, group_size, zero_mode, scale_dtype, compute_dtype)
-        source = nn.Linear(in_features, out_features, bias=bias, device=device)
-        self._set_weight(source.weight)
-        self.register_parameter("bias", None if source.bias is None else nn.Parameter(source.bias.detach()))
+        self.register_buffer("input_order", None)
+        self._take_parameters(nn.Linear(in_features, out_features, bias=bias, device=device))
 
     @classmethod
-    def from_float(cls, module: nn.Linear, dtype="nf4", group_size=None, zero_mode: str | None = None,
-                   compute_dtype=None, scale_dtype=torch.float16) -> "Linear":
-        """Quantize an nn.Linear (its weight's device and values; the bias is copied as it is)."""
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"module must be a torch.nn.Linear, got {type(module).__name__}")
-        layer = cls(module.in_features, module.out_features, module.bias is not None, dtype, group_size, zero_mode,
-                    compute_dtype, device="meta", scale_dtype=scale_dtype)
-        layer._set_weight(module.weight)
-        if module.bias is not None:
-            layer.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
-        return layer
+    def _meta_layer(cls, module: nn.Linear, **settings) -> "Linear":
+        return cls(module.in_features, module.out_features, module.bias is not None, device="meta", **settings)
 
     @classmethod
-    def from_quantized(cls, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+    def from_quantized(cls, weight, bias: torch.Tensor | None = None, input_order: torch.Tensor | None = None,
                        compute_dtype=None) -> "Linear":
-        """A Linear holding an already quantized weight (a checkpoint's tensors as a QuantizedWeight, in the
-        portable layout), laid out for the kernels of the weight's device; `bias` (float, [out_features]) is
-        taken as it is."""
+        """A layer holding an already quantized weight (a `bitkern.QuantizedWeight`, e.g. from a checkpoint of
+        another tool) as it is, laid out for its device's kernels.
+
+        input_order: a permutation of range(in_features) when the weight's columns are stored permuted: the
+        layer computes y = x[..., input_order] · dequant(weight)ᵀ + b.
+        """
         if not isinstance(weight, QuantizedWeight):
             raise TypeError(f"weight must be a bitkern.QuantizedWeight, got {type(weight).__name__}")
-        out_features, in_features = weight.shape
-        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (out_features,)):
-            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-            raise ValueError(f"bias must be a tensor of shape ({out_features},), got {got}")
-        block = weight.ttype.block_size > 1
-        if weight.zero_mode == "hqq" and weight.zeros.dtype != weight.scales.dtype:
-            raise ValueError(f"hqq zeros have dtype {weight.zeros.dtype}, the scales {weight.scales.dtype}; a "
-                             f"Linear stores both in one scale dtype")
-        layer = cls(in_features, out_features, bias is not None, weight.ttype.name, weight.group_size,
-                    weight.zero_mode, compute_dtype, device="meta",
-                    scale_dtype=torch.float16 if block else weight.scales.dtype)
+        n, k = weight.shape
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,)):
+            raise ValueError(f"bias must be a tensor of shape ({n},) or None, got "
+                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+        order = None if input_order is None else check_input_order(input_order, k)
+        layer = cls(k, n, bias is not None, weight.ttype.name, weight.group_size, weight.zero_mode, compute_dtype,
+                    device="meta", scale_dtype=weight.scales.dtype if weight.ttype.block_size == 1 else torch.float16)
         layer._store(pack(weight))
         if bias is not None:
-            layer.bias = nn.Parameter(bias.detach(), requires_grad=bias.requires_grad)
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        layer.input_order = None if order is None else order.to(weight.device)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,18 +71,50 @@ class Linear(QuantizedModule):
             raise ValueError(f"x has shape {tuple(x.shape)}; this Linear has in_features={self.in_features}, "
                              f"so x must be [..., {self.in_features}]")
         x, output_dtype = self._compute_input(x)
-        weight = self._weight_args()
-        return torch.ops.bitkern.linear(x, *weight[:4], self.bias, *weight[4:], output_dtype)
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
+        weight, weight_format = self.op_weight()
+        return torch.ops.bitkern.linear(x, weight, weight_format, self.bias, output_dtype)
+
+    def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if self.input_order is None else weight.index_select(1, self.input_order)
+
+    def _from_gemm_matrix(self, matrix: torch.Tensor) -> torch.Tensor:
+        if self.input_order is None:
+            return matrix
+        return matrix.index_select(1, torch.argsort(self.input_order))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A state with an `input_order` (a layer stored with permuted inputs) gives this layer one."""
+        order = state_dict.get(prefix + "input_order")
+        if order is not None:
+            state_dict[prefix + "input_order"] = check_input_order(order, self.in_features, prefix + "input_order")
+            if self.input_order is None:
+                self.input_order = torch.empty(self.in_features, dtype=torch.long, device=self.qweight.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
         """An nn.Linear holding the dequantized weight (in `dtype`) and this layer's bias."""
         module = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta", dtype=dtype)
-        module.weight = nn.Parameter(self.dequantize_weight(dtype))
-        if self.bias is not None:
-            module.bias = nn.Parameter(self.bias.detach().to(dtype).clone(), requires_grad=self.bias.requires_grad)
-        return module
+        return self._give_parameters(module, dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{self._weight_repr()}")
+                f"{self._weight_repr()}" + (", input_order=permuted" if self.input_order is not None else ""))
+
+
+def check_input_order(order, in_features: int, argument: str = "input_order") -> torch.Tensor:
+    """`order` as an int64 tensor if it is a permutation of range(in_features); ValueError naming `argument`."""
+    if not isinstance(order, torch.Tensor) or order.dtype not in (torch.int32, torch.int64) or order.dim() != 1:
+        raise TypeError(f"{argument} must be a 1-D int32/int64 tensor (a permutation of range({in_features})), got "
+                        f"{order.dtype if isinstance(order, torch.Tensor) else type(order).__name__}")
+    if order.is_meta:
+        return order.long()
+    if order.numel() != in_features or not torch.equal(torch.sort(order.long()).values.cpu(),
+                                                        torch.arange(in_features)):
+        raise ValueError(f"{argument} must be a permutation of range({in_features}); got {order.numel()} entries "
+                         f"that are not")
+    return order.long()
 

@@ -9,38 +9,32 @@ as the module's extra state and are checked on load before any tensor is copied.
 
 from __future__ import annotations
 
+import abc
 import logging
 
 import torch
 from torch import nn
 
 from .. import ttype
-from ..codegen import CUDA_LAYOUT, PackedWeight, layout_for, pack, to_layout
+from ..codegen import PackedWeight, layout_for, pack, to_layout
 from ..codegen.cpu.layout import aligned
-from ..codegen.cpu.layout import LAYOUTS as CPU_LAYOUTS
-from ..ttype import QuantizedWeight, packed_length
+from ..ttype import Layout, QuantizedWeight, StoredWeight, WeightFormat, dtype_name, packed_length, torch_dtype
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
 from . import library
-from .library import FLOAT_DTYPES
+from .library import FLOAT_DTYPES, raw_bits
 
 log = logging.getLogger("bitkern")
 
 STATE_FORMAT = "bitkern.weight/1"
-PORTABLE_LAYOUT = "rowmajor"
-WEIGHT_BUFFERS = ("qweight", "scales", "zeros", "tensor_scale")
+WEIGHT_BUFFERS = StoredWeight.TENSORS
 # Settings a checkpoint must share with the module it is loaded into (the rest of the state is geometry).
 WEIGHT_SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "weight_shape")
-_BITS = {2: torch.int16, 4: torch.int32}
 
 
 def weight_dtypes() -> list[str]:
     """Registered types a module can store its weight in (at most 8 bits per element)."""
     return [name for name in ttype.names() if ttype.get(name).bits <= 8]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def check_weight_dtype(dtype) -> str:
@@ -76,20 +70,20 @@ def default_group_size(weight_type, group_size):
     return group_size
 
 
-LAYOUTS = (*CPU_LAYOUTS, CUDA_LAYOUT)
-
-
-def kernel_layout(weight_dtype: str, device: torch.device) -> str | None:
+def kernel_layout(weight_dtype: str, device: torch.device) -> Layout | None:
     """The layout the kernels for `device` read, or None where bitkern has no kernels to ask (meta)."""
     return layout_for(ttype.get(weight_dtype), device.type) if device.type in ("cpu", "cuda") else None
 
 
-class QuantizedModule(nn.Module):
+class QuantizedModule(nn.Module, abc.ABC):
     """Base of `bitkern.Linear` and `bitkern.Conv2d`: a weight of `weight_shape` computed as a [N, K] GEMM.
 
     Attributes: weight_dtype (type name), group_size (resolved: in_features for per-channel), zero_mode,
-    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype).
+    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype); float_class: the torch
+    module a subclass quantizes (`from_float`).
     """
+
+    float_class: type
 
     def _configure(self, weight_shape: tuple, dtype, group_size, zero_mode, scale_dtype, compute_dtype) -> None:
         """Validate and record the weight settings (before any tensor is made)."""
@@ -102,7 +96,7 @@ class QuantizedModule(nn.Module):
         check_zero_mode(weight_type, self.zero_mode)
         self.scale_dtype = check_float_dtype("scale_dtype", scale_dtype, SCALE_DTYPES)
         self.compute_dtype = compute_dtype
-        self.layout = PORTABLE_LAYOUT
+        self.layout = Layout.ROWMAJOR
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -132,6 +126,37 @@ class QuantizedModule(nn.Module):
                            zero_mode=self.zero_mode, scale_dtype=self.scale_dtype)
         self._store(pack(q))
 
+    @classmethod
+    def from_float(cls, module: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None,
+                   compute_dtype=None, scale_dtype=torch.float16) -> "QuantizedModule":
+        """Quantize a float module of `float_class` (its weight's device and values; the bias is copied as it is);
+        the settings are those of the class's constructor."""
+        if not isinstance(module, cls.float_class):
+            raise TypeError(f"module must be a torch.nn.{cls.float_class.__name__}, got {type(module).__name__}")
+        layer = cls._meta_layer(module, dtype=dtype, group_size=group_size, zero_mode=zero_mode,
+                                compute_dtype=compute_dtype, scale_dtype=scale_dtype)
+        return layer._take_parameters(module)
+
+    @classmethod
+    @abc.abstractmethod
+    def _meta_layer(cls, module: nn.Module, **settings) -> "QuantizedModule":
+        """An empty layer on the meta device with the geometry of the float `module` and these settings."""
+
+    def _take_parameters(self, module: nn.Module) -> "QuantizedModule":
+        """This layer with the float `module`'s weight quantized and its bias (or None) copied as it is."""
+        self._set_weight(module.weight)
+        bias = module.bias
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                                               requires_grad=bias.requires_grad))
+        return self
+
+    def _give_parameters(self, module: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """The float `module` (built on meta in `dtype`) holding the dequantized weight and this layer's bias."""
+        module.weight = nn.Parameter(self.dequantize_weight(dtype))
+        if self.bias is not None:
+            module.bias = nn.Parameter(self.bias.detach().to(dtype).clone(), requires_grad=self.bias.requires_grad)
+        return module
+
     def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
         """The [N, K] matrix the kernels multiply by, from a weight of `weight_shape`."""
         return weight.reshape(self.gemm_shape)
@@ -140,18 +165,23 @@ class QuantizedModule(nn.Module):
         """The inverse of `_gemm_matrix`."""
         return matrix.reshape(self.weight_shape)
 
+    def weight_format(self, layout) -> WeightFormat:
+        """The format of this module's weight in `layout`."""
+        block = ttype.get(self.weight_dtype).block_size > 1
+        return WeightFormat(self.weight_dtype, self.gemm_shape, self.group_size, self.zero_mode,
+                            "uint8" if block else dtype_name(self.scale_dtype), layout)
+
     def _empty_portable(self, device) -> PackedWeight:
         """Uninitialised buffers in the portable layout (shapes as `bitkern.QuantizedWeight` documents)."""
+        weight_format = self.weight_format(Layout.ROWMAJOR)
         weight_type = ttype.get(self.weight_dtype)
         n, k = self.gemm_shape
         groups = (n, k // self.group_size)
-        scale = torch.uint8 if weight_type.block_size > 1 else self.scale_dtype
-        zero = {"none": None, "hqq": self.scale_dtype}.get(self.zero_mode, torch.uint8)
-        return PackedWeight(
-            PORTABLE_LAYOUT, weight_type, (n, k), self.group_size, self.zero_mode,
-            torch.empty(n, packed_length(k, weight_type.bits), dtype=torch.int32, device=device),
-            torch.empty(groups, dtype=scale, device=device),
-            None if zero is None else torch.empty(groups, dtype=zero, device=device),
+        zero = weight_format.zero_dtype
+        return PackedWeight.from_format(
+            weight_format, torch.empty(n, packed_length(k, weight_type.bits), dtype=torch.int32, device=device),
+            torch.empty(groups, dtype=torch_dtype(weight_format.scale_dtype), device=device),
+            None if zero is None else torch.empty(groups, dtype=torch_dtype(zero), device=device),
             torch.empty((), dtype=torch.float32, device=device) if weight_type.tensor_scale else None)
 
     def _apply(self, fn, recurse: bool = True):
@@ -166,13 +196,19 @@ class QuantizedModule(nn.Module):
         return result
 
     def _store(self, weight: PackedWeight) -> None:
+        """Hold `weight` as this module's buffers (float metadata as raw bits) and its format as the ops take it."""
         self.layout = weight.layout
-        for name in WEIGHT_BUFFERS:
-            self.register_buffer(name, _raw_bits(getattr(weight, name)))
+        tensors, self._format_text = library.op_arguments(weight)
+        for name, tensor in zip(WEIGHT_BUFFERS, tensors):
+            self.register_buffer(name, tensor)
+
+    def op_weight(self) -> tuple[list, str]:
+        """The stored weight as the (weight, weight_format) arguments of the custom ops (`bitkern.nn.library`)."""
+        return [getattr(self, name) for name in WEIGHT_BUFFERS], self._format_text
 
     def packed_weight(self) -> PackedWeight:
         """The stored weight as a `bitkern.PackedWeight` (views of the buffers, no copy)."""
-        return library.packed_weight(*self._weight_args())
+        return library.weight_of(self.op_weight()[0], WeightFormat.decode(self._format_text))
 
     def quantized_weight(self) -> QuantizedWeight:
         """The stored weight in the portable layout (`bitkern.QuantizedWeight`)."""
@@ -180,13 +216,7 @@ class QuantizedModule(nn.Module):
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight, of `weight_shape`, that this module computes with."""
-        return self._from_gemm_matrix(torch.ops.bitkern.dequantize(*self._weight_args(), dtype))
-
-    def _weight_args(self) -> tuple:
-        """The weight as custom-op arguments (see `bitkern.nn.library`)."""
-        n, k = self.gemm_shape
-        return (self.qweight, self.scales, self.zeros, self.tensor_scale, self.weight_dtype, n, k, self.group_size,
-                self.zero_mode, self.scale_dtype, self.layout)
+        return self._from_gemm_matrix(torch.ops.bitkern.dequantize(*self.op_weight(), dtype))
 
     @property
     def nbytes(self) -> int:
@@ -253,8 +283,9 @@ class QuantizedModule(nn.Module):
                 raise ValueError(f"the state was saved with {key}={state.get(key)!r}, but this module has "
                                  f"{key}={mine[key]!r}; build the module with the state's settings (or load "
                                  f"with bitkern.load into a float model, which reads them from the file)")
-        if state.get("layout") not in LAYOUTS:
-            raise ValueError(f"the state's layout={state.get('layout')!r} is not known; accepted: {list(LAYOUTS)}")
+        if state.get("layout") not in [layout.value for layout in Layout]:
+            raise ValueError(f"the state's layout={state.get('layout')!r} is not known; accepted: "
+                             f"{[layout.value for layout in Layout]}")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -262,21 +293,20 @@ class QuantizedModule(nn.Module):
         kernels for this module's device read (a module on meta takes the incoming layout as it is)."""
         for name in WEIGHT_BUFFERS:  # float metadata given as floats is taken as its bits, never converted
             if isinstance(state_dict.get(prefix + name), torch.Tensor):
-                state_dict[prefix + name] = _raw_bits(state_dict[prefix + name])
+                state_dict[prefix + name] = raw_bits(state_dict[prefix + name])
         state = state_dict.get(prefix + "_extra_state")
         if state is not None and all(prefix + name in state_dict for name in ("qweight", "scales")):
             self._check_settings(state)
-            incoming = library.packed_weight(
-                *(state_dict.get(prefix + name) for name in WEIGHT_BUFFERS), self.weight_dtype,
-                *self.gemm_shape, self.group_size, self.zero_mode, self.scale_dtype, state["layout"])
+            incoming = library.weight_of([state_dict.get(prefix + name) for name in WEIGHT_BUFFERS],
+                                         self.weight_format(state["layout"]))
             target = kernel_layout(self.weight_dtype, self.qweight.device) or incoming.layout
             if target != incoming.layout:
                 log.info("bitkern: re-laying %s weight %s from %s to %s", self.weight_dtype, prefix or "(root)",
                          incoming.layout, target)
                 incoming = to_layout(incoming.to_portable(), target)
-                for name in WEIGHT_BUFFERS:
-                    if getattr(incoming, name) is not None:
-                        state_dict[prefix + name] = _raw_bits(getattr(incoming, name))
+                for name, tensor in zip(WEIGHT_BUFFERS, library.op_arguments(incoming)[0]):
+                    if tensor is not None:
+                        state_dict[prefix + name] = tensor
             if target != self.layout:  # this module's buffers take the shapes of the incoming layout
                 self._store(_empty_like(incoming, self.qweight.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -296,17 +326,9 @@ class QuantizedModule(nn.Module):
         return text + (f", compute_dtype={dtype_name(self.compute_dtype)}" if self.compute_dtype else "")
 
 
-def _raw_bits(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """Float tensors as same-width integers (the buffers' storage); integer tensors unchanged."""
-    if tensor is None or not tensor.is_floating_point():
-        return tensor
-    return tensor.view(_BITS[tensor.element_size()])
-
-
 def _empty_like(weight: PackedWeight, device) -> PackedWeight:
     empty = (lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device))
-    return PackedWeight(weight.layout, weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
-                        empty(weight.qweight), empty(weight.scales), empty(weight.zeros), empty(weight.tensor_scale))
+    return type(weight).from_format(weight.format, *(empty(t) for t in weight.tensors()))
 
 
 def _size(nbytes: int) -> str:

@@ -8,7 +8,7 @@ GEMM's [M, N] with M = B·Hout·Wout); the weight is the [Cout, kh·kw·Cin] mat
 column, channel) order, so each tap's channels are one contiguous run of x and of a row of the GEMM.
 Pixels outside the image read as zero (zero padding).  On CPUs the kernel gathers each row from the image
 as it builds its bf16 activation tiles, so no im2col matrix is made; the CUDA kernels have no gathering
-prologue yet and run the same GEMM on `im2col` rows.  H and W are static (part of the kernel's cache
+prologue yet and run the same GEMM on `im2col` rows (`Conv2d.gemm_input`).  H and W are static (part of the kernel's cache
 key); the batch is dynamic.
 """
 
@@ -118,12 +118,14 @@ class Conv2d(Matmul):
         g = self.geometry
         return max(1, m // g.pixels), g.height, g.width, g.in_channels
 
-    def _fits(self, x, weight, bias) -> bool:
+    def fits(self, x, weight, bias) -> bool:
         return False  # the image's geometry is checked in full on every call
 
-    def _kernel_input(self, x: torch.Tensor, n: int, k: int) -> tuple:
+    def gemm_input(self, x: torch.Tensor, n: int, k: int, gathered: bool = True) -> tuple:
+        """The NHWC image itself for kernels that gather its rows (`gathered`), else the plain GEMM on its
+        im2col rows (kernels without a gathering prologue)."""
         shape = (x.shape[0], *self.geometry.out_size, n)
-        if x.device.type != "cpu":  # the CUDA kernels have no gathering prologue yet: GEMM on the patches
+        if not gathered:
             return self.matmul, im2col(x.contiguous(), self.geometry), shape
         return self, x.contiguous(), shape
 
@@ -138,12 +140,8 @@ class Conv2d(Matmul):
     def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The result in float64 by torch's own convolution of the dequantized weight (NHWC)."""
         self.check_inputs(x, weight, bias)
-        from ..ttype import QuantizedWeight
-
-        if not isinstance(weight, QuantizedWeight):
-            weight = weight.to_portable()
         g = self.geometry
-        kernel = conv_weight(weight.dequantize(torch.float64), g.kernel, g.in_channels)
+        kernel = conv_weight(weight.to_portable().dequantize(torch.float64), g.kernel, g.in_channels)
         y = F.conv2d(_padded_nchw(x.double(), g), kernel, None if bias is None else bias.double(), g.stride, 0,
                      g.dilation)
         return y.permute(0, 2, 3, 1)

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ttype import get, packed_length, tvm_unpack
+from ..ttype import effective_group_size, get, packed_length, tvm_dtype, tvm_unpack
 from .matmul import Matmul
 
-# TVM storage dtype of each bitkern dtype name.
-TVM_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "int8": "int8",
-              "float8_e4m3": "float8_e4m3fn", "int32": "int32"}
 
 
 class PortableStorage:
@@ -31,7 +28,7 @@ class PortableStorage:
 
         ttype = get(spec.weight_dtype)
         self.bits = ttype.bits
-        group = k if spec.group_size == -1 else spec.group_size
+        group = effective_group_size(spec.group_size, k)
         groups = k // group
         self.qweight = te.placeholder((n, packed_length(k, self.bits)), "int32", name="qweight")
         self.scales = te.placeholder((n, groups), scale_storage(spec), name="scales")
@@ -50,11 +47,11 @@ class PortableStorage:
 
 def scale_storage(spec: Matmul) -> str:
     """TVM dtype the scales are stored in: uint8 codes of the block scale type, or the scale dtype."""
-    return "uint8" if get(spec.weight_dtype).block_size > 1 else TVM_DTYPES[spec.scale_dtype]
+    return "uint8" if get(spec.weight_dtype).block_size > 1 else tvm_dtype(spec.scale_dtype)
 
 
 def zero_storage(spec: Matmul) -> str:
-    return TVM_DTYPES[spec.scale_dtype] if spec.zero_mode == "hqq" else "uint8"
+    return tvm_dtype(spec.scale_dtype) if spec.zero_mode == "hqq" else "uint8"
 
 
 @dataclass
@@ -72,7 +69,7 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
 
     ttype = get(spec.weight_dtype)
     storage = storage or PortableStorage(spec, n, k)
-    group = k if spec.group_size == -1 else spec.group_size
+    group = effective_group_size(spec.group_size, k)
     groups = k // group
     m, x, x_at = activation(spec, k)
     inputs = [x, storage.qweight, storage.scales] + ([storage.zeros] if storage.zeros is not None else [])
@@ -105,13 +102,13 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
         accumulated = te.compute((m, n), lambda r, i: te.sum(partial[r, i, reduce_g].astype("float32")
                                                              * scale_of(i, reduce_g), axis=reduce_g), name="acc")
     else:
-        acc = TVM_DTYPES[spec.accumulate_dtype]
+        acc = tvm_dtype(spec.accumulate_dtype)
         weight = te.compute((n, k), lambda i, j: (value_of(i, j, "float32") * scale_of(i, j // group)).astype(acc),
                             name="weight")
         reduce_all = te.reduce_axis((0, k), name="k")
         accumulated = te.compute((m, n), lambda r, i: te.sum(x_at(r, reduce_all).astype(acc) * weight[i, reduce_all],
                                                              axis=reduce_all), name="acc")
-    out_dtype = TVM_DTYPES[spec.output_dtype]
+    out_dtype = tvm_dtype(spec.output_dtype)
     output = te.compute((m, n), lambda r, i: _epilogue(accumulated[r, i], bias, i, out_dtype), name="y")
     return MatmulExpr(m, inputs, output)
 
@@ -121,7 +118,7 @@ def activation(spec: Matmul, k: int):
     image [B, H, W, Cin] with M = B·Hout·Wout and X[row, (kh, kw, c)] the pixel the tap reads (0 outside)."""
     from tvm import te, tirx
 
-    dtype = TVM_DTYPES[spec.activation_dtype]
+    dtype = tvm_dtype(spec.activation_dtype)
     g = spec.geometry
     if g is None:
         m = te.var("M")

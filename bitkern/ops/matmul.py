@@ -6,23 +6,21 @@ result every kernel is tested against.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from ..ttype import QuantizedWeight, get
+from ..ttype import QuantizedWeight, StoredWeight, dtype_name, effective_group_size, get, torch_dtype
+from . import execution
 from ..ttype.quantize import check_zero_mode
-from ..ttype.types import COMPUTE_DTYPES, check_compute_dtype
 
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3")
 ACCUMULATE_DTYPES = ("float32", "float16", "int32")
 OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
-LAYOUTS = ("nt",)  # x [M, K] row-major, weight [N, K] (nn.Linear's layout)
+OPERAND_LAYOUTS = ("nt",)  # the spec's `layout`: x [M, K] row-major times weight [N, K] transposed (nn.Linear's)
 _SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
                 "bias", "layout", "scale_dtype")
-_TORCH_DTYPES = {**{name: pair[0] for name, pair in COMPUTE_DTYPES.items()}, "int32": torch.int32}
 
 
 @dataclass(frozen=True)
@@ -51,15 +49,15 @@ class Matmul:
     def __post_init__(self):
         weight = get(self.weight_dtype)
         object.__setattr__(self, "weight_dtype", weight.name)
-        activation = _choice("activation_dtype", _dtype_name(self.activation_dtype), ACTIVATION_DTYPES)
+        activation = _choice("activation_dtype", dtype_name(self.activation_dtype), ACTIVATION_DTYPES)
         object.__setattr__(self, "activation_dtype", activation)
-        accumulate = _choice("accumulate_dtype", _dtype_name(self.accumulate_dtype), ACCUMULATE_DTYPES)
+        accumulate = _choice("accumulate_dtype", dtype_name(self.accumulate_dtype), ACCUMULATE_DTYPES)
         object.__setattr__(self, "accumulate_dtype", accumulate)
         default_output = "float32" if activation == "int8" else activation
-        output = default_output if self.output_dtype is None else _dtype_name(self.output_dtype)
+        output = default_output if self.output_dtype is None else dtype_name(self.output_dtype)
         object.__setattr__(self, "output_dtype", _choice("output_dtype", output, OUTPUT_DTYPES))
-        _choice("layout", self.layout, LAYOUTS)
-        object.__setattr__(self, "scale_dtype", _choice("scale_dtype", _dtype_name(self.scale_dtype), SCALE_DTYPES))
+        _choice("layout", self.layout, OPERAND_LAYOUTS)
+        object.__setattr__(self, "scale_dtype", _choice("scale_dtype", dtype_name(self.scale_dtype), SCALE_DTYPES))
         check_zero_mode(weight, self.zero_mode)
         if weight.block_size > 1 and self.group_size != weight.block_size:
             raise ValueError(f"group_size={self.group_size}: type {weight.name!r} has a fixed block; "
@@ -73,15 +71,15 @@ class Matmul:
         if activation == "int8" and "int8" not in weight.compute_types:
             raise ValueError(f"activation_dtype='int8' needs a weight type that converts to int8 exactly; "
                              f"{weight.name!r} converts to {list(weight.compute_types)}")
-        scale = None if weight.block_size > 1 else _TORCH_DTYPES[self.scale_dtype]
-        object.__setattr__(self, "_quick", (weight.name, self.zero_mode, scale, _TORCH_DTYPES[activation]))
+        scale = None if weight.block_size > 1 else self.scale_dtype
+        object.__setattr__(self, "_quick", (weight.name, self.zero_mode, scale, torch_dtype(activation)))
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _SPEC_FIELDS)))
 
     def check_shape(self, n: int, k: int) -> None:
         """Raise unless a [N, K] weight can have this spec (positive sizes, group size dividing K)."""
         if n < 1 or k < 1:
             raise ValueError(f"weight shape ({n}, {k}) must be positive")
-        group = k if self.group_size == -1 else self.group_size
+        group = effective_group_size(self.group_size, k)
         if k % group:
             raise ValueError(f"group_size={self.group_size} does not divide in_features={k}; accepted: a divisor "
                              f"of {k}, or -1 for per-channel")
@@ -95,52 +93,42 @@ class Matmul:
         return m, k
 
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """y = x · Wᵀ (+ bias) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed weight."""
-        kernel_for, PackedWeight = _pipeline()
-        if not isinstance(weight, PackedWeight):
-            raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
-                            f"got {type(weight).__name__}")
-        quick = self._fits(x, weight, bias)
-        if not quick:
-            self.check_inputs(x, weight, bias)
-        n, k = weight.shape
-        spec, data, shape = self._kernel_input(x, n, k)
-        if data.shape[0] == 0:
-            return torch.empty(shape, dtype=_TORCH_DTYPES[self.output_dtype], device=x.device)
-        kernel = kernel_for(spec, n, k, spec.rows(data), weight.layout, None if quick else _device_of(x))
-        y = kernel(data, weight, bias)
-        return y if y.shape == shape else y.reshape(shape)
+        """y = x · Wᵀ (+ bias) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed weight.  The call
+        goes to the dispatch layer (`bitkern.cache.dispatch`), which checks the inputs with `fits` /
+        `check_inputs` and runs the kernel on `gemm_input`."""
+        return execution.run(self, x, weight, bias)
 
-    def _fits(self, x, weight, bias) -> bool:
+    def fits(self, x, weight, bias) -> bool:
         """A quick test (a few comparisons) that implies `check_inputs` passes for CPU tensors; False sends the
         call through `check_inputs`, which names what is wrong.  Right after a kernel has streamed its weights
         through the caches, the full checks cost ~20 µs per call (measured at 4096x4096, M=1)."""
         name, zero_mode, scale, activation = self._quick
-        n, k = weight.shape
-        return (weight.ttype.name == name and weight.zero_mode == zero_mode
-                and weight.group_size == (k if self.group_size == -1 else self.group_size)
-                and (scale is None or weight.scales.dtype is scale)
+        weight_format = weight.format
+        n, k = weight_format.shape
+        return (weight_format.dtype == name and weight_format.zero_mode == zero_mode
+                and weight_format.group_size == effective_group_size(self.group_size, k)
+                and (scale is None or weight_format.scale_dtype == scale)
                 and type(x) is torch.Tensor and x.dtype is activation and x.dim() >= 1 and x.shape[-1] == k
                 and x.is_cpu and weight.qweight.is_cpu
                 and (bias is None if not self.bias else
                      type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu))
 
-    def _kernel_input(self, x: torch.Tensor, n: int, k: int) -> tuple:
-        """(the spec whose kernel runs, its contiguous input, the shape of y) for a checked x.  A contiguous
-        [M, K] x goes to the kernel as it is: right after a kernel has streamed its weights through the caches,
-        each torch op of a call costs microseconds (measured: reshape + contiguous + reshape add ~15-25 µs to
-        a 4096x4096 GEMV)."""
+    def gemm_input(self, x: torch.Tensor, n: int, k: int, gathered: bool = True) -> tuple:
+        """(the spec whose kernel runs, its contiguous [M, K] rows, the shape of y) for a checked x (`gathered`:
+        whether the kernel gathers a convolution's rows itself, see `Conv2d`).  A contiguous [M, K] x goes to
+        the kernel as it is: right after a kernel has streamed its weights through the caches, each torch op of
+        a call costs microseconds (measured: reshape + contiguous + reshape add ~15-25 µs to a 4096x4096 GEMV)."""
         rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
         return self, rows, (*x.shape[:-1], n)
 
     def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> None:
         """Raise naming the argument if x, weight (quantized or packed) or bias do not fit this spec."""
-        if not isinstance(weight, (QuantizedWeight, _pipeline()[1])):
+        if not isinstance(weight, StoredWeight):
             raise TypeError(f"weight must be a bitkern QuantizedWeight, got {type(weight).__name__}")
         n, k = weight.shape
-        expected_group = k if self.group_size == -1 else self.group_size
+        expected_group = effective_group_size(self.group_size, k)
         scale_dtype = self.scale_dtype if weight.ttype.block_size == 1 else "float16"
-        have_scale = _dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
+        have_scale = dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         for field, have, want in (("weight_dtype", weight.ttype.name, self.weight_dtype),
                                   ("group_size", weight.group_size, expected_group),
                                   ("zero_mode", weight.zero_mode, self.zero_mode),
@@ -149,7 +137,7 @@ class Matmul:
                 raise ValueError(f"weight has {field}={have!r} but the Matmul spec has {field}={want!r}")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != _TORCH_DTYPES[self.activation_dtype]:
+        if x.dtype != torch_dtype(self.activation_dtype):
             raise TypeError(f"x has dtype {x.dtype}; this Matmul takes activation_dtype={self.activation_dtype}")
         if x.dim() < 1 or x.shape[-1] != k:
             raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be in_features={k}")
@@ -166,53 +154,20 @@ class Matmul:
 
     def reference(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The reference result: `exact` cast to the output type."""
-        return self.exact(x, weight, bias).to(_TORCH_DTYPES[self.output_dtype])
+        return self.exact(x, weight, bias).to(torch_dtype(self.output_dtype))
 
     def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The result in float64 before output rounding (dequantized weight, float64 sums)."""
         self.check_inputs(x, weight, bias)
-        if not isinstance(weight, QuantizedWeight):
-            weight = weight.to_portable()
-        y = x.double() @ weight.dequantize(torch.float64).T
+        y = x.double() @ weight.to_portable().dequantize(torch.float64).T
         return y + bias.double() if bias is not None else y
 
     @classmethod
     def for_weight(cls, weight: QuantizedWeight, activation_dtype="float16", bias: bool = False, **options) -> "Matmul":
         """The spec that fits a quantized weight (its type, group size and zero mode)."""
-        scale_dtype = _dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
+        scale_dtype = dtype_name(weight.scales.dtype) if weight.ttype.block_size == 1 else "float16"
         return cls(weight.ttype.name, activation_dtype, group_size=weight.group_size, zero_mode=weight.zero_mode,
                    bias=bias, scale_dtype=scale_dtype, **options)
-
-
-def _device_of(x: torch.Tensor):
-    """The tuner's description of the device x lives on (None: the host CPU)."""
-    if x.device.type == "cpu":
-        return None
-    if x.device.type == "cuda":
-        from ..tuner.device import cuda_device
-
-        return cuda_device()
-    raise NotImplementedError(f"bitkern has kernels for cpu and cuda tensors, not {x.device.type}")
-
-
-@functools.lru_cache(maxsize=None)
-def _pipeline():
-    """The kernel lookup and the packed-weight type: ops sits below the kernel pipeline, so it reaches
-    them at call time (once)."""
-    from ..cache import kernel_for
-    from ..codegen import PackedWeight
-
-    return kernel_for, PackedWeight
-
-
-def _dtype_name(dtype):
-    """A bitkern dtype name for a torch dtype or name (int32 included for accumulators)."""
-    if dtype is torch.int32 or dtype == "int32":
-        return "int32"
-    try:
-        return check_compute_dtype(dtype)
-    except ValueError:
-        return dtype
 
 
 def _choice(argument: str, value, accepted: tuple):

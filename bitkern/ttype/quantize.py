@@ -21,8 +21,8 @@ IEEE round-to-nearest-even for floats).
 
 from __future__ import annotations
 
-import math
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +30,8 @@ import torch
 from .packing import pack_codes, packed_length, unpack
 from .registry import get
 from .types import INT, UINT, TType
+from .weight import ZERO_MODES, Layout, StoredWeight, weight_format
 
-ZERO_MODES = ("none", "gptq", "awq", "hqq")
 INTEGER_ZERO_MODES = ("gptq", "awq")
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_GROUP_SIZE = 128
@@ -40,8 +40,7 @@ _CHUNK_ELEMENTS = 1 << 20  # quantize rows in chunks of about this many weights,
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # weight dtypes that divide by float32 scales exactly
 
 
-@dataclass(eq=False)
-class QuantizedWeight:
+class QuantizedWeight(StoredWeight):
     """A [N, K] weight stored in a ttype: packed codes, per-group scales and zeros (the portable layout).
 
     qweight: int32 [N, packed_length(K)] codes packed along K (see `bitkern.ttype.packing`).
@@ -50,51 +49,34 @@ class QuantizedWeight:
     tensor_scale: float32 scalar tensor for types with a per-tensor scale (nvfp4), else None.
     """
 
-    ttype: TType
-    shape: tuple[int, int]
-    group_size: int
-    zero_mode: str
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None = None
-    tensor_scale: torch.Tensor | None = None
-
-    def __post_init__(self):
-        self.ttype = get(self.ttype)
-        self.shape = tuple(int(s) for s in self.shape)
-        if len(self.shape) != 2:
-            raise ValueError(f"shape={self.shape} must be (out_features, in_features)")
-        n, k = self.shape
-        self.group_size = check_group_size(self.ttype, self.group_size, k)
-        check_zero_mode(self.ttype, self.zero_mode)
-        _check_tensor("qweight", self.qweight, (n, packed_length(k, self.ttype.bits)), (torch.int32,))
-        groups = (n, k // self.group_size)
-        scale_dtypes = (torch.uint8,) if self.ttype.block_size > 1 else SCALE_DTYPES
-        _check_tensor("scales", self.scales, groups, scale_dtypes)
-        if self.zero_mode in INTEGER_ZERO_MODES:
-            _check_tensor("zeros", self.zeros, groups, (torch.uint8,))
-        elif self.zero_mode == "hqq":
-            _check_tensor("zeros", self.zeros, groups, SCALE_DTYPES)
-        elif self.zeros is not None:
-            raise ValueError(f"zeros must be None for zero_mode={self.zero_mode!r}")
-        if self.ttype.tensor_scale:
-            _check_tensor("tensor_scale", self.tensor_scale, (), (torch.float32,))
-        elif self.tensor_scale is not None:
-            raise ValueError(f"tensor_scale must be None for type {self.ttype.name!r}")
-        for argument in ("scales", "zeros", "tensor_scale"):
-            tensor = getattr(self, argument)
-            if tensor is not None and tensor.device != self.qweight.device:
-                raise ValueError(f"{argument} is on {tensor.device} but qweight is on {self.qweight.device}")
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of storage: packed codes plus scales, zeros and tensor scale."""
-        parts = (self.qweight, self.scales, self.zeros, self.tensor_scale)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def __init__(self, ttype, shape, group_size, zero_mode: str, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+        ttype = get(ttype)
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 2:
+            raise ValueError(f"shape={shape} must be (out_features, in_features)")
+        n, k = shape
+        group_size = check_group_size(ttype, group_size, k)
+        check_zero_mode(ttype, zero_mode)
+        _check_tensor("qweight", qweight, (n, packed_length(k, ttype.bits)), (torch.int32,))
+        groups = (n, k // group_size)
+        scale_dtypes = (torch.uint8,) if ttype.block_size > 1 else SCALE_DTYPES
+        _check_tensor("scales", scales, groups, scale_dtypes)
+        if zero_mode in INTEGER_ZERO_MODES:
+            _check_tensor("zeros", zeros, groups, (torch.uint8,))
+        elif zero_mode == "hqq":
+            _check_tensor("zeros", zeros, groups, SCALE_DTYPES)
+        elif zeros is not None:
+            raise ValueError(f"zeros must be None for zero_mode={zero_mode!r}")
+        if ttype.tensor_scale:
+            _check_tensor("tensor_scale", tensor_scale, (), (torch.float32,))
+        elif tensor_scale is not None:
+            raise ValueError(f"tensor_scale must be None for type {ttype.name!r}")
+        for argument, tensor in (("scales", scales), ("zeros", zeros), ("tensor_scale", tensor_scale)):
+            if tensor is not None and tensor.device != qweight.device:
+                raise ValueError(f"{argument} is on {tensor.device} but qweight is on {qweight.device}")
+        super().__init__(weight_format(ttype, shape, group_size, zero_mode, scales, Layout.ROWMAJOR), qweight, scales,
+                         zeros, tensor_scale)
 
     def codes(self) -> torch.Tensor:
         """The unpacked [N, K] codes (uint8)."""
@@ -119,16 +101,14 @@ class QuantizedWeight:
             weight = (codes.float() - self.zeros.float().unsqueeze(-1)) * scale
         return weight.reshape(n, k).to(dtype)
 
-    def to(self, device) -> "QuantizedWeight":
-        """A copy with every tensor on `device`."""
-        move = (lambda t: None if t is None else t.to(device))
-        return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, move(self.qweight),
-                               move(self.scales), move(self.zeros), move(self.tensor_scale))
+    def to_portable(self) -> "QuantizedWeight":
+        """Itself: the portable layout."""
+        return self
 
-    def __repr__(self) -> str:
-        n, k = self.shape
-        return (f"QuantizedWeight({self.ttype.name}, shape=({n}, {k}), group_size={self.group_size}, "
-                f"zero_mode={self.zero_mode!r}, {self.nbytes} bytes)")
+
+def effective_group_size(group_size: int, k: int) -> int:
+    """Elements along K per scale: `group_size`, or all of K for per-channel (-1)."""
+    return k if group_size == -1 else group_size
 
 
 def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, zero_mode: str | None = None,
@@ -157,7 +137,7 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     check_zero_mode(ttype, zero_mode)
 
-    low, high = _group_range(weight, group_size, signed_zeros=zero_mode in ZERO_MODES[1:])
+    low, high = _group_range(weight, group_size, signed_zeros=zero_mode != "none")
     zeros = tensor_scale = None
     if ttype.block_size > 1:
         scales, tensor_scale, divisor = _block_scales(ttype, torch.maximum(low.abs(), high.abs()))
@@ -191,7 +171,7 @@ def check_group_size(ttype: TType, group_size, k: int) -> int:
         group_size = ttype.block_size
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"group_size must be an int (a divisor of in_features={k}, or -1), got {group_size!r}")
-    group_size = k if group_size == -1 else group_size
+    group_size = effective_group_size(group_size, k)
     if group_size < 1 or k % group_size:
         raise ValueError(f"group_size={group_size} does not divide in_features={k}; accepted: a divisor of "
                          f"{k}, or -1 for per-channel")

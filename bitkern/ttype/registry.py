@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
+from .dtypes import dtype_name
 from .types import TType, block_scaled, codebook, floating, integer
 
 # QLoRA's NormalFloat4 (Dettmers et al. 2023, appendix E), as bitsandbytes stores it.
@@ -14,6 +13,13 @@ NF4_VALUES = (
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+# bitsandbytes' "fp4" (its own 4-bit float, not OCP e2m1: the smallest magnitude is 1/192, not 1/12), as its
+# kernels decode it, normalised to a largest magnitude of 1 like nf4; both zeros are +0.
+BNB_FP4_VALUES = (
+    0.0, 1 / 192, 2 / 3, 1.0, 1 / 3, 0.5, 1 / 6, 0.25,
+    0.0, -1 / 192, -2 / 3, -1.0, -1 / 3, -0.5, -1 / 6, -0.25,
 )
 
 
@@ -35,6 +41,7 @@ def _builtins() -> list[TType]:
         integer("int1", 1, description="binary weights: code 0 is -1, code 1 is +1"),
         integer("uint1", 1, signed=False),
         codebook("nf4", NF4_VALUES, description="QLoRA NormalFloat4"),
+        codebook("bnb_fp4", BNB_FP4_VALUES, description="bitsandbytes' 4-bit float (not OCP e2m1)"),
         e2m1,
         block_scaled("mxfp8", e4m3, 32, "float8_e8m0", description="OCP MXFP8: e4m3 elements, e8m0 scale per 32"),
         block_scaled("mxfp4", e2m1, 32, "float8_e8m0", description="OCP MXFP4: e2m1 elements, e8m0 scale per 32"),
@@ -43,9 +50,6 @@ def _builtins() -> list[TType]:
     ]
 
 
-_TORCH_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float8_e4m3fn: "float8_e4m3", torch.float8_e5m2: "float8_e5m2",
-                torch.int8: "int8", torch.uint8: "uint8"}
 _lock = threading.Lock()
 _registry: dict[str, TType] = {t.name: t for t in _builtins()}
 
@@ -59,7 +63,7 @@ def get(name) -> TType:
     """The TType for a name (or a TType, or a torch dtype with a bitkern type)."""
     if isinstance(name, TType):
         return name
-    key = _TORCH_NAMES.get(name, name) if isinstance(name, torch.dtype) else name
+    key = dtype_name(name)
     if isinstance(key, str) and key in _registry:
         return _registry[key]
     raise ValueError(f"unknown type {name!r}; known types: {', '.join(names())}")

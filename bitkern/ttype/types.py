@@ -13,19 +13,16 @@ from functools import cached_property
 
 import torch
 
+from .dtypes import DTYPES
+
 INT, UINT, FLOAT, CODEBOOK = "int", "uint", "float", "codebook"
 KINDS = (INT, UINT, FLOAT, CODEBOOK)
 STORAGE_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 FLOAT_SPECIALS = ("ieee", "fn", "finite", "nan_max")
 
 # Compute types a code may be converted to: bitkern name -> (torch dtype, TVM dtype).
-COMPUTE_DTYPES = {
-    "float32": (torch.float32, "float32"),
-    "float16": (torch.float16, "float16"),
-    "bfloat16": (torch.bfloat16, "bfloat16"),
-    "float8_e4m3": (torch.float8_e4m3fn, "float8_e4m3fn"),
-    "int8": (torch.int8, "int8"),
-}
+COMPUTE_DTYPES = {name: (DTYPES[name].torch, DTYPES[name].tvm)
+                  for name in ("float32", "float16", "bfloat16", "float8_e4m3", "int8")}
 _INT8_RANGE = (-128, 127)
 
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..ops.matmul import Matmul
-from ..ttype import codes_per_word, get
+from ..ttype import codes_per_word, effective_group_size, get, itemsize
 
 
 @dataclass(frozen=True)
@@ -24,42 +24,39 @@ class Hint:
     sources: tuple[str, ...]
 
 
-def _lcm(*values: int) -> int:
-    return math.lcm(*[v for v in values if v])
+def device_hint(spec: Matmul, k: int, device) -> Hint:
+    """The hint of `device` (a CPU or a CUDA architecture) for `spec` with reduction length k: per axis, the
+    least common multiple of what each level of the device prefers."""
+    levels = _cpu_levels(spec, k, device) if device.kind == "cpu" else _cuda_levels(spec, device)
+    m, n, step = (math.lcm(*[level[axis] for level in levels.values() if level[axis]]) for axis in range(3))
+    return Hint(m, n, step, tuple(f"{name}: m{v[0]} n{v[1]} k{v[2]}" for name, v in levels.items()))
 
 
-def cpu_hint(spec: Matmul, k: int, device) -> Hint:
+def _cpu_levels(spec: Matmul, k: int, device) -> dict:
     """x86: 64-byte cache lines and vectors (16 lanes of one 32-bit word of codes for 16 rows), AMX tiles
     (16 rows x 16 columns of float32 C, 32-deep bf16 steps) or AVX512-BF16 dot products (16 columns, bf16
     pairs), the quantization group along k."""
     bits = get(spec.weight_dtype).bits
-    group = k if spec.group_size == -1 else spec.group_size
+    group = effective_group_size(spec.group_size, k)
     lanes = device.vector_bytes // 4
-    levels = {
+    return {
         "cache line/vector": (1, lanes, codes_per_word(bits) if bits <= 32 else 1),
         "AMX tile": (16 if device.has_amx_bf16 else 1, 16 if device.has_amx_bf16 else 1,
                      32 if device.has_amx_bf16 else 1),
         "AVX512-BF16 dot": (1, lanes, 2) if "avx512_bf16" in device.flags else (1, 1, 1),
         "quantization group": (1, 1, math.gcd(group, 32 if device.has_amx_bf16 else group)),
     }
-    m = _lcm(*(level[0] for level in levels.values()))
-    n = _lcm(*(level[1] for level in levels.values()))
-    step = _lcm(*(level[2] for level in levels.values()))
-    return Hint(m, n, step, tuple(f"{name}: m{v[0]} n{v[1]} k{v[2]}" for name, v in levels.items()))
 
 
-def cuda_hint(spec: Matmul, device) -> Hint:
+def _cuda_levels(spec: Matmul, device) -> dict:
     """NVIDIA: the mma instruction shape for the activation type, ldmatrix 8x8 fragments of 16-byte rows,
     32-byte global transactions (in codes of the weight type), 32 banks x 4 bytes of shared memory."""
     bits = get(spec.weight_dtype).bits
     mma = device.mma.get(spec.activation_dtype) or device.mma["float16"]
-    activation_bytes = 1 if spec.activation_dtype in ("int8", "float8_e4m3") else 2
-    levels = {
+    activation_bytes = itemsize(spec.activation_dtype)
+    return {
         "mma": (mma.m, mma.n, mma.k),
         "ldmatrix": (8, 8, device.ldmatrix_bytes // activation_bytes),
         "global transaction": (1, 1, device.global_transaction_bytes * 8 // bits),
         "shared banks": (1, 1, device.shared_banks * device.shared_bank_bytes // (2 * activation_bytes)),
     }
-    return Hint(_lcm(*(v[0] for v in levels.values())), _lcm(*(v[1] for v in levels.values())),
-                _lcm(*(v[2] for v in levels.values())),
-                tuple(f"{name}: m{v[0]} n{v[1]} k{v[2]}" for name, v in levels.items()))

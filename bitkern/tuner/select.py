@@ -4,18 +4,18 @@ parallel, time them on the device, keep the fastest (or the model's best where t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from tqdm import tqdm
-
+from ..codegen import template as template_named
 from ..ops.matmul import Matmul
 from .buckets import TUNED_M
-from .cost import estimate, estimate_cuda
-from .profile import build_all, build_all_cuda, cuda_inputs, inputs, time_cuda_kernel, time_kernels
+from .cost import estimate
+from .profile import TIMERS, build_all, inputs, time_kernels
 from .record import Trial, TuningRecord
-from .space import enumerate_candidates, enumerate_cuda_candidates, templates_for
+from .space import enumerate_candidates, usable_templates
 
 log = logging.getLogger("bitkern")
 
@@ -38,22 +38,23 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
         raise ValueError(f"top_k={top_k} is out of range; accepted: 1..8")
     start = time.perf_counter()
     spec.check_shape(n, k)
-    backend = _CudaBackend(spec, n, k, bucket, device) if device.kind == "cuda" else \
-        _CpuBackend(spec, n, k, bucket, layout, device)
-    hint, candidates = backend.enumerate()
+    hint, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
     if not candidates:
         raise ValueError(f"no kernel configuration builds {spec} for a [{n}, {k}] weight on {device.key}")
     tuned_m = TUNED_M.get(bucket, bucket[0])
     record = TuningRecord(spec, n, k, bucket, tuned_m, device.key, hint)
-    record.trials = [Trial(c.template, c.config, backend.estimate(c, tuned_m).seconds) for c in candidates]
-    record.notes += backend.notes()
+    record.trials = [Trial(c.template, c.config, estimate(c.template, c.config, spec, n, k, tuned_m, device).seconds)
+                     for c in candidates]
+    record.notes += [f"{name} template not used: {reason}"
+                     for name, reason in usable_templates(spec, n, k, bucket, layout, device)[1].items()]
     order = _ranked(record.trials)
     present = is_present(device)
     if profile and present:
         shortlist = _shortlist(record.trials, order, top_k)
-        kernels = backend.build([candidates[i] for i in shortlist])
-        x, copies, bias = backend.inputs(tuned_m)
-        for i, kernel, seconds in zip(shortlist, kernels, backend.time(kernels, x, copies, bias)):
+        kernels = build_all([candidates[i] for i in shortlist], spec, n, k, layout, bucket, device)
+        x, copies, bias = inputs(spec, n, k, tuned_m, layout, device)
+        for i, kernel, seconds in zip(shortlist, kernels, time_kernels(kernels, x, copies, bias,
+                                                                       timer=TIMERS[device.kind])):
             record.trials[i].measured_s = seconds
             record.trials[i].build_s = getattr(kernel, "build_seconds", None)
         fastest = min(record.trials[i].measured_s for i in shortlist)
@@ -65,7 +66,7 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
         record.chosen = order[0]
         record.notes.append("chosen by the cost model alone: the target device is not present"
                             if not present else "chosen by the cost model alone (profiling off)")
-        kernel = backend.build([candidates[order[0]]])[0]
+        kernel = build_all([candidates[order[0]]], spec, n, k, layout, bucket, device)[0]
         record.trials[order[0]].build_s = getattr(kernel, "build_seconds", None)
     record.seconds = time.perf_counter() - start
     log.info("bitkern: tuned %s", record.summary())
@@ -104,22 +105,19 @@ def _shortlist(trials: list[Trial], order: list[int], top_k: int) -> list[int]:
 
 
 def _without_prefetch(trials: list[Trial], index: int) -> int | None:
-    """The candidate identical to trials[index] but for prefetch=0, if there is one."""
+    """The candidate identical to trials[index] but for prefetch=0, if its template has the knob."""
     config = trials[index].config
-    if not getattr(config, "prefetch", 0):
+    if "prefetch" not in {field.name for field in dataclasses.fields(config)} or not config.prefetch:
         return None
-    twin = replace(config, prefetch=0)
+    twin = dataclasses.replace(config, prefetch=0)
     return next((i for i, trial in enumerate(trials)
                  if trial.template == trials[index].template and trial.config == twin), None)
 
 
 def _shape(trial: Trial) -> tuple:
-    """What distinguishes candidates beyond the model's ties: template, tile counts, register rows, prefetch
-    depth, decode, where the activation planes are built."""
-    config = trial.config
-    return (trial.template, getattr(config, "n_tiles", None), getattr(config, "m_tiles", None),
-            getattr(config, "rows", None), getattr(config, "prefetch", None), getattr(config, "decode", None),
-            getattr(config, "chunk_prologue", None))
+    """What distinguishes candidates beyond the model's ties: the template and its configuration's shape fields
+    (tile counts, register rows, prefetch depth, decode, where the activation planes are built)."""
+    return (trial.template, *(getattr(trial.config, name) for name in template_named(trial.template).shape_fields))
 
 
 def is_present(device) -> bool:
@@ -134,56 +132,3 @@ def is_present(device) -> bool:
         return False
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return device.arch == f"sm_{props.major}{props.minor}"
-
-
-class _CpuBackend:
-    """Candidates, model, builds and timing on an x86 CPU."""
-
-    def __init__(self, spec, n, k, bucket, layout, device):
-        self.spec, self.n, self.k, self.bucket, self.layout, self.device = spec, n, k, bucket, layout, device
-
-    def enumerate(self):
-        return enumerate_candidates(self.spec, self.n, self.k, self.bucket, self.layout, self.device)
-
-    def estimate(self, candidate, m):
-        return estimate(candidate.template, candidate.config, self.spec, self.n, self.k, m, self.device)
-
-    def notes(self):
-        return [f"{template} template not used: {reason}" for template, reason in
-                templates_for(self.spec, self.k, self.bucket, self.layout, self.device).items() if reason]
-
-    def build(self, candidates):
-        return build_all(candidates, self.spec, self.n, self.k, self.layout, self.bucket, self.device)
-
-    def inputs(self, m):
-        return inputs(self.spec, self.n, self.k, m, self.layout, self.device)
-
-    @staticmethod
-    def time(kernels, x, copies, bias) -> list[float]:
-        return time_kernels(kernels, x, copies, bias)
-
-
-class _CudaBackend:
-    """Candidates, model, nvcc builds and CUDA-event timing for an NVIDIA architecture."""
-
-    def __init__(self, spec, n, k, bucket, device):
-        self.spec, self.n, self.k, self.bucket, self.device = spec, n, k, bucket, device
-
-    def enumerate(self):
-        return enumerate_cuda_candidates(self.spec, self.n, self.k, self.bucket, self.device)
-
-    def estimate(self, candidate, m):
-        return estimate_cuda(candidate.template, candidate.config, self.spec, self.n, self.k, m, self.device)
-
-    def notes(self):
-        return []
-
-    def build(self, candidates):
-        return build_all_cuda(candidates, self.spec, self.n, self.k, self.bucket, self.device)
-
-    def inputs(self, m):
-        return cuda_inputs(self.spec, self.n, self.k, m)
-
-    def time(self, kernels, x, copies, bias) -> list[float]:
-        progress = tqdm(kernels, desc=f"tuning {self.spec.weight_dtype} {self.n}x{self.k}", leave=False, disable=None)
-        return [time_cuda_kernel(kernel, x, copies, bias) for kernel in progress]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 
-import torch
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ...ttype import TType
-from .format import FORMAT, SETTINGS, SOURCES, LayerSettings
+from ...ttype import TType, dtype_name
+from .format import FORMAT, SETTINGS, LayerSettings
 
 METHOD = "bitkern"
+SOURCES = ("bitkern",)
 _KEYS = ("quant_method", "format", "source", *SETTINGS, "modules_to_not_convert", "overrides")
 
 
@@ -29,8 +29,7 @@ class BitkernConfig(QuantizationConfigMixin):
     A pattern (or name) is a regular expression matched against whole dot-separated parts of a module's
     name: "lm_head", "down_proj" (every layer's), "model.layers.0" (and everything in it),
     r"layers\\.(0|1)\\.mlp".
-    source: the format of a pre-quantized checkpoint's tensors ("bitkern": what save_pretrained writes; others:
-    `format.register_source`).
+    source: the format of a pre-quantized checkpoint's tensors ("bitkern": what save_pretrained writes).
     """
 
     def __init__(self, dtype="nf4", group_size: int | None = None, zero_mode: str | None = None,
@@ -39,7 +38,7 @@ class BitkernConfig(QuantizationConfigMixin):
         self.quant_method = METHOD
         self.dtype = dtype.name if isinstance(dtype, TType) else dtype
         self.group_size, self.zero_mode = group_size, zero_mode
-        self.scale_dtype, self.compute_dtype = _dtype_name(scale_dtype), _dtype_name(compute_dtype)
+        self.scale_dtype, self.compute_dtype = dtype_name(scale_dtype), dtype_name(compute_dtype)
         self.modules_to_not_convert = list(modules_to_not_convert or [])
         self.overrides = {pattern: dict(settings) for pattern, settings in (overrides or {}).items()}
         self.source = source
@@ -73,8 +72,8 @@ class BitkernConfig(QuantizationConfigMixin):
             override = next((s for pattern, s in self.overrides.items() if matches(pattern, name)), {})
         own = {key: getattr(self, key) for key in SETTINGS}
         merged = {**own, **override}
-        merged["scale_dtype"], merged["compute_dtype"] = (_dtype_name(merged["scale_dtype"]),
-                                                          _dtype_name(merged["compute_dtype"]))
+        merged["scale_dtype"], merged["compute_dtype"] = (dtype_name(merged["scale_dtype"]),
+                                                          dtype_name(merged["compute_dtype"]))
         return LayerSettings(**merged)
 
     def converts(self, name: str, kept: list[str]) -> bool:
@@ -127,8 +126,3 @@ def _check_settings(where: str, settings: LayerSettings) -> None:
             settings.group_size, int) or not (settings.group_size > 0 or settings.group_size == -1)):
         raise ValueError(f"{where}: group_size={settings.group_size!r} must be a positive int, -1 (per channel) "
                          f"or None (the type's default)")
-
-
-def _dtype_name(dtype):
-    """A torch dtype as its name ("bfloat16"); names and None as they are."""
-    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype

@@ -1,5 +1,5 @@
 """The checkpoint format of bitkern models saved with transformers' `save_pretrained` (read back by
-`from_pretrained` after `import bitkern`, and by bitkern's vLLM plugin).  This module needs no transformers.
+`from_pretrained` after `import bitkern`, or by `bitkern.load_pretrained`).  This module needs no transformers.
 
 config.json, "quantization_config" (`BitkernConfig.to_dict()`):
     quant_method "bitkern"; format "bitkern.hf/1"; source: the format of the checkpoint's tensors ("bitkern");
@@ -17,8 +17,6 @@ group size (K for per-channel), all in bitkern's portable layout (`bitkern.Quant
                            absent for zero_mode "none"
     m.weight_tensor_scale  float32 []: nvfp4's per-tensor scale; absent otherwise
     m.bias                 as nn.Linear stores it
-Checkpoints of other formats load through a registered `CheckpointSource` (`register_source`) that says which
-tensors a layer has there and turns them into the ones above.
 The weight is v(q)·s for zero_mode "none" (v: the type's value of code q; block types: s = block scale ×
 tensor scale) and (q − z)·s otherwise (`QuantizedWeight.dequantize`).  The codes are named `weight` and
 are not [N, K], so a transformers without bitkern registered fails loading them (a size mismatch) instead of
@@ -27,7 +25,6 @@ leaving the layer's weight random.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,31 +69,9 @@ def expected_tensors(settings: LayerSettings, in_features: int, out_features: in
             for name, t in checkpoint_tensors(settings.layer(in_features, out_features)).items()}
 
 
-@dataclass(frozen=True)
-class CheckpointSource:
-    """A checkpoint format whose layers bitkern loads (`BitkernConfig(source=name)`): the tensors one quantized
-    Linear has in it, {name: (shape, dtype)} relative to the module, and how they become the tensors
-    `linear_from_checkpoint` takes."""
-
-    expected_tensors: Callable[[LayerSettings, int, int], dict[str, tuple]]
-    to_bitkern: Callable[[dict[str, torch.Tensor], LayerSettings, int, int], dict[str, torch.Tensor]]
-
-
-SOURCES = {"bitkern": CheckpointSource(expected_tensors, lambda tensors, settings, in_features, out_features: tensors)}
-
-
-def register_source(name: str, source: CheckpointSource) -> None:
-    """Make `BitkernConfig(source=name)` load checkpoints whose layers `source` describes."""
-    if not isinstance(source, CheckpointSource):
-        raise TypeError(f"source must be a CheckpointSource, got {type(source).__name__}")
-    SOURCES[name] = source
-
-
-def misfits(found: dict[str, tuple], settings: LayerSettings, in_features: int, out_features: int,
-            source: str = "bitkern") -> list[str]:
-    """What keeps tensors of these {name: (shape, dtype)} from being a Linear of this shape and settings in the
-    checkpoint format `source`."""
-    expected = SOURCES[source].expected_tensors(settings, in_features, out_features)
+def misfits(found: dict[str, tuple], settings: LayerSettings, in_features: int, out_features: int) -> list[str]:
+    """What keeps tensors of these {name: (shape, dtype)} from being a Linear of this shape and settings."""
+    expected = expected_tensors(settings, in_features, out_features)
     problems = []
     for name in sorted(set(expected) | set(found)):
         if name not in found:
@@ -121,7 +96,7 @@ def linear_from_checkpoint(tensors: dict[str, torch.Tensor], settings: LayerSett
     layout = settings.layer(in_features, out_features)
     weight = QuantizedWeight(layout.weight_dtype, (out_features, in_features), layout.group_size, layout.zero_mode,
                              *(tensors.get(name) for name in TENSOR_NAMES.values()))
-    return Linear.from_quantized(weight, bias, settings.compute_dtype)
+    return Linear.from_quantized(weight, bias, compute_dtype=settings.compute_dtype)
 
 
 def _describe(shape_and_dtype: tuple) -> str:

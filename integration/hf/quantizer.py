@@ -7,8 +7,7 @@ Pre-quantized (a checkpoint `save_pretrained` wrote, see `format`): each convert
 `_CheckpointSlots` receptacle whose empty tensors carry the checkpoint's names, shapes and dtypes, so
 transformers loads the packed tensors as they are; the checkpoint's headers are checked against the slots
 before any tensor is read, and after loading every receptacle turns into a bitkern.Linear through
-`format.linear_from_checkpoint` (checkpoints of other formats: their `format.CheckpointSource` names the
-receptacle's tensors and converts them first).
+`format.linear_from_checkpoint`.
 """
 
 from __future__ import annotations
@@ -22,11 +21,13 @@ from torch import nn
 from transformers.quantizers.base import HfQuantizer, get_keys_to_not_convert
 
 from ... import Linear, dequantize_model
+from ...ttype import torch_dtype
 from .config import BitkernConfig
-from .format import (FORMAT, SOURCES, CheckpointSource, LayerSettings, checkpoint_tensors, linear_from_checkpoint,
-                     misfits)
+from .format import FORMAT, LayerSettings, checkpoint_tensors, expected_tensors, linear_from_checkpoint, misfits
+from .registration import register
 
 log = logging.getLogger("bitkern")
+METADATA_KEY = "bitkern_hf_format"  # in each file's safetensors metadata ("bitkern" is `bitkern.save`'s header)
 _SAFETENSORS_DTYPES = {"I32": torch.int32, "U8": torch.uint8, "F16": torch.float16, "BF16": torch.bfloat16,
                        "F32": torch.float32}
 
@@ -57,11 +58,9 @@ class BitkernHfQuantizer(HfQuantizer):
             config.modules_to_not_convert = sorted({*config.modules_to_not_convert, *kept})
         self.plan = _plan(model, config, kept)
         if self.pre_quantized:
-            source = SOURCES[config.source]
-            slots = {name: _CheckpointSlots(model.get_submodule(name), settings, source)
-                     for name, settings in self.plan.items()}
+            slots = {name: _CheckpointSlots(model.get_submodule(name), settings) for name, settings in self.plan.items()}
             if checkpoint_files:
-                _check_checkpoint(checkpoint_files, slots, model.base_model_prefix, config.source)
+                _check_checkpoint(checkpoint_files, slots, model.base_model_prefix)
             for name, slot in slots.items():
                 _replace(model, name, slot)
         return model
@@ -72,7 +71,6 @@ class BitkernHfQuantizer(HfQuantizer):
         return QuantizeOnLoad(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        self.quantization_config.source = "bitkern"  # the model's layers are bitkern's now, and save so
         for name, settings in self.plan.items():
             module = model.get_submodule(name)
             if isinstance(module, _CheckpointSlots):
@@ -92,7 +90,7 @@ class BitkernHfQuantizer(HfQuantizer):
                 state[key] = value
         for name, layer in layers.items():
             state.update({f"{name}.{tensor}": value.contiguous() for tensor, value in checkpoint_tensors(layer).items()})
-        return state, {"bitkern": FORMAT}
+        return state, {METADATA_KEY: FORMAT}
 
     def _dequantize(self, model, dtype=None):
         """Every bitkern.Linear back to an nn.Linear holding its dequantized weight, in `dtype` (the model's)."""
@@ -115,18 +113,17 @@ class BitkernHfQuantizer(HfQuantizer):
 def quantize_linear(module: nn.Linear, settings: LayerSettings) -> Linear:
     """A bitkern.Linear with `settings` from a float nn.Linear."""
     return Linear.from_float(module, settings.dtype, settings.group_size, settings.zero_mode, settings.compute_dtype,
-                             getattr(torch, settings.scale_dtype))
+                             torch_dtype(settings.scale_dtype))
 
 
 class _CheckpointSlots(nn.Module):
     """Stands in for one converted nn.Linear while a pre-quantized checkpoint loads: empty (meta) tensors with the
     checkpoint's names, shapes and dtypes for transformers to fill, and the Linear's bias."""
 
-    def __init__(self, linear: nn.Linear, settings: LayerSettings, source: CheckpointSource):
+    def __init__(self, linear: nn.Linear, settings: LayerSettings):
         super().__init__()
         self.in_features, self.out_features, self.settings = linear.in_features, linear.out_features, settings
-        self.source = source
-        self.expected = source.expected_tensors(settings, linear.in_features, linear.out_features)
+        self.expected = expected_tensors(settings, linear.in_features, linear.out_features)
         for name, (shape, dtype) in self.expected.items():
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
         self.bias = linear.bias
@@ -138,7 +135,6 @@ class _CheckpointSlots(nn.Module):
         if unfilled:
             raise ValueError(f"{name}: the checkpoint holds no {unfilled} for this bitkern layer")
         try:
-            tensors = self.source.to_bitkern(tensors, self.settings, self.in_features, self.out_features)
             return linear_from_checkpoint(tensors, self.settings, self.in_features, self.out_features, self.bias)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{name}: {error}") from None
@@ -167,7 +163,7 @@ def _plan(model, config: BitkernConfig, kept: list[str]) -> dict[str, LayerSetti
     return plan
 
 
-def _check_checkpoint(files: list[str], slots: dict[str, _CheckpointSlots], prefix: str, source: str) -> None:
+def _check_checkpoint(files: list[str], slots: dict[str, _CheckpointSlots], prefix: str) -> None:
     """Raise, naming every module and tensor, unless the checkpoint's safetensors headers hold each slot's tensors
     with its shapes and dtypes (keys may carry the base model's prefix or lack it, as transformers allows)."""
     found = {}
@@ -189,7 +185,7 @@ def _check_checkpoint(files: list[str], slots: dict[str, _CheckpointSlots], pref
         candidates = (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}."))
         tensors = next((by_module[c] for c in candidates if c in by_module), {})
         problems += [f"{name}: {problem}" for problem in misfits(tensors, slot.settings, slot.in_features,
-                                                                   slot.out_features, source)]
+                                                                   slot.out_features)]
     if problems:
         shown = "; ".join(problems[:20]) + (f"; ... ({len(problems) - 20} more)" if len(problems) > 20 else "")
         raise ValueError(f"the bitkern checkpoint in {os.path.dirname(str(files[0]))} does not fit this model (other "
@@ -199,3 +195,6 @@ def _check_checkpoint(files: list[str], slots: dict[str, _CheckpointSlots], pref
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, module)
+
+
+register()  # where importing this module imported transformers' quantizer registry, its hook came too early

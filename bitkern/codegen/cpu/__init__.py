@@ -1,1 +1,11 @@
-"""CPU code generation: weight layouts and schedule templates compiled by TVM through LLVM."""
+"""CPU kernel templates, compiled by TVM through LLVM: AMX (`amx`), AVX512-BF16 (`dot`), table lookup (`lut`) and
+generic (`generic`), each one `CpuTemplate` object (`kernel.py`) whose TIR comes from `emit`; the tile16 weight
+layout (`layout.py`).
+
+The registry: `TEMPLATES`, in the order the tuner lists them.  A template is a module here that defines
+`TEMPLATE`; adding one is that module and its name in the line below.
+"""
+
+from importlib import import_module
+
+TEMPLATES = [import_module(f"{__name__}.{name}").TEMPLATE for name in ("amx", "dot", "lut", "generic")]

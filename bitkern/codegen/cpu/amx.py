@@ -1,666 +1,145 @@
-"""AMX template: y = x · dequant(W)ᵀ with 1-, 2- or 4-bit weights decoded to bf16 tiles on the fly.
-
-Per parallel task (16·n_tiles output columns, a chunk of rows):
-  prologue  x -> bf16 planes A[plane, M, K/2] (one plane for bf16, hi+lo for fp16, three for fp32, so
-            the planes sum to x) and per-group row sums XS[M, groups] (for zero points and offsets); for a
-            convolution spec the rows are gathered from the NHWC image here (implicit GEMM);
-  stages    the codes of the next stage (a few 32-deep k-steps) are decoded with vector ops into bf16 B
-            tiles in L1 while AMX multiplies the current stage (a software pipeline: tile loads never
-            wait on the stores just issued); C tiles accumulate one quantization group;
-  epilogue  per group, in float32: y += scale · (alpha·C + beta·XS), where C = Σ x·d over the group's
-            decoded values d, and alpha/beta fold the decode offset and the zero point exactly.
-Decode strategies: "affine" for integer types (d = bf16(128 + u) by OR-ing the code into 0x4300, one
-ternary-logic op per 32 codes; 2-bit codes are taken where they lie in the word, at bit 0, 2 or 4, into the
-power of two whose mantissa puts them at weight 1 — d = 2^(7-at) + u — so one shift serves three k pairs,
-and per-group activation sums XD fold the smaller offsets back), "lut" for any type (a 32-entry bf16 table
-through vpermw), "convert" for 8-bit integer codes (each code extended to int32, converted to float32 and
-truncated to bf16, exact: one B tile per 16 columns where "affine" multiplies two nibbles).
-"""
+"""AMX template: y = x · dequant(W)ᵀ with 1-, 2-, 4- and 8-bit weights decoded to bf16 tiles on the fly, the tile
+products done by AMX (tdpbf16ps); its code comes from `emit.amx` (see there for the kernel's structure)."""
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 from dataclasses import dataclass
 
-import torch
-from tvm import tirx
-from tvm.script.ir_builder import IRBuilder
-from tvm.script.ir_builder import tirx as T
-
-from ...ops.expr import tap_source
 from ...ops.matmul import Matmul
-from ...ttype import get
-from ...ttype.types import INT, UINT
-from .configs import TILE_REGISTERS, AmxConfig
-from .groups import GroupArguments, to_output
-from .layout import TILE16_BITS, AMX_STEP_K, AMX_TILE_ROWS, padded_k
-from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, intrinsic, lanes, load, ramp,
-                  prefetch_ahead, splat, stride, tile, tile_pointer,
-                  u32)
+from ...ttype import effective_group_size, get
+from .kernel import LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, check_prefetch, doublings, operand_bytes
+from .layout import AMX_TILE_ROWS, padded_k
+from .matrix import PLANES, TILE_BYTES, MatrixTemplate, check_decode, decode_strategies, nibbles
+from ..template import Work
 
-PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}
-AMX_BITS = (*TILE16_BITS, 8)
-SMALL_M_ROWS = AMX_TILE_ROWS
-_MANTISSA_BITS = 7  # of bfloat16: a code u < 2^(7-at) OR-ed in at bit `at` of 2^(7-at) gives 2^(7-at) + u
-# k pairs an affine decode takes from one shifted word (each position costs a mask and a base register).
-# Measured on Zen 4, 4096x4096 M=1: 2-bit codes 3 per shift (all the mantissa holds), 5-7% faster than 1;
-# 1-bit codes 7 or 3 per shift, 2.2x and 1.1x slower (spills: a word feeds 16 activation broadcasts).
-_PAIRS_PER_SHIFT = {2: 3}
-
-
-def unsupported_reason(spec: Matmul, k: int) -> str | None:
-    """Why the AMX template cannot run `spec` with reduction length k, or None if it can."""
-    ttype = get(spec.weight_dtype)
-    group = k if spec.group_size == -1 else spec.group_size
-    if ttype.bits not in AMX_BITS:
-        return f"{ttype.bits}-bit codes (it decodes {AMX_BITS}-bit codes)"
-    if ttype.bits == 8 and ttype.kind not in (INT, UINT):
-        return f"8-bit {ttype.kind} codes (8-bit codes decode as integers)"
-    if spec.activation_dtype not in PLANES:
-        return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"
-    depth = _step_depth(group, k)
-    if depth is None:
-        return f"group_size={group} with in_features={k} (it needs a multiple of 32, 16, or per-channel)"
-    if depth * ttype.bits < 32:
-        return f"group_size={group}, shorter than one 32-bit word of {ttype.bits}-bit codes"
-    if not decode_strategies(spec):
-        return f"{ttype.bits}-bit codes with {spec.activation_dtype} activations (their affine decode keeps " \
-               f"bf16's accuracy only)"
-    return None
-
-
-def nibbles(spec: Matmul, decode: str) -> int:
-    """B tiles per 16 weight columns and 32-deep step: the affine decode multiplies 8-bit codes as two 4-bit
-    nibbles."""
-    return 2 if get(spec.weight_dtype).bits == 8 and decode == "affine" else 1
-
-
-def decode_strategies(spec: Matmul) -> tuple[str, ...]:
-    """Decode strategies that apply to the spec.  "affine" folds a 128 offset out of float32 sums, which
-    costs up to ~2^-16 relative accuracy: below bf16 activations' own rounding, so it is offered for them
-    only; 8-bit codes have no table decode, and convert (exact) serves every activation type."""
-    ttype = get(spec.weight_dtype)
-    affine = ttype.kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
-    if ttype.bits == 8:
-        return ("affine", "convert") if affine else ("convert",)
-    return ("affine", "lut") if affine else ("lut",)
-
-
-def build(spec: Matmul, n: int, k: int, config: AmxConfig, name: str = "main"):
-    """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M
-    (at most 16 with small_m).
-
-    Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), lut (lut
-    decode), bias [N] float32 (bias specs), y [M, N].
-    """
-    return _Builder.checked(spec, n, k, config, "AMX").build(name)
-
-
-def lut_words(spec: Matmul) -> torch.Tensor:
-    """The `lut` argument: the type's bf16 values, repeated to 32 entries, as 16 int32 words."""
-    values = get(spec.weight_dtype).lut("bfloat16").view(torch.int16)
-    return values.repeat(32 // values.numel()).view(torch.int32).contiguous()
-
-
-def _step_depth(group: int, k: int) -> int | None:
-    if group % AMX_STEP_K == 0:
-        return AMX_STEP_K
-    if group == 16:
-        return 16
-    if group == k:  # per-channel: K is padded to the step and the whole padded K is one group
-        return AMX_STEP_K
-    return None
+TILE_REGISTERS = 8  # AMX tile registers
+PIPELINE_TILES = 4  # decoded tiles between a tile's stores and its AMX load that keep the load from stalling
 
 
 @dataclass(frozen=True)
-class _Decode:
-    """How the B tile elements d relate to the weight value v: v = Σ_nibble alpha[nibble]·d + offset, d the
-    decode of the code at bit 0 (128 + u for affine).
-    xor: bits flipped in each code (per nibble: low, high) to make two's complement offset binary."""
+class AmxConfig:
+    """Tile configuration of the AMX template (chosen by the tuner).
 
-    strategy: str
-    bits: int
-    signed: bool = False  # convert: the codes are two's complement
-    xor: tuple = (0,)
-    alpha: tuple = (1.0,)
-    offset: float = 0.0
+    n_tiles: 16-column C tiles per task; m_tiles: 16-row A tiles per m-block (large M); small_m: one
+    block of all M <= 16 rows (tile rows = M) instead of 16-row tiles; m_chunk: rows per task (large M);
+    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead (0: none); decode: strategy;
+    chunk_prologue (large M): each task builds its row chunk's activation planes itself and runs every
+    column block over them while they sit in L2, instead of one pass over all rows before the main loop
+    (whose planes outgrow the caches at large M and are re-read once per column block).
+    """
 
-    def positions(self, rows: int) -> tuple:
-        """(shift, at) of each of a word's `rows` k pairs: its codes (bit j·bits of each 16-bit half) sit at
-        bit `at` of the word shifted right by `shift`.  Affine 2-bit codes are taken anywhere in the mantissa
-        (at 0, 2 or 4), so one shift serves 3 k pairs; other codes are shifted to bit 0."""
-        per_shift = _PAIRS_PER_SHIFT.get(self.bits, 1) if self.strategy == "affine" else 1
-        return tuple((j // per_shift * per_shift * self.bits, j % per_shift * self.bits) for j in range(rows))
+    n_tiles: int = 4
+    m_tiles: int = 1
+    small_m: bool = True
+    m_chunk: int = 256
+    stage_steps: int = 4
+    prefetch: int = 16
+    decode: str = "affine"
+    chunk_prologue: bool = False
 
-
-def _bf16_power_of_two(exponent: int) -> int:
-    """The bfloat16 bit pattern of 2^exponent (0x4300 for 128)."""
-    return (127 + exponent) << _MANTISSA_BITS
-
-
-def _decode_for(spec: Matmul, strategy: str) -> _Decode:
-    ttype = get(spec.weight_dtype)
-    if strategy == "lut":
-        return _Decode("lut", ttype.bits)
-    if strategy == "convert":
-        return _Decode("convert", 8, signed=ttype.kind == INT)
-    if ttype.bits == 8:  # code = 16·h + l: v = 16·(d_hi - 128 - 8·signed) + (d_lo - 128)
-        flip = 8 if ttype.kind == INT else 0
-        return _Decode("affine", 8, xor=(0, flip), alpha=(1.0, 16.0), offset=-128.0 - 16.0 * (128 + flip))
-    if ttype.kind == UINT:  # d = 128 + code
-        return _Decode("affine", ttype.bits, offset=-128.0)
-    if ttype.bits == 1:  # ±1: v = 2·code - 1 = 2d - 257
-        return _Decode("affine", 1, alpha=(2.0,), offset=-257.0)
-    half = 1 << (ttype.bits - 1)  # two's complement: u = code ^ half = v + half, d = 128 + u
-    return _Decode("affine", ttype.bits, xor=(half,), offset=-128.0 - half)
+    def __post_init__(self):
+        check_decode(self.decode)
+        check_prefetch(self.prefetch)
+        if self.small_m and (self.m_tiles != 1 or self.chunk_prologue):
+            raise ValueError("small_m kernels use m_tiles=1 and build their planes in one pass")
+        if self.m_tiles * self.n_tiles + self.m_tiles + 1 > TILE_REGISTERS:
+            raise ValueError(f"m_tiles={self.m_tiles} x n_tiles={self.n_tiles} needs more than "
+                             f"{TILE_REGISTERS} AMX tile registers")
+        if self.m_chunk % (AMX_TILE_ROWS * self.m_tiles):
+            raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of {AMX_TILE_ROWS * self.m_tiles}")
 
 
-class _Shape:
-    """Static sizes of one kernel."""
+class AmxTemplate(MatrixTemplate):
+    name = "amx"
+    title = "AMX"
+    config_type = AmxConfig
+    amx_tiles = True
+    shape_fields = ("n_tiles", "m_tiles", "prefetch", "decode", "chunk_prologue")
 
-    def __init__(self, spec: Matmul, n: int, k: int, config: AmxConfig):
-        group = k if spec.group_size == -1 else spec.group_size
-        self.bits = get(spec.weight_dtype).bits
-        self.n, self.k = n, k
-        self.k_pad = padded_k(k, self.bits)
-        self.depth = _step_depth(group, k)
-        self.per_channel = group == k
-        self.kgroup = self.k_pad if self.per_channel else group
-        self.groups = self.k_pad // self.kgroup
-        self.scale_groups = k // group
-        self.group_steps = self.kgroup // self.depth
-        steps = self.k_pad // self.depth
-        self.stage_steps = _stage_steps(self.group_steps, steps, config.stage_steps)
-        self.stages = steps // self.stage_steps
-        self.n_tiles = -(-n // AMX_TILE_ROWS)
-        self.words = self.k_pad * self.bits // 32
-        self.words_per_step = self.depth * self.bits // 32
-        self.rows_per_word = 16 // self.bits  # B tile rows (k pairs) one word yields
-        self.pairs = self.k_pad // 2
-        self.planes = PLANES[spec.activation_dtype]
+    def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
+        if not device.has_amx_bf16:
+            return "this CPU (no AMX-BF16)"
+        return self.unsupported_spec(spec, k)
 
+    def builder(self):
+        from .emit.amx import AmxBuilder
 
-def _stage_steps(group_steps: int, steps: int, wanted: int) -> int:
-    """Steps per pipeline stage, near `wanted`: a divisor of the group's steps, or a multiple of them that
-    divides all the steps."""
-    if group_steps > wanted:
-        return max(d for d in range(1, wanted + 1) if group_steps % d == 0)
-    multiples = [m * group_steps for m in range(1, wanted // group_steps + 1) if steps % (m * group_steps) == 0]
-    return max(multiples)
+        return AmxBuilder
 
+    def resources(self, spec: Matmul, k: int, config: AmxConfig) -> Footprint:
+        """L1: two decoded stages of B tiles, the C tiles stored at each group's end for the epilogue (they are
+        read back at once), and the task's float32 accumulators (a row of 16 columns per tile)."""
+        planes = nibbles(spec, config.decode)  # the affine decode of 8-bit codes: a B and a C tile per nibble
+        stages = 2 * config.stage_steps * config.n_tiles * planes * TILE_BYTES
+        c_tiles = config.m_tiles * config.n_tiles * planes * TILE_BYTES
+        rows = SMALL_M if config.small_m else config.m_chunk
+        return Footprint(l1_bytes=stages + c_tiles + rows * config.n_tiles * 64)
 
-class _Builder:
-    """Emits one kernel with TVM's IRBuilder."""
+    def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[AmxConfig]:
+        """Tile counts that fit the 8 tile registers, stages and row chunks whose footprint fits L1 (row chunks
+        from the hint's rows), every prefetch depth and decode; per-chunk planes for the open-ended bucket, where
+        all rows' planes outgrow L2."""
+        found = []
+        small = bucket[1] <= SMALL_M
+        prologues = (False, True) if bucket[1] > LARGE_M else (False,)
+        for decode, m_tiles in itertools.product(decode_strategies(spec), (1,) if small else (1, 2)):
+            planes = nibbles(spec, decode)
+            for n_tiles in range(1, TILE_REGISTERS):
+                if m_tiles * n_tiles * planes + m_tiles + 1 > TILE_REGISTERS:
+                    break
+                for stage in doublings(1, 8):
+                    for chunk in [SMALL_M] if small else doublings(hint.m * m_tiles, 256):
+                        config = AmxConfig(n_tiles, m_tiles, small, max(chunk, 16 * m_tiles), stage, 0, decode)
+                        if self.resources(spec, k, config).l1_bytes > device.l1_bytes:
+                            continue
+                        found += [AmxConfig(n_tiles, m_tiles, small, config.m_chunk, stage, prefetch, decode,
+                                            chunk_prologue)
+                                  for prefetch, chunk_prologue in itertools.product(PREFETCH_WORDS, prologues)]
+        return found
 
-    def __init__(self, spec: Matmul, shape: _Shape, config: AmxConfig, decode: _Decode):
-        self.spec, self.s, self.cfg, self.dec = spec, shape, config, decode
-        self.ttype = get(spec.weight_dtype)
-        if spec.geometry is None:
-            self.batch, self.m = None, tirx.Var("M", "int32")
-        else:  # a convolution: M = B · output pixels
-            self.batch = tirx.Var("B", "int32")
-            self.m = self.batch * spec.geometry.pixels
-        self.nibbles = nibbles(spec, config.decode)
-        # Per k pair j of a word, 128 - 2^(7-at): what its decoded values lack of the 128 offset the epilogue
-        # folds (None when every code sits at bit 0).
-        shortfall = [128.0 - 2.0 ** (_MANTISSA_BITS - at) for _, at in decode.positions(shape.rows_per_word)]
-        self.offset_shortfall = shortfall if any(shortfall) else None
-        self._assign_tile_registers()
-
-    @classmethod
-    def checked(cls, spec: Matmul, n: int, k: int, config, template: str) -> "_Builder":
-        """The builder for `spec` with `config`, once the `template` (named in the errors) is known to serve
-        them: bad input is refused before any code is generated."""
-        reason = unsupported_reason(spec, k)
-        if reason:
-            raise ValueError(f"the {template} template does not support {reason}")
-        if config.decode not in decode_strategies(spec):
-            raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
-                             f"accepted: {list(decode_strategies(spec))}")
-        return cls(spec, _Shape(spec, n, k, config), config, _decode_for(spec, config.decode))
-
-    def _assign_tile_registers(self) -> None:
-        """C tiles: [m tile][n tile][nibble]; then the A tiles; the rest is a ring for B tiles."""
-        mt, nc, nb = self.cfg.m_tiles, self.cfg.n_tiles, self.nibbles
-        self.c_tiles = [[[(i * nc + c) * nb + p for p in range(nb)] for c in range(nc)] for i in range(mt)]
-        self.a_tiles = [mt * nc * nb + i for i in range(mt)]
-        self.b_tiles = list(range(mt * nc * nb + mt, TILE_REGISTERS))
-        if not self.b_tiles:
-            raise ValueError(f"m_tiles={mt} x n_tiles={nc} x {nb} nibble planes leave no AMX tile register for B")
-
-    def build(self, name: str):
-        with IRBuilder() as builder:
-            with T.prim_func():
-                T.func_name(name)
-                self._arguments()
-                T.func_attr({"tirx.noalias": True})
-                with self._body_scope():
-                    if self.cfg.small_m:
-                        T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= SMALL_M_ROWS))
-                    rows = self._padded_rows()
-                    self.a = T.alloc_buffer((self.s.planes, rows, self._plane_pitch()), "int32")
-                    self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
-                    self.xd = None  # XD[row, group] = Σ x·shortfall over the group's k's
-                    if self.offset_shortfall is not None:
-                        self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
-                    if not self.cfg.chunk_prologue:
-                        self._prologue(rows)
-                    self._main(rows)
-        return builder.get()
-
-    def _plane_pitch(self) -> int:
-        """int32 words (bf16 pairs) from one activation-plane row to the next."""
-        return self.s.pairs
-
-    def _body_scope(self):
-        """A scope around the function body (the AVX512-BF16 template imports LLVM code in one)."""
-        return contextlib.nullcontext()
-
-    # -- arguments -------------------------------------------------------------------------------------
-    def _arguments(self) -> None:
-        s, spec = self.s, self.spec
-        per_tile = (s.n_tiles, s.scale_groups, LANES)
-        g = spec.geometry
-        x_shape = (self.m, s.k) if g is None else (self.batch, g.height, g.width, g.in_channels)
-        self.x = T.arg("x", T.Buffer(x_shape, spec.activation_dtype))
-        self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
-        self.group_args = GroupArguments.declare(spec, per_tile)
-        self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
-        self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
-        self.y = T.arg("y", T.Buffer((self.m, s.n), spec.output_dtype))
-
-    def _padded_rows(self):
-        if self.cfg.small_m:
-            return self.m
-        block = AMX_TILE_ROWS * self.cfg.m_tiles
-        return tirx.floordiv(self.m + (block - 1), block) * block
-
-    # -- prologue: activation planes and group sums -------------------------------------------------
-    def _prologue(self, rows) -> None:
-        """Every row's planes before the main loop (one parallel region; few rows: serial, as waking the
-        thread pool costs more than converting them)."""
-        rows_loop = T.serial if self.cfg.small_m else T.parallel
-        with rows_loop(0, rows) as row:
-            self._prologue_row(row)
-
-    def _prologue_row(self, row) -> None:
-        """A-plane row `row` and its group sums: x's row (or the gathered pixel), zeros past M."""
-        s = self.s
-        full_chunks = s.k // 32  # chunks of 16 pairs that lie inside K
-        with T.If(row < self.m):
-            with T.Then():
-                if self.spec.geometry is not None:
-                    self._gather_row(row)
-                else:
-                    with T.serial(0, full_chunks) as chunk:
-                        even = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32, 2, LANES)))
-                        odd = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32 + 1, 2, LANES)))
-                        self._store_planes(row, chunk, even, odd)
-                    if s.k_pad > full_chunks * 32:
-                        self._prologue_tail(row, full_chunks)
-            with T.Else():
-                with T.serial(0, s.pairs // LANES) as chunk:
-                    self._store_planes(row, chunk, splat(0.0, "float32"), splat(0.0, "float32"))
-
-    def _prologue_tail(self, row, chunk) -> None:
-        """The last 32-k chunk when K is not a multiple of 32: scalar loads, zero past K."""
-        s = self.s
-        values = [self._as_float(load(self.x, row, chunk * 32 + i)) if chunk * 32 + i < s.k else
-                  tirx.const(0.0, "float32") for i in range(32)]
-        self._store_planes(row, chunk, *_by_parity(values))
-
-    def _gather_row(self, row) -> None:
-        """A-plane row `row` of a convolution: output pixel (b, oh, ow) reads x[b, ih, iw, c] for each tap
-        (kh, kw) and channel c, in the weight's (kh, kw, c) order; 0 outside the image and past K."""
-        if self.spec.geometry.in_channels % 32 == 0:
-            self._gather_channel_runs(row)
+    def work(self, spec: Matmul, n: int, k: int, m: int, config: AmxConfig, device) -> Work:
+        """Per call: B tiles decoded (once per row chunk; those the AMX load would wait for count as stalled),
+        tile loads and products per m-block, the per-group epilogue's C tiles and rows, C tiles stashed where a
+        stage ends inside a group, and the activation planes that outgrow L2 (re-read per column block)."""
+        k_pad = padded_k(k, get(spec.weight_dtype).bits)
+        tiles_n = -(-n // AMX_TILE_ROWS)
+        steps = k_pad // 32
+        planes = PLANES[spec.activation_dtype]
+        b_tiles = tiles_n * steps * nibbles(spec, config.decode)
+        if config.small_m:
+            rows, blocks, chunks = m, 1, 1
+            product = "tdpbf16ps_few_rows" if m <= 4 else "tdpbf16ps"
         else:
-            self._gather_staged(row)
-
-    def _gather_channel_runs(self, row) -> None:
-        """Each 32-k chunk is 32 channels of one tap: two vector loads, or zeros outside the image."""
-        g = self.spec.geometry
-        runs = g.in_channels // 32
-        zero = splat(0.0, "float32")
-        with T.serial(0, g.kernel[0] * g.kernel[1]) as tap:
-            where, inside = tap_source(g, row, tap)
-            with T.serial(0, runs) as run:
-                with T.If(inside):
-                    with T.Then():
-                        even, odd = (self._as_float(load(self.x, *where, tirx.Ramp(run * 32 + p, 2, LANES)))
-                                     for p in (0, 1))
-                        self._store_planes(row, tap * runs + run, even, odd)
-                    with T.Else():
-                        self._store_planes(row, tap * runs + run, zero, zero)
-
-    def _gather_staged(self, row) -> None:
-        """Channel runs straddle 32-k chunks: stage the row in float32 tap by tap, then split it in chunks."""
-        g, s = self.spec.geometry, self.s
-        staged = T.alloc_buffer((s.k_pad,), "float32", scope="local", align=64)
-        with T.serial(0, g.kernel[0] * g.kernel[1]) as tap:
-            where, inside = tap_source(g, row, tap)
-            with T.serial(0, g.in_channels) as c:
-                value = tirx.if_then_else(inside, self._as_float(load(self.x, *where, c)), tirx.const(0.0, "float32"))
-                T.buffer_store(staged, value, [tap * g.in_channels + c])
-        with T.serial(s.k, s.k_pad) as k_index:
-            T.buffer_store(staged, tirx.const(0.0, "float32"), [k_index])
-        with T.serial(0, s.k_pad // 32) as chunk:
-            even, odd = (load(staged, tirx.Ramp(chunk * 32 + p, 2, LANES)) for p in (0, 1))
-            self._store_planes(row, chunk, even, odd)
-
-    def _as_float(self, value):
-        """Loaded x values as float32."""
-        if self.spec.activation_dtype == "bfloat16":
-            return bf16_to_float(value)
-        return tirx.Cast(f"float32x{lanes(value)}" if lanes(value) > 1 else "float32", value)
-
-    def _store_planes(self, row, chunk, even, odd) -> None:
-        """A[plane, row, 16·chunk + i] = bf16 pair of plane `plane` of x[2i], x[2i+1]; XS sums their total (and
-        XD, weighted by the offset shortfall of their k pair)."""
-        total_even = total_odd = None
-        for plane in range(self.s.planes):
-            bits_even, bits_odd = bf16_bits(even), bf16_bits(odd)
-            word = tirx.bitwise_or(bits_even, tirx.shift_left(bits_odd, u32(16)))
-            T.buffer_store(self.a, tirx.reinterpret("int32x16", word), [plane, row, ramp(chunk * LANES)])
-            kept_even, kept_odd = bf16_value(bits_even), bf16_value(bits_odd)
-            total_even = kept_even if total_even is None else total_even + kept_even
-            total_odd = kept_odd if total_odd is None else total_odd + kept_odd
-            even, odd = even - kept_even, odd - kept_odd
-        pair_sums = total_even + total_odd
-        self._add_to_group_sums(self.xs, row, chunk, pair_sums)
-        if self.xd is not None:
-            per_lane = [self.offset_shortfall[i % self.s.rows_per_word] for i in range(LANES)]
-            weights = tirx.Shuffle([tirx.const(w, "float32") for w in per_lane], list(range(LANES)))
-            self._add_to_group_sums(self.xd, row, chunk, pair_sums * weights)
-
-    def _add_to_group_sums(self, sums, row, chunk, pair_values) -> None:
-        """sums[row, group] += Σ of a 32-k chunk's 16 pair values, per group (the group's first chunk sets it)."""
-        parts = max(1, 32 // self.s.kgroup)  # 16-k groups (nvfp4) split a 32-k chunk in two
-        for part in range(parts):
-            width = LANES // parts
-            part_sum = horizontal_sum(tirx.Shuffle([pair_values], list(range(part * width, (part + 1) * width))))
-            k_start = chunk * 32 + part * (32 // parts)
-            group = tirx.floordiv(k_start, self.s.kgroup)
-            first = tirx.floormod(k_start, self.s.kgroup) == 0
-            T.buffer_store(sums, tirx.Select(first, part_sum, load(sums, row, group) + part_sum), [row, group])
-
-    # -- main loop ---------------------------------------------------------------------------------------
-    def _main(self, rows) -> None:
-        cfg = self.cfg
-        blocks = -(-self.s.n_tiles // cfg.n_tiles)
-        chunks = 1 if cfg.small_m else tirx.floordiv(rows + (cfg.m_chunk - 1), cfg.m_chunk)
-        if cfg.chunk_prologue:  # a task per row chunk: its planes, then every column block over them
-            with T.parallel(0, chunks) as chunk:
-                row0 = chunk * cfg.m_chunk
-                with T.serial(0, tirx.min(cfg.m_chunk, rows - row0)) as r:
-                    self._prologue_row(row0 + r)
-                with T.serial(0, blocks) as block:
-                    self._task(rows, block, row0)
-            return
-        with T.parallel(0, blocks * chunks) as task:
-            if cfg.small_m:
-                self._task(rows, task, 0)
-            else:
-                self._task(rows, tirx.floordiv(task, chunks), tirx.floormod(task, chunks) * cfg.m_chunk)
-
-    def _block_tiles(self, block) -> tuple[list, list]:
-        """The column block's tile indices and whether each is its own (the last block repeats a tile)."""
-        first_tile = block * self.cfg.n_tiles
-        tiles = [tirx.min(first_tile + c, self.s.n_tiles - 1) for c in range(self.cfg.n_tiles)]
-        return tiles, [first_tile + c < self.s.n_tiles for c in range(self.cfg.n_tiles)]
-
-    def _task(self, rows, block, row0) -> None:
-        s, cfg = self.s, self.cfg
-        tiles, owned = self._block_tiles(block)
-        tile_rows = self.m if cfg.small_m else AMX_TILE_ROWS
-        block_rows = AMX_TILE_ROWS * cfg.m_tiles
-        chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
-        m_blocks = 1 if cfg.small_m else tirx.min(cfg.m_chunk // block_rows, tirx.floordiv(rows - row0, block_rows))
-        gbuf = T.alloc_buffer((2, s.stage_steps, cfg.n_tiles, self.nibbles, s.depth // 2, LANES), "int32", scope="local",
-                              align=64)
-        cbuf = T.alloc_buffer((cfg.m_tiles, cfg.n_tiles, self.nibbles, AMX_TILE_ROWS, LANES), "float32",
-                              scope="local", align=64)
-        yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        stash = None
-        if s.group_steps > s.stage_steps and not cfg.small_m:  # C tiles leave registers between stages
-            stash = T.alloc_buffer((cfg.m_chunk // block_rows, cfg.m_tiles, cfg.n_tiles, self.nibbles, AMX_TILE_ROWS,
-                                    LANES),
-                                   "float32", scope="local", align=64)
-        self._configure_tiles(tile_rows)
-        with T.serial(0, chunk_rows) as r:
-            for c in range(cfg.n_tiles):
-                T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
-        self._decode_stage(gbuf, tiles, 0, 0)
-        with T.serial(0, s.stages) as stage:
-            upcoming = (tirx.min(stage + 1, s.stages - 1), tirx.floormod(stage + 1, 2))
-            if cfg.small_m:  # one m-block: decode the next stage tile by tile between the AMX ops
-                self._stage(gbuf, cbuf, yacc, stash, tiles, stage, row0, 0, tile_rows, upcoming)
-            else:  # the decoded stage serves every m-block of the chunk
-                self._decode_stage(gbuf, tiles, *upcoming)
-                with T.serial(0, m_blocks) as mb:
-                    self._stage(gbuf, cbuf, yacc, stash, tiles, stage, row0, mb, tile_rows)
-        self._store_output(yacc, tiles, owned, row0, chunk_rows)
-        intrinsic("llvm.x86.tilerelease")
-
-    def _configure_tiles(self, tile_rows) -> None:
-        """ldtilecfg: C and A tiles of `tile_rows` rows (A 2·depth bytes wide), B tiles of depth/2 rows."""
-        config = T.alloc_buffer((64,), "uint8", scope="local", align=64)
-        for i in range(64):
-            T.buffer_store(config, tirx.const(1 if i == 0 else 0, "uint8"), [i])
-        shapes = [(t, tile_rows, 64) for row in self.c_tiles for planes in row for t in planes]
-        shapes += [(t, tile_rows, 2 * self.s.depth) for t in self.a_tiles]
-        shapes += [(t, self.s.depth // 2, 64) for t in self.b_tiles]
-        for t, rows, width in shapes:
-            T.buffer_store(config, tirx.const(width & 0xFF, "uint8"), [16 + 2 * t])
-            T.buffer_store(config, tirx.const(width >> 8, "uint8"), [17 + 2 * t])
-            T.buffer_store(config, tirx.Cast("uint8", rows), [48 + t])
-        intrinsic("llvm.x86.ldtilecfg", config.access_ptr("r", extent=64))
-
-    def _decode_stage(self, gbuf, tiles, stage, slot) -> None:
-        """Decode the codes of `stage` for the task's tiles into gbuf[slot] (bf16 B tiles)."""
-        for i in range(self.s.stage_steps):
-            for c in range(self.cfg.n_tiles):
-                self._decode_tile(gbuf, tiles, stage, slot, i, c)
-
-    def _decode_tile(self, gbuf, tiles, stage, slot, i, c) -> None:
-        """Decode step i of `stage` for tile c into gbuf[slot, i, c] (a loop over the step's words)."""
-        s = self.s
-        with T.serial(0, s.words_per_step) as w:
-            word_index = (stage * s.stage_steps + i) * s.words_per_step + w
-            for j, nibble, row in self._decoded_word(tiles[c], word_index):
-                T.buffer_store(gbuf, row, [slot, i, c, nibble, w * s.rows_per_word + j, ramp(0)])
-
-    def _decoded_word(self, tile_index, word_index) -> list:
-        """(k pair j within the word, nibble, bf16 B-tile row) for every row one weight word yields; the word
-        `prefetch` words ahead is prefetched."""
-        s, cfg = self.s, self.cfg
-        prefetch_ahead(self.qweight, tile_index, word_index, cfg.prefetch, cfg.n_tiles)
-        word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
-        if self.dec.strategy == "convert":
-            return [(j, 0, self._converted(word, j)) for j in range(s.rows_per_word)]
-        rows, shifted = [], {}
-        for j, (shift, at) in enumerate(self.dec.positions(s.rows_per_word)):
-            if shift not in shifted:
-                shifted[shift] = word if shift == 0 else tirx.shift_right(word, u32(shift))
-            rows += [(j, nibble, self._decode_word(shifted[shift], nibble, at)) for nibble in range(self.nibbles)]
-        return rows
-
-    def _decode_word(self, shifted, nibble: int = 0, at: int = 0):
-        """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word whose codes for them sit at bit `at` (of
-        8-bit codes: the low or high nibble): 2^(7-at) + u, as the code's bits fill that power of two's
-        mantissa from the bit of weight 1."""
-        dec = self.dec
-        if dec.strategy == "lut":
-            table = tirx.reinterpret("int16x32", load(self.lut, ramp(0)))
-            picked = tirx.call_llvm_pure_intrin("int16x32", "llvm.x86.avx512.permvar.hi.512", table,
-                                                tirx.reinterpret("int16x32", shifted))
-            return tirx.reinterpret("int32x16", picked)
-        mask = ((1 << min(dec.bits, 4)) - 1) << at
-        if nibble:
-            shifted = tirx.shift_right(shifted, u32(4))
-        code = tirx.bitwise_and(shifted, u32(mask | (mask << 16)))
-        if dec.xor[nibble]:
-            flip = dec.xor[nibble] << at
-            code = tirx.bitwise_xor(code, u32(flip | (flip << 16)))
-        base = _bf16_power_of_two(_MANTISSA_BITS - at)
-        return tirx.reinterpret("int32x16", tirx.bitwise_or(code, u32(base | (base << 16))))
-
-    def _converted(self, word, j: int):
-        """bf16 pairs for (k = 2j, 2j + 1) of 16 rows from a word of 8-bit codes (k = 2j in byte j, 2j + 1 in
-        byte 2 + j): each code shifted to the top byte and back (arithmetically for signed codes), converted
-        to float32, whose upper half is the code's exact bf16."""
-        lane = "int32" if self.dec.signed else "uint32"
-        word = tirx.reinterpret(f"{lane}x{LANES}", word)
-        halves = []
-        for byte in (j, 2 + j):
-            code = word if byte == 3 else tirx.shift_left(word, splat(24 - 8 * byte, lane))
-            code = tirx.shift_right(code, splat(24, lane))
-            halves.append(tirx.reinterpret("uint32x16", tirx.Cast("float32x16", code)))
-        low = tirx.shift_right(halves[0], u32(16))
-        return tirx.reinterpret("int32x16", tirx.bitwise_or(low, tirx.bitwise_and(halves[1], u32(0xFFFF0000))))
-
-    def _stage(self, gbuf, cbuf, yacc, stash, tiles, stage, row0, mb, tile_rows, upcoming=None) -> None:
-        """AMX products of one stage for one m-block, with group starts and ends and C stashing; with
-        `upcoming` (stage, slot), each B tile's products are followed by decoding that tile of `upcoming`."""
-        s, cfg = self.s, self.cfg
-        slot = tirx.floormod(stage, 2)
-        local_row = mb * AMX_TILE_ROWS * cfg.m_tiles
-        for i in range(s.stage_steps):
-            starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
-            _when(starts, self._zero_c)
-            if stash is not None and i == 0:
-                _when(tirx.Not(starts), lambda: self._move_c(stash, mb, "llvm.x86.tileloadd64"))
-            step = stage * s.stage_steps + i
-            for plane in range(s.planes):
-                for m_i, a_tile in enumerate(self.a_tiles):
-                    source = tile_pointer(self.a, (plane, row0 + local_row + m_i * AMX_TILE_ROWS, step * s.depth // 2),
-                                          AMX_TILE_ROWS, self._plane_pitch(), "r")
-                    intrinsic("llvm.x86.tileloadd64", tile(a_tile), source, stride(self._plane_pitch() * 4))
-                for c in range(cfg.n_tiles):
-                    for nibble in range(self.nibbles):
-                        b_tile = self.b_tiles[(c * self.nibbles + nibble) % len(self.b_tiles)]
-                        source = tile_pointer(gbuf, (slot, i, c, nibble, 0, 0), s.depth // 2, LANES, "r")
-                        intrinsic("llvm.x86.tileloadd64", tile(b_tile), source, stride(64))
-                        for m_i, a_tile in enumerate(self.a_tiles):
-                            intrinsic("llvm.x86.tdpbf16ps", tile(self.c_tiles[m_i][c][nibble]), tile(a_tile),
-                                      tile(b_tile))
-                    if upcoming is not None and plane == s.planes - 1:
-                        self._decode_tile(gbuf, tiles, *upcoming, i, c)
-            group = tirx.floordiv(step, s.group_steps)
-            _when(ends, lambda: self._finish_group(cbuf, yacc, tiles, group, row0, local_row, tile_rows))
-            if stash is not None and i == s.stage_steps - 1:
-                _when(tirx.Not(ends), lambda: self._move_c(stash, mb, "llvm.x86.tilestored64"))
-
-    def _group_edge(self, stage, i, start: bool):
-        """Whether step i of `stage` starts (or ends) a quantization group: a bool, or a runtime test."""
-        s = self.s
-        if s.group_steps <= s.stage_steps:  # stages hold whole groups
-            return i % s.group_steps == (0 if start else s.group_steps - 1)
-        if i != (0 if start else s.stage_steps - 1):
-            return False
-        per_group = s.group_steps // s.stage_steps
-        return tirx.floormod(stage, per_group) == (0 if start else per_group - 1)
-
-    def _all_c(self):
-        """(m tile, n tile, nibble, register) of every C tile."""
-        return [(m_i, c, p, t) for m_i, row in enumerate(self.c_tiles) for c, planes in enumerate(row)
-                for p, t in enumerate(planes)]
-
-    def _zero_c(self) -> None:
-        for _, _, _, t in self._all_c():
-            intrinsic("llvm.x86.tilezero", tile(t))
-
-    def _move_c(self, stash, mb, op: str) -> None:
-        access = "r" if op == "llvm.x86.tileloadd64" else "w"
-        for m_i, c, p, t in self._all_c():
-            intrinsic(op, tile(t), tile_pointer(stash, (mb, m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, access),
-                      stride(64))
-
-    def _finish_group(self, cbuf, yacc, tiles, group, row0, local_row, tile_rows) -> None:
-        """Store C and apply y += scale · (Σ_nibble alpha·C + beta·XS) to the block's rows."""
-        cfg = self.cfg
-        for m_i, c, p, t in self._all_c():
-            target = tile_pointer(cbuf, (m_i, c, p, 0, 0), AMX_TILE_ROWS, LANES, "w")
-            intrinsic("llvm.x86.tilestored64", tile(t), target, stride(64))
-        scale_group = self._scale_group(group)
-        for c in range(cfg.n_tiles):
-            scale, beta = self._group_factors(tiles[c], scale_group)
-            for m_i in range(cfg.m_tiles):
-                with T.serial(0, tile_rows) as r:
-                    local = local_row + m_i * AMX_TILE_ROWS + r
-                    value = self._combine([load(cbuf, m_i, c, p, r, ramp(0)) for p in range(self.nibbles)], beta,
-                                          row0 + local, group)
-                    T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
-
-    def _scale_group(self, group):
-        """The scale group of quantization group `group` (padded groups read the last: their C = XS = 0)."""
-        return 0 if self.s.per_channel else tirx.min(group, self.s.scale_groups - 1)
-
-    def _group_factors(self, tile_index, scale_group):
-        """(scale, beta) lanes of one tile and group, prefetching the scales of groups ahead; beta folds the
-        decode offset and the zero point (None when there is neither)."""
-        if not self.s.per_channel:
-            self.group_args.prefetch(tile_index, scale_group, self.cfg.n_tiles)
-        scale = self.group_args.scale(tile_index, scale_group)
-        if self.dec.offset == 0.0 and self.group_args.zeros is None:
-            return scale, None
-        beta = splat(self.dec.offset, "float32")
-        if self.group_args.zeros is not None:
-            beta = beta - self.group_args.zero(tile_index, scale_group)
-        return scale, beta
-
-    def _combine(self, nibble_sums: list, beta, row, group):
-        """Σ_nibble alpha·C (+ beta·XS[row, group]): a row's group result before scaling (C + XD[row, group]
-        where codes sit above bit 0)."""
-        value = None
-        if self.xd is not None:  # one nibble plane: C + XD is Σ x·(128 + u)
-            nibble_sums = [nibble_sums[0] + tirx.Broadcast(load(self.xd, row, group), LANES)]
-        for term, alpha in zip(nibble_sums, self.dec.alpha):
-            term = term if alpha == 1.0 else term * splat(alpha, "float32")
-            value = term if value is None else value + term
-        if beta is not None:
-            value = value + beta * tirx.Broadcast(load(self.xs, row, group), LANES)
-        return value
-
-    def _store_output(self, yacc, tiles, owned, row0, chunk_rows) -> None:
-        s = self.s
-        rows_here = self.m if self.cfg.small_m else tirx.max(tirx.min(chunk_rows, self.m - row0), 0)
-        with T.serial(0, rows_here) as r:
-            for c, tile_index in enumerate(tiles):
-                column = tile_index * LANES
-                with T.If(owned[c]):
-                    with T.Then():
-                        if s.n % LANES == 0:
-                            self._store_vector(yacc, r, c, row0, column)
-                        else:
-                            with T.If(column + LANES <= s.n):
-                                with T.Then():
-                                    self._store_vector(yacc, r, c, row0, column)
-                                with T.Else():
-                                    with T.serial(0, s.n % LANES) as lane:
-                                        value = load(yacc, r, c, lane)
-                                        if self.bias is not None:
-                                            value = value + load(self.bias, column + lane)
-                                        T.buffer_store(self.y, to_output(value, self.spec.output_dtype),
-                                                       [row0 + r, column + lane])
-
-    def _store_vector(self, yacc, r, c, row0, column) -> None:
-        value = load(yacc, r, c, ramp(0))
-        if self.bias is not None:
-            value = value + load(self.bias, ramp(column))
-        T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row0 + r, ramp(column)])
+            block = AMX_TILE_ROWS * config.m_tiles
+            rows = -(-m // block) * block
+            chunks, blocks, product = -(-rows // config.m_chunk), rows // block, "tdpbf16ps"
+        decoded = b_tiles * chunks
+        ahead = config.stage_steps * config.n_tiles
+        block_steps = b_tiles / config.n_tiles * blocks * planes
+        group = effective_group_size(spec.group_size, k)
+        group_tiles = tiles_n * (k_pad // max(group, 16))
+        stashed = 0.0
+        group_steps = max(1, min(group, k_pad) // 32)
+        if not config.small_m and group_steps > config.stage_steps:  # C tiles leave the registers between stages
+            inside = 1 - config.stage_steps / group_steps  # the share of stage ends that fall inside a group
+            stashed = tiles_n * blocks * steps / config.stage_steps * inside * config.m_tiles * \
+                nibbles(spec, config.decode) * 2
+        tasks = -(-tiles_n // config.n_tiles) * chunks
+        plane_bytes = 0.0
+        if config.chunk_prologue:  # a task per chunk; its planes stay in L2 for all its column blocks
+            tasks = chunks
+        elif not config.small_m and rows * k_pad * 2 * planes > device.l2_bytes:
+            # the planes of all rows leave the caches near the cores: written, then read once per column block
+            plane_bytes = rows * k_pad * 2 * planes * (1 + -(-tiles_n // config.n_tiles))
+        operations = {f"amx_decode_tile.{config.decode}": decoded,
+                      "amx_decode_stall": decoded * max(0, PIPELINE_TILES - ahead) / PIPELINE_TILES,
+                      "amx_tile_load": block_steps * (config.m_tiles + config.n_tiles),
+                      product: block_steps * config.m_tiles * config.n_tiles,
+                      "amx_group_tile": group_tiles, "amx_group_row": group_tiles * rows, "amx_c_tile_move": stashed}
+        return Work(tasks, operand_bytes(spec, n, k, m) + plane_bytes, operations,
+                    l1_bytes=self.resources(spec, k, config).l1_bytes, l1_budget=device.l1_bytes / 4,
+                    streams=config.n_tiles, prefetch=config.prefetch)
 
 
-def _by_parity(values: list):
-    """32 scalars of consecutive k as the (even k, odd k) float32x16 vectors the planes are built from."""
-    return tuple(tirx.Shuffle(values[parity::2], list(range(LANES))) for parity in (0, 1))
-
-
-def _when(condition, emit) -> None:
-    """Emit `emit()` if condition is True, under a runtime test if it is an expression, never if False."""
-    if condition is True:
-        emit()
-    elif condition is not False:
-        with T.If(condition):
-            with T.Then():
-                emit()
+TEMPLATE = AmxTemplate()

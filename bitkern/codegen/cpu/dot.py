@@ -1,204 +1,167 @@
-"""AVX-512 BF16 template: y = x · dequant(W)ᵀ on CPUs without AMX, with vdpbf16ps dot products.
-
-It runs the AMX template's typed expression with the AMX template's pieces (activation planes and group
-sums in the prologue, implicit-GEMM gather for convolutions, decode of 1-, 2-, 4- and 8-bit codes into
-bf16 B-tile rows, the per-group float32 epilogue).  A B-tile row — 16 weight columns, each holding the
-bf16 pair (k, k+1) — is exactly vdpbf16ps's operand, so the tile product becomes a register-blocked
-micro-kernel: per k pair, the task's `n_tiles` decoded rows are read once and multiplied with the
-broadcast activation pair of each of `rows` rows, C accumulating in registers.  A stage of decoded rows
-(in L1) serves every row block of the task's chunk, so the decode is amortized over all its rows.
-"""
+"""AVX512-BF16 template: y = x · dequant(W)ᵀ on CPUs without AMX (AMD Zen 4 and later, Cooper Lake, Sapphire
+Rapids VMs with AMX hidden), the tile products done by a register-blocked vdpbf16ps micro-kernel; its code
+comes from `emit.dot` (see there for the kernel's structure)."""
 
 from __future__ import annotations
 
-import operator
-from functools import reduce
-
-from tvm import tirx
-from tvm.script.ir_builder import tirx as T
+import itertools
+from dataclasses import dataclass
 
 from ...ops.matmul import Matmul
-from .amx import SMALL_M_ROWS, _Builder, _when
-from .configs import DotConfig
-from .tir import LANES, load, ramp, splat
+from ...ttype import effective_group_size, get
+from ..template import Work
+from .kernel import (FEW_ROWS, LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, check_prefetch, doublings,
+                     operand_bytes)
+from .layout import AMX_TILE_ROWS, padded_k
+from .matrix import PLANES, TILE_BYTES, MatrixTemplate, check_decode, decode_strategies, nibbles
 
-# vdpbf16ps through a wrapper of <16 x i32> operands: TVM legalizes bfloat16 vectors to float32 before
-# LLVM sees them, so the bf16 pairs travel as int32 lanes and are reinterpreted inside LLVM.
-_DOT = "bitkern_dpbf16"
-_DOT_IR = f"""
-declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
-define linkonce_odr <16 x float> @{_DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {{
-  %pairs_a = bitcast <16 x i32> %a to <32 x bfloat>
-  %pairs_b = bitcast <16 x i32> %b to <32 x bfloat>
-  %sum = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %pairs_a,
-                                                              <32 x bfloat> %pairs_b)
-  ret <16 x float> %sum
-}}
-"""
 CPU_FLAG = "avx512_bf16"
-# Independent vdpbf16ps accumulation chains a block keeps in flight: its latency (6 cycles on Zen 4) times
-# its issue rate (1 per cycle) rounded up; direct blocks with fewer C rows split each row's sum by k pair.
-DOT_CHAINS = 8
+# zmm registers a register block may hold (C rows and the task's decoded weight rows, of 32): measured on
+# AMD Zen 4, 3 rows x 7 tiles (28) ran at half the speed of 4 x 5 (25)
+REGISTERS = 27
+# LLVM's compile time grows steeply with the unrolled register block (measured: float32 activations, 8 rows x 2
+# tiles x 4 steps, 11 s; bfloat16, 16 rows x 1 tile x 4 steps for large M, 3.2 s):
+BROADCASTS = {True: 8, False: 4}  # rows x activation planes per block (small-M kernels, large-M kernels)
+BODY = 80  # vdpbf16ps per k pair over a stage's steps
 
 
-def device_reason(device) -> str | None:
-    """Why `device` cannot run this template, or None."""
-    return None if CPU_FLAG in device.flags else "this CPU (no AVX512-BF16)"
+@dataclass(frozen=True)
+class DotConfig:
+    """Tile configuration of the AVX512-BF16 template (chosen by the tuner).
+
+    n_tiles: 16-column weight tiles per task; rows: activation rows per register block (C rows held in
+    registers: rows x n_tiles, x2 for 8-bit codes); small_m: one chunk of all M <= 16 rows; m_chunk: rows
+    per task (large M); stage_steps, prefetch, decode, chunk_prologue: as in AmxConfig; direct (few rows):
+    decoded weight rows go from registers straight into the products of a block of up to `rows` rows, one
+    body per row count, instead of through a decoded stage in L1 that serves every row block.
+    """
+
+    n_tiles: int = 2
+    rows: int = 8
+    small_m: bool = True
+    m_chunk: int = 64
+    stage_steps: int = 2
+    prefetch: int = 16
+    decode: str = "affine"
+    chunk_prologue: bool = False
+    direct: bool = False
+
+    def __post_init__(self):
+        check_decode(self.decode)
+        check_prefetch(self.prefetch)
+        if self.direct and not self.small_m:
+            raise ValueError("direct kernels serve few rows: they need small_m")
+        if self.small_m and (self.chunk_prologue or AMX_TILE_ROWS % self.rows):
+            raise ValueError(f"small_m kernels take a divisor of {AMX_TILE_ROWS} rows per block and build their "
+                             f"planes in one pass")
+        if (self.rows + 1) * self.n_tiles > REGISTERS:
+            raise ValueError(f"rows={self.rows} x n_tiles={self.n_tiles} needs more than {REGISTERS} "
+                             f"vector registers")
+        if self.m_chunk % self.rows:
+            raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of rows={self.rows}")
 
 
-def build(spec: Matmul, n: int, k: int, config: DotConfig, name: str = "main"):
-    """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M (at
-    most 16 with small_m).  Arguments as the AMX template's (see `amx.build`)."""
-    return _DotBuilder.checked(spec, n, k, config, "AVX512-BF16").build(name)
+class DotTemplate(MatrixTemplate):
+    name = "dot"
+    title = "AVX512-BF16"
+    config_type = DotConfig
+    shape_fields = ("n_tiles", "rows", "prefetch", "decode", "chunk_prologue")
+
+    def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
+        if CPU_FLAG not in device.flags:
+            return "this CPU (no AVX512-BF16)"
+        if device.has_amx_bf16:
+            return "this CPU has AMX (the AVX512-BF16 template serves CPUs without it)"
+        return self.unsupported_spec(spec, k)
+
+    def builder(self):
+        from .emit.dot import DotBuilder
+
+        return DotBuilder
+
+    def resources(self, spec: Matmul, k: int, config: DotConfig) -> Footprint:
+        """L1: the decoded stage the micro-kernel streams (accumulator rows are touched once per group); L2: the
+        stage and the task's float32 accumulators."""
+        decoded = config.stage_steps * config.n_tiles * nibbles(spec, config.decode) * TILE_BYTES
+        return Footprint(l1_bytes=decoded, l2_bytes=decoded + config.m_chunk * config.n_tiles * 64)
+
+    def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[DotConfig]:
+        """Register blocks (rows x n_tiles C rows, plus the n_tiles weight rows) that fit the vector registers,
+        decoded stages that fit half of L1 (with the accumulators, half of L2), and bodies LLVM compiles in well
+        under a second (BROADCASTS, BODY; a direct kernel's bodies for every row count up to its rows)."""
+        planes = PLANES[spec.activation_dtype]
+        small = bucket[1] <= SMALL_M
+        broadcasts = BROADCASTS[small]
+        prologues = (False, True) if bucket[1] > LARGE_M else (False,)
+        found = []
+        all_rows = [r for r in doublings(1, SMALL_M) if r * planes <= broadcasts and (r <= bucket[1] or not small)]
+        for decode, rows in itertools.product(decode_strategies(spec), all_rows):
+            nib = nibbles(spec, decode)
+            for n_tiles in range(1, REGISTERS):
+                if (rows + 1) * n_tiles * nib > REGISTERS:
+                    break
+                for stage in doublings(1, 8):
+                    if stage * rows * planes * n_tiles * nib > BODY:
+                        break
+                    for chunk in [SMALL_M] if small else [c for c in doublings(32, 256) if c % rows == 0]:
+                        used = self.resources(spec, k, DotConfig(n_tiles, rows, small, chunk, stage, 0, decode))
+                        if used.l1_bytes > device.l1_bytes // 2 or used.l2_bytes > device.l2_bytes // 2:
+                            continue
+                        for prefetch in PREFETCH_WORDS:
+                            found += [DotConfig(n_tiles, rows, small, max(chunk, rows), stage, prefetch, decode,
+                                                chunk_prologue) for chunk_prologue in prologues]
+                            # a direct kernel has a body for each row count up to `rows`
+                            direct_body = stage * rows * (rows + 1) // 2 * planes * n_tiles * nib
+                            if bucket[1] <= FEW_ROWS and direct_body <= BODY:
+                                found.append(DotConfig(n_tiles, rows, True, SMALL_M, stage, prefetch, decode,
+                                                       direct=True))
+        return found
+
+    def work(self, spec: Matmul, n: int, k: int, m: int, config: DotConfig, device) -> Work:
+        """Per call: the micro-kernel's vdpbf16ps and activation broadcasts per k pair (a block issues its
+        products and broadcasts side by side), its loop steps, the decoded B rows (stored to L1 once per row
+        chunk, or fed from registers to each row block for direct kernels), the per-group epilogue of each C
+        row, C rows stashed where a stage ends inside a group, and planes that outgrow L2."""
+        k_pad = padded_k(k, get(spec.weight_dtype).bits)
+        tiles_n = -(-n // AMX_TILE_ROWS)
+        pairs = k_pad // 2
+        planes, nib = PLANES[spec.activation_dtype], nibbles(spec, config.decode)
+        rows = -(-m // config.rows) * config.rows
+        chunks = 1 if config.small_m else -(-rows // config.m_chunk)
+        blocks = -(-tiles_n // config.n_tiles)
+        row_blocks = rows // config.rows
+        group = effective_group_size(spec.group_size, k)
+        groups = k_pad // min(group, k_pad)
+        if config.direct:  # each row block decodes all of K and multiplies only its real rows
+            b_rows = tiles_n * pairs * nib * row_blocks
+            products = planes * min(m, config.rows)  # per B row; the broadcasts serve the block's tiles
+            group_rows = blocks * groups * m * config.n_tiles
+            operations = {f"dot_decode_direct.{config.decode}": b_rows, "vdpbf16ps": b_rows * products,
+                          "dot_broadcast": blocks * row_blocks * pairs * products,
+                          "dot_group_row": group_rows, "dot_group_row_plane": group_rows * nib}
+            return Work(blocks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles,
+                        prefetch=config.prefetch)
+        block_pairs = blocks * row_blocks * pairs
+        broadcasts = config.rows * planes
+        group_rows = blocks * row_blocks * groups * config.rows * config.n_tiles
+        group_steps = max(1, min(group, k_pad) // 32)
+        stashed = 0.0
+        if group_steps > config.stage_steps:  # C rows are stored and reloaded at stage ends inside a group
+            stashed = blocks * row_blocks * k_pad // 32 / config.stage_steps * config.rows * config.n_tiles * nib * 2
+        tasks = chunks if config.chunk_prologue else blocks * chunks
+        plane_bytes = 0.0
+        if not config.chunk_prologue and not config.small_m and rows * k_pad * 2 * planes > device.l2_bytes:
+            plane_bytes = rows * k_pad * 2 * planes * (1 + blocks)
+        operations = {"dot_broadcast": block_pairs * broadcasts, "dot_block_step": blocks * row_blocks * (k_pad // 32),
+                      f"dot_decode_stage.{config.decode}": tiles_n * k_pad // 32 * nib * chunks,
+                      "dot_group_row": group_rows, "dot_group_row_plane": group_rows * nib, "dot_c_row_move": stashed}
+        bound = {"vdpbf16ps": block_pairs * config.rows * config.n_tiles * nib * planes,
+                 "dot_broadcast_issue": block_pairs * broadcasts}
+        # The micro-kernel streams the decoded stage from L1: measured on Zen 4, 4 steps x 5 tiles (20 KiB) ran
+        # fastest; 8 x 5 (40 KiB, past L1) 7% slower.
+        return Work(tasks, operand_bytes(spec, n, k, m) + plane_bytes, operations, (bound,),
+                    l1_bytes=self.resources(spec, k, config).l1_bytes, l1_budget=device.l1_bytes / 2,
+                    streams=config.n_tiles, prefetch=config.prefetch)
 
 
-class _DotBuilder(_Builder):
-    """The AMX builder with its tile products replaced by vdpbf16ps on register-held C rows."""
-
-    def _assign_tile_registers(self) -> None:
-        """None to assign: C rows live in zmm registers, which LLVM allocates."""
-
-    def _body_scope(self):
-        return T.attr(_DOT, "pragma_import_llvm", _DOT_IR)
-
-    def _plane_pitch(self) -> int:
-        """One cache line more than a row's pairs: the micro-kernel reads `rows` rows at once, and rows a
-        multiple of 4 KiB apart (K = 2048, 4096, ...) would all fall into one L1 set."""
-        return self.s.pairs + LANES
-
-    def _padded_rows(self):
-        """Rows of the activation planes: M rounded up to whole register blocks."""
-        return tirx.floordiv(self.m + (self.cfg.rows - 1), self.cfg.rows) * self.cfg.rows
-
-    def _task(self, rows, block, row0) -> None:
-        if self.cfg.direct:
-            self._direct_task(block)
-            return
-        s, cfg = self.s, self.cfg
-        tiles, owned = self._block_tiles(block)
-        chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
-        row_blocks = tirx.floordiv(tirx.min(chunk_rows, rows - row0), cfg.rows)
-        gbuf = T.alloc_buffer((1, s.stage_steps, cfg.n_tiles, self.nibbles, s.depth // 2, LANES), "int32",
-                              scope="local", align=64)
-        yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        acc = T.alloc_buffer((1, cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local", align=64)
-        stash = None
-        if s.group_steps > s.stage_steps:  # a group spans stages: C leaves registers between them
-            stash = T.alloc_buffer((chunk_rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local",
-                                   align=64)
-        with T.serial(0, chunk_rows) as r:
-            for c in range(cfg.n_tiles):
-                T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
-        with T.serial(0, s.stages) as stage:
-            self._decode_stage(gbuf, tiles, stage, 0)
-            with T.serial(0, row_blocks) as rb:
-                self._stage_rows(gbuf, acc, yacc, stash, tiles, stage, row0, rb * cfg.rows)
-        self._store_output(yacc, tiles, owned, row0, chunk_rows)
-
-    def _stage_rows(self, gbuf, acc, yacc, stash, tiles, stage, row0, local_row) -> None:
-        """One stage's products for the `rows` rows from local_row, C held in `acc` (registers)."""
-        s, cfg = self.s, self.cfg
-        cells = self._cells(cfg.rows, 1)
-
-        def reload_c():
-            for _, r, c, p in cells:
-                T.buffer_store(acc, load(stash, local_row + r, c, p, ramp(0)), [0, r, c, p, ramp(0)])
-
-        def stash_c():
-            for _, r, c, p in cells:
-                T.buffer_store(stash, load(acc, 0, r, c, p, ramp(0)), [local_row + r, c, p, ramp(0)])
-
-        for i in range(s.stage_steps):
-            starts, ends = self._group_edge(stage, i, start=True), self._group_edge(stage, i, start=False)
-            _when(starts, lambda: self._zero(acc, cells))
-            if stash is not None and i == 0:
-                _when(tirx.Not(starts), reload_c)
-            step = stage * s.stage_steps + i
-            with T.serial(0, s.depth // 2) as pair:
-                weights = [(c, p, load(gbuf, 0, i, c, p, pair, ramp(0)))
-                           for c in range(cfg.n_tiles) for p in range(self.nibbles)]
-                self._products(acc, weights, row0 + local_row, cfg.rows, step * s.depth // 2 + pair, 0)
-            group = tirx.floordiv(step, s.group_steps)
-            _when(ends, lambda: self._finish_rows(acc, yacc, tiles, group, row0, local_row, cfg.rows, 1))
-            if stash is not None and i == s.stage_steps - 1:
-                _when(tirx.Not(ends), stash_c)
-
-    def _direct_task(self, block) -> None:
-        """Few rows (direct): each decoded weight row goes from registers to the products of every row of a
-        block, one body per row count (no padded row is computed); blocks of `rows` rows re-decode."""
-        cfg = self.cfg
-        tiles, owned = self._block_tiles(block)
-        yacc = T.alloc_buffer((SMALL_M_ROWS, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        acc = T.alloc_buffer((self._splits(1), cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32",
-                             scope="local", align=64)
-        with T.serial(0, SMALL_M_ROWS) as r:
-            for c in range(cfg.n_tiles):
-                T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
-        with T.serial(0, tirx.floordiv(self.m + (cfg.rows - 1), cfg.rows)) as rb:
-            left = self.m - rb * cfg.rows
-            for count in range(1, cfg.rows + 1):
-                with T.If(left == count if count < cfg.rows else left >= count):
-                    with T.Then():
-                        self._direct_rows(acc, yacc, tiles, rb * cfg.rows, count)
-        self._store_output(yacc, tiles, owned, 0, SMALL_M_ROWS)
-
-    def _direct_rows(self, acc, yacc, tiles, local_row, count: int) -> None:
-        """All of K for `count` rows from local_row, decoding word by word into the products (the word's k
-        pair j accumulating into split j mod splits)."""
-        s, cfg = self.s, self.cfg
-        splits = self._splits(count)
-        cells = self._cells(count, splits)
-        with T.serial(0, s.stages) as stage:
-            for i in range(s.stage_steps):
-                _when(self._group_edge(stage, i, start=True), lambda: self._zero(acc, cells))
-                step = stage * s.stage_steps + i
-                with T.serial(0, s.words_per_step) as w:
-                    for c in range(cfg.n_tiles):
-                        for j, p, weights in self._decoded_word(tiles[c], step * s.words_per_step + w):
-                            pair = step * s.depth // 2 + w * s.rows_per_word + j
-                            self._products(acc, [(c, p, weights)], local_row, count, pair, j % splits)
-                group = tirx.floordiv(step, s.group_steps)
-                _when(self._group_edge(stage, i, start=False),
-                      lambda: self._finish_rows(acc, yacc, tiles, group, 0, local_row, count, splits))
-
-    def _splits(self, count: int) -> int:
-        """Accumulators per C row of a direct block of `count` rows: enough for DOT_CHAINS chains, at most the
-        k pairs one word yields."""
-        chains = count * self.cfg.n_tiles * self.nibbles
-        splits = 1
-        while chains * splits < DOT_CHAINS and splits * 2 <= self.s.rows_per_word:
-            splits *= 2
-        return splits
-
-    def _cells(self, count: int, splits: int) -> list:
-        """(split, row, tile, nibble) of every C accumulator of a block of `count` rows."""
-        return [(q, r, c, p) for q in range(splits) for r in range(count) for c in range(self.cfg.n_tiles)
-                for p in range(self.nibbles)]
-
-    @staticmethod
-    def _zero(acc, cells) -> None:
-        for cell in cells:
-            T.buffer_store(acc, splat(0.0, "float32"), [*cell, ramp(0)])
-
-    def _products(self, acc, weight_rows: list, local_row, count: int, pair, split: int) -> None:
-        """acc[split, r, c, p] += weights · x-pair of row r, for each (c, p, weights) and the `count` rows."""
-        for plane in range(self.s.planes):
-            for r in range(count):
-                x_pair = tirx.Broadcast(load(self.a, plane, local_row + r, pair), LANES)
-                for c, p, weights in weight_rows:
-                    cell = [split, r, c, p, ramp(0)]
-                    T.buffer_store(acc, tirx.call_extern("float32x16", _DOT, load(acc, *cell), weights, x_pair), cell)
-
-    def _finish_rows(self, acc, yacc, tiles, group, row0, local_row, count: int, splits: int) -> None:
-        """y += scale · (Σ_nibble alpha·C + beta·XS) for the block's `count` rows, C (the sum of its splits)
-        read from registers."""
-        scale_group = self._scale_group(group)
-        for c in range(self.cfg.n_tiles):
-            scale, beta = self._group_factors(tiles[c], scale_group)
-            for r in range(count):
-                local = local_row + r
-                sums = [reduce(operator.add, (load(acc, q, r, c, p, ramp(0)) for q in range(splits)))
-                        for p in range(self.nibbles)]
-                value = self._combine(sums, beta, row0 + local, group)
-                T.buffer_store(yacc, load(yacc, local, c, ramp(0)) + value * scale, [local, c, ramp(0)])
-
+TEMPLATE = DotTemplate()

@@ -8,35 +8,70 @@ accumulation is vectorized over N.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ...ops.expr import matmul_expr
 from ...ops.matmul import Matmul
-from .configs import GenericConfig
+from ...ttype import Layout
+from ..sched import vector_lanes
+from ..template import Work
+from .kernel import CpuTemplate, Footprint, doublings, operand_bytes
 from .layout import Tile16Storage
 
-
-def vector_lanes(n: int, wanted: int = 16) -> int:
-    """The widest vector width up to `wanted` that divides N (1: no vectorization)."""
-    lanes = wanted
-    while lanes > 1 and n % lanes:
-        lanes //= 2
-    return lanes
+VECTOR_LANES = 16  # float32 lanes of a 512-bit vector: the widest the schedule asks for
 
 
-def build(spec: Matmul, n: int, k: int, config: GenericConfig, layout: str = "rowmajor", name: str = "main"):
-    """The scheduled PrimFunc for weights in `layout`; arguments: x, qweight, scales, [zeros],
-    [tensor_scale], [bias], y."""
-    from tvm import s_tir, te
+@dataclass(frozen=True)
+class GenericConfig:
+    """Tile configuration of the generic template: `k_block` k's decoded per tile (a divisor of K)."""
 
-    storage = Tile16Storage(spec, n, k) if layout == "tile16" else None
-    expr = matmul_expr(spec, n, k, storage)
-    func = te.create_prim_func([*expr.inputs, expr.output]).with_attr("global_symbol", name)
-    sch = s_tir.Schedule(func)
-    lanes = vector_lanes(n)
-    if spec.activation_dtype == "int8":
-        _schedule_int8(sch, lanes)
-    else:
-        _schedule_float(sch, lanes, _divisor_at_most(k, config.k_block))
-    return sch.mod["main"].with_attr("global_symbol", name)
+    k_block: int = 128
+
+
+class GenericTemplate(CpuTemplate):
+    name = "generic"
+    title = "generic"
+    config_type = GenericConfig
+    layouts = (Layout.TILE16, Layout.ROWMAJOR)
+    exact_buffers = False  # TVM's buffer compaction shrinks the tensor expression's buffers
+
+    def unsupported(self, spec: Matmul, n: int, k: int, device) -> None:
+        return None
+
+    def resources(self, spec: Matmul, k: int, config: GenericConfig) -> Footprint:
+        """Nothing the configuration space bounds (the decoded tile is [lanes x k_block])."""
+        return Footprint()
+
+    def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[GenericConfig]:
+        """k blocks from the hint's k up to 256 that divide K, else all of K."""
+        return [GenericConfig(block) for block in doublings(hint.k, 256) if k % block == 0] or [GenericConfig(k)]
+
+    def work(self, spec: Matmul, n: int, k: int, m: int, config: GenericConfig, device) -> Work:
+        """Per call: every weight decoded once (in vectors of the device's lanes) and M rows of multiply-adds; a
+        task per vector of columns."""
+        lanes = device.vector_bytes // 4
+        operations = {"generic_decode_vector": n * k / lanes, "generic_fma_vector": n * k * m / lanes}
+        return Work(max(1, n // lanes), operand_bytes(spec, n, k, m), operations)
+
+    def program(self, spec: Matmul, n: int, k: int, config: GenericConfig, layout, bucket, device):
+        """The scheduled PrimFunc for weights in `layout`; arguments: x, qweight, scales, [zeros], [tensor_scale],
+        [bias], y (no constants)."""
+        from tvm import s_tir, te
+
+        self.check_config(config)
+        storage = Tile16Storage(spec, n, k) if layout == Layout.TILE16 else None
+        expr = matmul_expr(spec, n, k, storage)
+        func = te.create_prim_func([*expr.inputs, expr.output]).with_attr("global_symbol", "main")
+        sch = s_tir.Schedule(func)
+        lanes = vector_lanes(VECTOR_LANES, n)
+        if spec.activation_dtype == "int8":
+            _schedule_int8(sch, lanes)
+        else:
+            _schedule_float(sch, lanes, _divisor_at_most(k, config.k_block))
+        return sch.mod["main"].with_attr("global_symbol", "main"), []
+
+
+TEMPLATE = GenericTemplate()
 
 
 def _divisor_at_most(k: int, wanted: int) -> int:
@@ -49,13 +84,17 @@ def _schedule_float(sch, lanes: int, k_block: int) -> None:
     col_outer, col_inner = sch.split(cols, [None, lanes])
     red_outer, red_inner = sch.split(red, [None, k_block])
     sch.reorder(col_outer, red_outer, rows, red_inner, col_inner)
-    weight = sch.get_sblock("weight")
-    sch.transform_layout(weight, ("write", 0), lambda i, j: (j, i))  # the tile k-major: vectors over N
-    sch.compute_at(weight, red_outer, preserve_unit_loops=True)
-    if lanes > 1:  # decode the tile k-major so it vectorizes over the tile's columns
-        w_cols, w_red = sch.get_loops(weight)[-2:]
-        sch.reorder(w_red, w_cols)
-        sch.vectorize(w_cols)
+    # No weight to decode where x is zero for every k (a convolution whose every tap reads the padding: the
+    # expression's sums simplify to zero and drop it).
+    if any(sch.get(block).name_hint == "weight" for block in sch.get_producers(acc)):
+        weight = sch.get_sblock("weight")
+        sch.transform_layout(weight, ("write", 0), lambda i, j: (j, i))  # the tile k-major: vectors over N
+        sch.compute_at(weight, red_outer, preserve_unit_loops=True)
+        if lanes > 1:  # decode the tile k-major so it vectorizes over the tile's columns
+            w_cols, w_red = sch.get_loops(weight)[-2:]
+            sch.reorder(w_red, w_cols)
+            sch.vectorize(w_cols)
+    if lanes > 1:
         sch.vectorize(col_inner)
     sch.parallel(col_outer)
     sch.decompose_reduction(acc, red_outer)

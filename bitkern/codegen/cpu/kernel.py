@@ -1,24 +1,33 @@
-"""A compiled CPU kernel called on torch tensors (zero-copy through DLPack); needs no TVM compiler."""
+"""A compiled CPU kernel called on torch tensors (zero-copy through DLPack; the call needs no TVM compiler), and
+what the CPU templates share: their base class, whose `build` compiles a template's TIR with LLVM in one
+place, and the pieces of their configuration spaces and cost counts that are the same for all of them."""
 
 from __future__ import annotations
 
+import abc
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ...ops.matmul import Matmul
+from ...ttype import Layout, effective_group_size, get, itemsize, torch_dtype
+from ..template import Template
 from .layout import PackedWeight, aligned
-from .runtime import enable_amx
+from .runtime import enable_amx, load_runtime
 
-TEMPLATES = ("amx", "dot", "lut", "generic")
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PREFETCH_WORDS = (0, 16, 32, 64, 128)  # software prefetch depths the tuner may pick; 0: the hardware prefetchers
+FEW_ROWS = 4  # rows up to which the few-row kernels compete (the lookup template, direct AVX512-BF16 blocks)
+SMALL_M = 16  # rows up to which a kernel computes all of M in one block (one AMX tile of rows)
+LARGE_M = 128  # rows beyond which row chunks may build their own activation planes (chunk_prologue)
 
 
 @dataclass
 class CpuKernel:
     """A compiled kernel for weights of one spec and shape, serving rows M in `m_range` (inclusive).
 
-    constants: tensors the template takes after the weight's (decode tables), made when it was built.
+    constants: tensors the template takes after the weight's (decode tables), made when it was built;
+    amx_tiles: the kernel uses AMX tile registers, which Linux grants a process on request.
     """
 
     spec: Matmul
@@ -33,15 +42,94 @@ class CpuKernel:
     record: object = None
     module: object = None  # the TVM module, while it lives in the process that compiled it (for export)
     build_seconds: float | None = None  # code generation and compilation, where this process compiled it
+    amx_tiles: bool = False
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y[M, N] for a contiguous x (x[M, K], or a convolution's NHWC image: M = its output pixels) with M
         in m_range (inputs already validated by the caller).  AMX kernels ask for the tile permission here, on
         their first call, so that they can be built for a CPU that is not this one."""
-        if self.template == "amx":
+        if self.amx_tiles:
             enable_amx()
-        y = torch.empty(self.spec.rows(x), self.n, dtype=_TORCH[self.spec.output_dtype], device=x.device)
+        y = torch.empty(self.spec.rows(x), self.n, dtype=torch_dtype(self.spec.output_dtype), device=x.device)
         bias_argument = () if bias is None else \
             (aligned(bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()),)
         self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *bias_argument, y)
         return y
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes one task of a CPU kernel keeps in L1 and in L2 (its decoded stages, tables, accumulators)."""
+
+    l1_bytes: int = 0
+    l2_bytes: int = 0
+
+
+class CpuTemplate(Template):
+    """A CPU template: emits a TIR function (and the constant tensors it takes after the weight's) that LLVM
+    compiles for the device.  amx_tiles: its kernels use AMX tile registers; exact_buffers: it allocates its
+    buffers at their exact sizes (written with TVM's IR builder), so TVM's buffer compaction is skipped."""
+
+    target = "cpu"
+    layouts = (Layout.TILE16,)
+    amx_tiles = False
+    exact_buffers = True
+
+    @abc.abstractmethod
+    def program(self, spec: Matmul, n: int, k: int, config, layout: Layout, bucket: tuple[int, int], device):
+        """(the TIR PrimFunc of the kernel, the constant tensors it takes after the weight's)."""
+
+    def build(self, spec: Matmul, n: int, k: int, config, layout: Layout, bucket: tuple[int, int],
+              device) -> CpuKernel:
+        """Generate the template's code for `config` and compile it for `device` (a tuner CpuDevice)."""
+        start = time.perf_counter()
+        spec.check_shape(n, k)
+        if layout not in self.layouts:
+            raise ValueError(f"the {self.name} template reads the {' or '.join(self.layouts)} layout, not {layout!r}")
+        func, constants = self.program(spec, n, k, config, layout, bucket, device)
+        module = compile_function(func, device, self.exact_buffers)
+        return CpuKernel(spec, n, k, self.name, config, layout, bucket, module["main"], constants, module=module,
+                         build_seconds=time.perf_counter() - start, amx_tiles=self.amx_tiles)
+
+    def restore(self, spec: Matmul, n: int, k: int, fields: dict, layout: str, m_range: tuple[int, int], function,
+                constants: list) -> CpuKernel:
+        """The kernel of a library compiled earlier (by `build`, in this or another process) and loaded since."""
+        return CpuKernel(spec, n, k, self.name, self.config_from_dict(fields), layout, m_range, function, constants,
+                         amx_tiles=self.amx_tiles)
+
+
+def compile_function(func, device, exact_buffers: bool):
+    """The TVM module LLVM makes of a kernel's PrimFunc for `device`.  LLVM eliminates common subexpressions
+    itself; TVM's pass is slow on the unrolled templates.  Compacting the IR-builder templates' exact buffers is a
+    no-op that took ~40% of a large-M AVX512-BF16 kernel's compile (measured: 0.74 -> 0.50 s, the same results
+    bitwise)."""
+    load_runtime()  # before TVM's compiler loads: the compiled module's parallel loops then run on torch's threads
+    import tvm
+
+    skipped = ["s_tir.CompactBufferAllocation"] if exact_buffers else []
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}, disabled_pass=skipped):
+        return tvm.compile(tvm.IRModule({"main": func}), target=device.tvm_target())
+
+
+def doublings(start: int, limit: int) -> list[int]:
+    """start, 2·start, 4·start, ... up to limit (start at least 1)."""
+    values, value = [], max(1, start)
+    while value <= limit:
+        values.append(value)
+        value *= 2
+    return values
+
+
+def operand_bytes(spec: Matmul, n: int, k: int, m: int) -> float:
+    """DRAM bytes of reading the weight (codes and scales) and x once and writing y (float32)."""
+    ttype = get(spec.weight_dtype)
+    groups = k // effective_group_size(spec.group_size, k)
+    scale_bytes = 1 if ttype.block_size > 1 else itemsize(spec.scale_dtype)
+    return n * k * ttype.bits / 8 + n * groups * scale_bytes + m * k * itemsize(spec.activation_dtype) + m * n * 4
+
+
+def check_prefetch(prefetch: int) -> None:
+    """Raise unless `prefetch` is a prefetch depth (weight words ahead)."""
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r} is not accepted: weight words ahead, an int >= 0 (0: no software "
+                         f"prefetch, the hardware prefetchers alone)")

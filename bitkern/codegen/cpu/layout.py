@@ -14,47 +14,33 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ...ttype import QuantizedWeight, codes_per_word, pack, packed_length, unpack
+from ...ttype import (Layout, QuantizedWeight, StoredWeight, codes_per_word, effective_group_size, pack,
+                      packed_length, unpack)
+from ...ttype.weight import weight_format
+from ..words import WORD_MAPPED_BITS, map_codes, map_words, trim_words, unmap_codes, unmap_words
 
 AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
 TILE16_BITS = (1, 2, 4)  # widths whose words split into 16-bit halves of whole codes (AMX, lookup tables)
-LAYOUTS = ("tile16", "rowmajor")
 ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned vector loads
 _CHUNK_WORDS = 1 << 18  # words mapped at a time when laying out (the temporaries stay in cache)
 log = logging.getLogger("bitkern")
 
 
-@dataclass(eq=False)
-class PackedWeight:
+class PackedWeight(StoredWeight):
     """A QuantizedWeight in a kernel layout; `to_portable()` gives back the portable QuantizedWeight."""
 
-    layout: str
-    ttype: object
-    shape: tuple[int, int]
-    group_size: int
-    zero_mode: str
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None = None
-    tensor_scale: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.qweight.device
-
-    @property
-    def nbytes(self) -> int:
-        parts = (self.qweight, self.scales, self.zeros, self.tensor_scale)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def __init__(self, layout, ttype, shape, group_size: int, zero_mode: str, qweight: torch.Tensor,
+                 scales: torch.Tensor, zeros: torch.Tensor | None = None, tensor_scale: torch.Tensor | None = None):
+        super().__init__(weight_format(ttype, shape, group_size, zero_mode, scales, layout), qweight, scales, zeros,
+                         tensor_scale)
 
     @property
     def padded_k(self) -> int:
-        return padded_k(self.shape[1], self.ttype.bits) if self.layout == "tile16" else self.shape[1]
+        return padded_k(self.shape[1], self.ttype.bits) if self.layout == Layout.TILE16 else self.shape[1]
 
     def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
         """qweight, scales, zeros and tensor_scale (as [1]) as the CPU kernels take them, 64-byte aligned;
@@ -69,7 +55,7 @@ class PackedWeight:
 
     def to_portable(self) -> QuantizedWeight:
         """The same weight in the portable layout (for checkpoints)."""
-        if self.layout == "rowmajor":
+        if self.layout == Layout.ROWMAJOR:
             return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, self.qweight,
                                    self.scales, self.zeros, self.tensor_scale)
         n, k = self.shape
@@ -79,15 +65,10 @@ class PackedWeight:
         if bits in WORD_MAPPED_BITS:
             qweight = trim_words(unmap_words(words, bits)[:, :packed_length(k, bits)].contiguous(), k, bits)
         else:
-            codes = _unmap_codes(unpack(words, bits, (n, words.shape[1] * codes_per_word(bits))), bits)[:, :k]
+            codes = unmap_codes(unpack(words, bits, (n, words.shape[1] * codes_per_word(bits))), bits)[:, :k]
             qweight = pack(codes, bits)
         return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, qweight,
                                untile(self.scales), untile(self.zeros), self.tensor_scale)
-
-
-def layout_for(ttype) -> str:
-    """The CPU layout a weight type is packed in (every template reads tile16)."""
-    return "tile16"
 
 
 def padded_k(k: int, bits: int) -> int:
@@ -98,11 +79,11 @@ def padded_k(k: int, bits: int) -> int:
 
 def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
     """Transform a portable QuantizedWeight into `layout` (see the module docstring)."""
-    if layout == "rowmajor":
-        return PackedWeight("rowmajor", weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
+    if layout == Layout.ROWMAJOR:
+        return PackedWeight(Layout.ROWMAJOR, weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
                             weight.qweight, weight.scales, weight.zeros, weight.tensor_scale)
-    if layout != "tile16":
-        raise ValueError(f"layout={layout!r} is not known; accepted: {list(LAYOUTS)}")
+    if layout != Layout.TILE16:
+        raise ValueError(f"layout={layout!r} is not a CPU layout; accepted: ['tile16', 'rowmajor']")
     bits = weight.ttype.bits
     n, k = weight.shape
     rows = math.ceil(n / AMX_TILE_ROWS) * AMX_TILE_ROWS
@@ -111,8 +92,8 @@ def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
         words = _mapped_tiles(weight.qweight, k, bits, rows)
     else:
         codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
-        words = tile(pack(_map_codes(codes, bits), bits))
-    return PackedWeight("tile16", weight.ttype, weight.shape, weight.group_size, weight.zero_mode, words,
+        words = tile(pack(map_codes(codes, bits), bits))
+    return PackedWeight(Layout.TILE16, weight.ttype, weight.shape, weight.group_size, weight.zero_mode, words,
                         tile(weight.scales), tile(weight.zeros), weight.tensor_scale)
 
 
@@ -138,60 +119,6 @@ def _tile_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return padded.reshape(rows // AMX_TILE_ROWS, AMX_TILE_ROWS, -1).permute(0, 2, 1).contiguous()
 
 
-def _word_order(bits: int) -> torch.Tensor:
-    """Position i of a mapped word holds code order[i] of its k's: even k's first, then odd k's."""
-    per_word = codes_per_word(bits)
-    return torch.cat([torch.arange(0, per_word, 2), torch.arange(1, per_word, 2)])
-
-
-def _map_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    per_word = codes_per_word(bits)
-    grouped = codes.reshape(codes.shape[0], -1, per_word)
-    return grouped[..., _word_order(bits)].reshape(codes.shape)
-
-
-def _unmap_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    per_word = codes_per_word(bits)
-    grouped = codes.reshape(codes.shape[0], -1, per_word)
-    return grouped[..., torch.argsort(_word_order(bits))].reshape(codes.shape)
-
-
-# Widths whose word map is a perfect unshuffle of the word's bit fields, done with delta swaps on whole words
-# (Hacker's Delight 7-2): the swap at shift s exchanges the fields under `mask` with those s bits above them.
-WORD_MAPPED_BITS = (1, 2, 4, 8)
-_UNSHUFFLE = ((1, 0x22222222), (2, 0x0C0C0C0C), (4, 0x00F000F0), (8, 0x0000FF00))
-
-
-def map_words(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Portable int32 words -> the same words with each word's even k's in its low half and odd k's in its
-    high half (the tile16 and lop3 map), for widths in WORD_MAPPED_BITS."""
-    return _delta_swaps(words, [(s, m) for s, m in _UNSHUFFLE if s >= bits])
-
-
-def unmap_words(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `map_words`."""
-    return _delta_swaps(words, [(s, m) for s, m in reversed(_UNSHUFFLE) if s >= bits])
-
-
-def _delta_swaps(words: torch.Tensor, swaps) -> torch.Tensor:
-    words = words.clone()
-    for shift, mask in swaps:  # the masks leave bit 31 alone, so int32's arithmetic shift is exact under them
-        moved = (words ^ (words >> shift)) & mask
-        words ^= moved ^ (moved << shift)
-    return words
-
-
-def trim_words(words: torch.Tensor, k: int, bits: int) -> torch.Tensor:
-    """Portable words of rows of `k` codes with the unused positions of each row's last word zeroed (as `pack`
-    leaves them, whatever a checkpoint put there)."""
-    used = (k % codes_per_word(bits)) * bits
-    if used == 0:
-        return words
-    words = words.clone()
-    words[:, -1] &= (1 << used) - 1
-    return words
-
-
 class Tile16Storage:
     """The tile16 layout as a weight storage of the Matmul tensor expression (see `bitkern.ops.expr`)."""
 
@@ -203,7 +130,7 @@ class Tile16Storage:
 
         self.bits = get(spec.weight_dtype).bits
         self.per_word = codes_per_word(self.bits)
-        group = k if spec.group_size == -1 else spec.group_size
+        group = effective_group_size(spec.group_size, k)
         tiles, groups = math.ceil(n / AMX_TILE_ROWS), k // group
         self.qweight = te.placeholder((tiles, padded_k(k, self.bits) // self.per_word, AMX_TILE_ROWS), "int32",
                                       name="qweight")

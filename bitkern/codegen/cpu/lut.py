@@ -1,44 +1,37 @@
-"""Table-lookup template for few rows (T-MAC style): y = x · dequant(W)ᵀ without decoding the weights.
-
-Each 4-bit nibble of a tile16 word holds 4/bits codes of one row.  For every nibble position p and every
-row of x, the prologue tabulates all 16 partial sums T[m, p, c] = Σ_i x[m, k_i] · v(code_i(c)) over the
-k's the nibble covers.  The main loop then needs, per nibble of 16 weight rows, one vpermps (a 16-entry
-float32 table lookup in a register, indexed by the low 4 bits of each lane: the word shifted by 4·j) and
-one add: 64 weights per lookup for 1-bit codes, 32 for 2-bit, 16 for 4-bit, all in exact float32 sums.
-Per group, y += scale · (Σ + beta·XS) folds the zero point (codes tabulate as raw integers then).
-Cost grows with the number of rows, so the tuner uses it for M <= 4.
-"""
+"""Table-lookup template for few rows (T-MAC style): y = x · dequant(W)ᵀ without decoding the weights: per nibble
+of 16 weight rows, one vpermps looks the partial sums of x up in a 16-entry table; its code comes from
+`emit.lut` (see there for the kernel's structure).  Cost grows with the number of rows: it serves M <= 4."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from tvm import tirx
-from tvm.script.ir_builder import IRBuilder
-from tvm.script.ir_builder import tirx as T
 
 from ...ops.matmul import Matmul
-from ...ttype import codes_per_word, get
-from .amx import PLANES
-from .configs import LutConfig
-from .groups import GroupArguments, to_output
+from ...ttype import codes_per_word, effective_group_size, get
+from ..template import Work
+from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuTemplate, Footprint, check_prefetch, doublings, operand_bytes
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
-from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch, prefetch_ahead, ramp, splat, u32
+from .matrix import PLANES
 
-MAX_ROWS = 4
+MAX_ROWS = FEW_ROWS
 NIBBLES_PER_WORD = 8
+# The body is unrolled per row count and tile (measured on Zen 4, int1 4096x4096: rows 1..4 x 4 tiles (40)
+# compiled in 0.93 s, x 8 tiles in 2.2 s; one row x 8 tiles in 0.23 s):
+BODY = 36  # tiles x the bucket's row counts summed
 
 
-def unsupported_reason(spec: Matmul, k: int) -> str | None:
-    """Why the lookup template cannot run `spec` with reduction length k, or None if it can."""
-    ttype = get(spec.weight_dtype)
-    group = k if spec.group_size == -1 else spec.group_size
-    if ttype.bits not in TILE16_BITS:
-        return f"{ttype.bits}-bit codes (it reads {TILE16_BITS}-bit codes)"
-    if spec.activation_dtype not in PLANES:
-        return f"activation_dtype={spec.activation_dtype}"
-    if group != k and group % codes_per_word(ttype.bits):
-        return f"group_size={group} (it needs whole 32-bit words of codes per group)"
-    return None
+@dataclass(frozen=True)
+class LutConfig:
+    """Tile configuration of the lookup template: `n_tiles` 16-row weight tiles per task (they share each
+    group's tables while those sit in L1), `prefetch` words ahead (0: none)."""
+
+    n_tiles: int = 8
+    prefetch: int = 32
+
+    def __post_init__(self):
+        check_prefetch(self.prefetch)
 
 
 def value_table(spec: Matmul) -> torch.Tensor:
@@ -49,209 +42,67 @@ def value_table(spec: Matmul) -> torch.Tensor:
     return ttype.values.clone()
 
 
-def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int],
-          name: str = "main"):
-    """The PrimFunc for a [N, K] weight in the tile16 layout and M in `rows` (inclusive, within 1..4), split
-    into `threads` parallel chunks (the runtime's thread count: each chunk tabulates x itself, see
-    `_Builder._main`).  Other row counts compute nothing: the body is emitted per row count of the range.
+class LutTemplate(CpuTemplate):
+    name = "lut"
+    title = "lookup"
+    config_type = LutConfig
+    max_rows = MAX_ROWS
+    shape_fields = ("n_tiles", "prefetch")
 
-    Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), values
-    (see `value_table`), bias [N] float32 (bias specs), y [M, N].
-    """
-    reason = unsupported_reason(spec, k)
-    if reason:
-        raise ValueError(f"the lookup template does not support {reason}")
-    if threads < 1:
-        raise ValueError(f"threads must be at least 1, got {threads}")
-    if not 1 <= rows[0] <= rows[1]:
-        raise ValueError(f"rows={rows} is not a range of row counts")
-    if rows[1] > MAX_ROWS:
-        raise ValueError(f"rows={rows}: the lookup template serves at most {MAX_ROWS} rows")
-    return _Builder(spec, n, k, config, threads, rows).build(name)
+    def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
+        ttype = get(spec.weight_dtype)
+        group = effective_group_size(spec.group_size, k)
+        if spec.geometry is not None:
+            return "a convolution (the lookup template reads x as a matrix; it has no gathering prologue)"
+        if ttype.bits not in TILE16_BITS:
+            return f"{ttype.bits}-bit codes (it reads {TILE16_BITS}-bit codes)"
+        if spec.activation_dtype not in PLANES:
+            return f"activation_dtype={spec.activation_dtype}"
+        if group != k and group % codes_per_word(ttype.bits):
+            return f"group_size={group} (it needs whole 32-bit words of codes per group)"
+        return None
 
+    def resources(self, spec: Matmul, k: int, config: LutConfig) -> Footprint:
+        """L1: a group's tables (16 float32 sums per nibble position) and the task's accumulators."""
+        group = effective_group_size(spec.group_size, k)
+        tables = group // codes_per_word(get(spec.weight_dtype).bits) * NIBBLES_PER_WORD * 64
+        return Footprint(l1_bytes=tables + config.n_tiles * MAX_ROWS * 64)
 
-class _Builder:
-    def __init__(self, spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int]):
-        self.spec, self.cfg, self.threads, self.rows = spec, config, threads, rows
-        self.ttype = get(spec.weight_dtype)
-        self.bits = self.ttype.bits
-        self.n, self.k = n, k
-        self.k_pad = padded_k(k, self.bits)
-        group = k if spec.group_size == -1 else spec.group_size
-        self.per_channel = group == k
-        self.kgroup = self.k_pad if self.per_channel else group
-        self.groups = k // group  # a group below 32 leaves padding words past the last: they add 0
-        self.per_word = codes_per_word(self.bits)
-        self.words = self.k_pad // self.per_word
-        self.group_words = self.kgroup // self.per_word
-        self.codes_per_nibble = 4 // self.bits
-        self.positions = self.words * NIBBLES_PER_WORD
-        self.n_tiles = -(-n // AMX_TILE_ROWS)
-        self.m = tirx.Var("M", "int32")
+    def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[LutConfig]:
+        """Tiles per task while a group's tables and the accumulators fit L1 and the body stays small (one tile
+        always), every prefetch depth."""
+        row_counts = sum(range(bucket[0], bucket[1] + 1))
+        found = []
+        for n_tiles in doublings(1, 16):
+            too_large = self.resources(spec, k, LutConfig(n_tiles)).l1_bytes > device.l1_bytes or \
+                n_tiles * row_counts > BODY
+            if too_large and n_tiles > 1:
+                break
+            found += [LutConfig(n_tiles, prefetch) for prefetch in PREFETCH_WORDS]
+        return found
 
-    def build(self, name: str):
-        with IRBuilder() as builder:
-            with T.prim_func():
-                T.func_name(name)
-                self._arguments()
-                T.func_attr({"tirx.noalias": True})
-                T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= self.rows[1]))
-                self._main()
-        return builder.get()
+    def work(self, spec: Matmul, n: int, k: int, m: int, config: LutConfig, device) -> Work:
+        """Per call: the words of codes looked up (a fixed part, and a part per row of x), the table entries every
+        thread builds for itself, and the tables each task re-reads from L2."""
+        bits = get(spec.weight_dtype).bits
+        words = -(-n // AMX_TILE_ROWS) * padded_k(k, bits) // codes_per_word(bits)
+        positions = padded_k(k, bits) * bits // 4
+        tasks = -(-(-(-n // AMX_TILE_ROWS)) // config.n_tiles)
+        operations = {"lookup_word": words, "lookup_word_row": words * m,
+                      "lookup_table_entry": m * positions * min(device.cores, tasks),
+                      "l2_byte": tasks * m * positions * 64}
+        return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
 
-    def _arguments(self) -> None:
-        spec = self.spec
-        per_tile = (self.n_tiles, self.groups, AMX_TILE_ROWS)
-        self.x = T.arg("x", T.Buffer((self.m, self.k), spec.activation_dtype))
-        self.qweight = T.arg("qweight", T.Buffer((self.n_tiles, self.words, AMX_TILE_ROWS), "int32"))
-        self.group_args = GroupArguments.declare(spec, per_tile)
-        self.values = T.arg("values", T.Buffer((self.ttype.num_codes,), "float32"))
-        self.bias = T.arg("bias", T.Buffer((self.n,), "float32")) if spec.bias else None
-        self.y = T.arg("y", T.Buffer((self.m, self.n), spec.output_dtype))
+    def program(self, spec: Matmul, n: int, k: int, config: LutConfig, layout, bucket, device):
+        """The PrimFunc for M in `bucket` (within 1..4), split into `device.cores` parallel chunks, and the value
+        table it takes after the weight's tensors (see `emit.lut.build`)."""
+        from .emit.lut import build
 
-    # -- prologue: tables and group sums ---------------------------------------------------------------
-    def _k_in_word(self, slot: int) -> int:
-        """The k offset (within its word's k's) of code position `slot` of a tile16 word."""
-        half = self.per_word // 2
-        return slot * 2 if slot < half else (slot - half) * 2 + 1
-
-    def _x(self, row, k_index, end=None):
-        """x[row, k] as float32, 0 from `end` (default K) on."""
-        value = load(self.x, row, tirx.min(k_index, self.k - 1))
-        value = bf16_to_float(value) if self.spec.activation_dtype == "bfloat16" else tirx.Cast("float32", value)
-        return tirx.Select(k_index < (self.k if end is None else end), value, tirx.const(0.0, "float32"))
-
-    def _prologue(self, first_tiles: list) -> None:
-        """T[m, 8w + j, c] = Σ_i x[m, k_i] · v((c >> i·bits) & mask) over the k's of nibble j of word w; with
-        zero points also XS[m, g] = Σ_{k in g} x[m, k].  x is first widened to float32 (zero past K), so each
-        term is a broadcast load and a multiply-add.  Meanwhile word w of each of the chunk's first tiles
-        (and its group's scales) is prefetched into L2: the first task then starts on cached lines instead of
-        cold misses (measured at 4096x4096 int1: its first task 9.8 -> 5.1 µs, the prologue 2.8 -> 6.3 µs)."""
-        mask = (1 << self.bits) - 1
-        lane = tirx.Ramp(0, 1, LANES)
-        selected = [load(self.values, tirx.bitwise_and(tirx.shift_right(lane, splat(i * self.bits, "int32")),
-                                                        splat(mask, "int32"))) for i in range(self.codes_per_nibble)]
-        x = self._widened_x()
-        with T.serial(0, self.m * self.words) as task:
-            row, word = tirx.floordiv(task, self.words), tirx.floormod(task, self.words)
-            for tile in first_tiles:
-                prefetch(load(self.qweight, tile, word, 0), into_l1=False)
-                self.group_args.prefetch_into_l2(tile, tirx.min(tirx.floordiv(word, self.group_words), self.groups - 1))
-            for nibble in range(NIBBLES_PER_WORD):
-                total = None
-                for i in range(self.codes_per_nibble):
-                    k_index = word * self.per_word + self._k_in_word(nibble * self.codes_per_nibble + i)
-                    term = tirx.Broadcast(load(x, row, k_index), LANES) * selected[i]
-                    total = term if total is None else total + term
-                T.buffer_store(self.tables, total, [row, word * NIBBLES_PER_WORD + nibble, ramp(0)])
-        if self.group_args.zeros is None:
-            return
-        span = min(self.kgroup, self.k)  # a per-channel group runs over the padding too, where x is 0
-        with T.serial(0, self.m) as row:
-            with T.serial(0, self.groups) as g:
-                acc = T.alloc_buffer((LANES,), "float32", scope="local")
-                T.buffer_store(acc, splat(0.0, "float32"), [ramp(0)])
-                with T.serial(0, -(-span // LANES)) as chunk:
-                    vector = self._x_vector(row, g * self.kgroup + chunk * LANES, g * self.kgroup + span)
-                    T.buffer_store(acc, load(acc, ramp(0)) + vector, [ramp(0)])
-                T.buffer_store(self.xs, horizontal_sum(load(acc, ramp(0))), [row, g])
-
-    def _widened_x(self):
-        """x as float32 [M, K_pad], zero past K."""
-        x = T.alloc_buffer((self.m, self.k_pad), "float32", align=64)
-        vectors = self.k_pad // LANES
-        with T.serial(0, self.m * vectors) as task:
-            row, k0 = tirx.floordiv(task, vectors), tirx.floormod(task, vectors) * LANES
-            if self.k % LANES == 0:
-                value = tirx.Select(k0 < self.k, self._x_vector(row, tirx.min(k0, self.k - LANES), self.k),
-                                    splat(0.0, "float32"))
-            else:
-                value = tirx.Shuffle([self._x(row, k0 + i) for i in range(LANES)], list(range(LANES)))
-            T.buffer_store(x, value, [row, ramp(k0)])
-        return x
-
-    def _x_vector(self, row, k0, end):
-        """x[row, k0 : k0 + 16] as float32 lanes, 0 from `end` on (the group's end or K)."""
-        if self.k % LANES == 0 and min(self.kgroup, self.k) % LANES == 0:
-            value = load(self.x, row, ramp(k0))
-            return bf16_to_float(value) if self.spec.activation_dtype == "bfloat16" else tirx.Cast("float32x16", value)
-        return tirx.Shuffle([self._x(row, k0 + i, end) for i in range(LANES)], list(range(LANES)))
-
-    # -- main loop --------------------------------------------------------------------------------------
-    def _main(self) -> None:
-        """Per parallel chunk (one per thread): tabulate x, then run the chunk's share of consecutive tasks of
-        n_tiles weight tiles.  Each chunk builds its own tables: tables built once by one thread and read by
-        the others cross between the cores' caches line by line (measured on a 4096x4096 int1 GEMV: 105 ->
-        98 µs from DRAM, 19 -> 8 µs for 256 rows in cache).  Per group, the group's tables (L1) serve every
-        tile of a task.  The task body is emitted once per row count of the range: rows and tiles unroll, so
-        a word position's 8 tables are loaded once into registers for all the task's tiles and the partial
-        sums stay in registers."""
-        blocks = -(-self.n_tiles // self.cfg.n_tiles)
-        chunks = min(self.threads, blocks)
-        with T.parallel(0, chunks) as chunk:
-            first, end = tirx.floordiv(chunk * blocks, chunks), tirx.floordiv((chunk + 1) * blocks, chunks)
-            self.tables = T.alloc_buffer((self.m, self.positions, LANES), "float32")
-            self.xs = T.alloc_buffer((self.m, self.groups), "float32")
-            self._prologue([tirx.min(first * self.cfg.n_tiles + c, self.n_tiles - 1) for c in range(self.cfg.n_tiles)])
-            with T.serial(first, end) as block:
-                for rows in range(self.rows[0], self.rows[1] + 1):
-                    with T.If(self.m == rows):
-                        with T.Then():
-                            self._task(block, rows)
-
-    def _task(self, block, rows: int) -> None:
-        n_tiles = self.cfg.n_tiles
-        tiles = [tirx.min(block * n_tiles + c, self.n_tiles - 1) for c in range(n_tiles)]
-        yacc = T.alloc_buffer((rows, n_tiles, LANES), "float32", scope="local", align=64)
-        gacc = T.alloc_buffer((n_tiles, LANES), "float32", scope="local", align=64)
-        for row in range(rows):
-            for c in range(n_tiles):
-                T.buffer_store(yacc, splat(0.0, "float32"), [row, c, ramp(0)])
-        with T.serial(0, self.groups) as g:
-            for tile in tiles:
-                self.group_args.prefetch(tile, g, n_tiles)
-            scales = [self.group_args.scale(tile, g) for tile in tiles]
-            zeros = [self.group_args.zero(tile, g) for tile in tiles] if self.group_args.zeros is not None else None
-            for row in range(rows):
-                for c in range(n_tiles):
-                    T.buffer_store(gacc, splat(0.0, "float32"), [c, ramp(0)])
-                with T.serial(0, self.group_words) as w:
-                    self._lookup_words(gacc, tiles, row, g * self.group_words + w)
-                for c in range(n_tiles):
-                    total = load(gacc, c, ramp(0))
-                    if zeros is not None:
-                        total = total - zeros[c] * tirx.Broadcast(load(self.xs, row, g), LANES)
-                    T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scales[c], [row, c, ramp(0)])
-        for c in range(n_tiles):
-            with T.If(block * n_tiles + c < self.n_tiles):
-                with T.Then():
-                    self._store(yacc, rows, tiles[c], c)
-
-    def _lookup_words(self, gacc, tiles, row, word_index) -> None:
-        """gacc[c] += Σ_j T[row, 8·word + j][nibble j of each lane's word] for every tile c of the task."""
-        tables = [load(self.tables, row, word_index * NIBBLES_PER_WORD + j, ramp(0)) for j in range(NIBBLES_PER_WORD)]
-        for c, tile_index in enumerate(tiles):
-            if row == 0:
-                prefetch_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, len(tiles))
-            word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
-            picked = [tirx.call_llvm_pure_intrin(
-                "float32x16", "llvm.x86.avx512.permvar.sf.512", table,
-                tirx.reinterpret("int32x16", word if j == 0 else tirx.shift_right(word, u32(4 * j))))
-                for j, table in enumerate(tables)]
-            T.buffer_store(gacc, load(gacc, c, ramp(0)) + _tree_sum(picked), [c, ramp(0)])
-
-    def _store(self, yacc, rows: int, tile_index, c) -> None:
-        column = tile_index * LANES
-        for row in range(rows):
-            with T.serial(0, tirx.min(LANES, self.n - column)) as lane:
-                value = load(yacc, row, c, lane)
-                if self.bias is not None:
-                    value = value + load(self.bias, column + lane)
-                T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row, column + lane])
+        self.check_config(config)
+        reason = self.unsupported(spec, n, k, device)
+        if reason:
+            raise ValueError(f"the lookup template does not support {reason}")
+        return build(spec, n, k, config, device.cores, bucket), [value_table(spec)]
 
 
-def _tree_sum(terms: list):
-    """Σ of a power-of-two number of terms as a balanced tree (short dependency chains)."""
-    while len(terms) > 1:
-        terms = [terms[i] + terms[i + 1] for i in range(0, len(terms), 2)]
-    return terms[0]
+TEMPLATE = LutTemplate()

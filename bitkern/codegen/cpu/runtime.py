@@ -1,13 +1,66 @@
-"""Process-level prerequisites of the CPU kernels."""
+"""Process-level prerequisites of the CPU kernels: the TVM runtime, one thread pool shared with torch, and
+the AMX tile permission."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
+import logging
+import os
+
+log = logging.getLogger("bitkern")
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
+_LAUNCHER = "bitkern.codegen.cpu._parallel_launch"
+_CONTEXT_SYMBOLS = {"__TVMBackendParallelLaunch": "bitkern_parallel_launch",
+                    "__TVMBackendParallelBarrier": "bitkern_parallel_barrier"}
+
+
+@functools.lru_cache(maxsize=None)
+def load_runtime() -> bool:
+    """Load the TVM runtime (its symbols visible to kernel libraries), then send the parallel loops of every
+    kernel loaded or compiled from now on to torch's OpenMP team.  True when they run there; False when they
+    run on TVM's own thread pool (logged: the two pools then compete for the cores)."""
+    ffi_library = _load_global("tvm_ffi", "libtvm_ffi.so")
+    _load_global("tvm", "libtvm_runtime.so")  # registers TVM's pool as the launch: ours is registered after it
+    reason = _torch_launch_unavailable()
+    if reason is None:
+        launcher = ctypes.CDLL(importlib.util.find_spec(_LAUNCHER).origin)
+        for context_symbol, function in _CONTEXT_SYMBOLS.items():
+            address = ctypes.cast(getattr(launcher, function), ctypes.c_void_p)
+            if ffi_library.TVMFFIEnvModRegisterContextSymbol(context_symbol.encode(), address) != 0:
+                raise RuntimeError(f"tvm-ffi refused the context symbol {context_symbol}")
+        return True
+    log.warning("bitkern: CPU kernels run on TVM's thread pool, which competes with torch's threads for the "
+                "cores (set OMP_WAIT_POLICY=PASSIVE to soften it): %s", reason)
+    return False
+
+
+def _torch_launch_unavailable() -> str | None:
+    """Why the kernels cannot share torch's OpenMP team (None: they can), binding the launcher if they can."""
+    import torch
+
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return "this torch build does not run its intra-op threads on OpenMP"
+    spec = importlib.util.find_spec(_LAUNCHER)
+    if spec is None or spec.origin is None:
+        return (f"bitkern's compiled launcher {_LAUNCHER} is missing (it is built by `pip install` with a C "
+                f"compiler present)")
+    torch_cpu = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    status = ctypes.CDLL(spec.origin).bitkern_parallel_bind(torch_cpu.encode())
+    if status != 0:
+        return f"the OpenMP runtime of {torch_cpu} was not found (bind status {status})"
+    return None
+
+
+def _load_global(package: str, library: str) -> ctypes.CDLL:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {package!r} is not installed; bitkern's kernels need it")
+    return ctypes.CDLL(os.path.join(spec.submodule_search_locations[0], "lib", library), mode=ctypes.RTLD_GLOBAL)
 
 
 @functools.lru_cache(maxsize=None)

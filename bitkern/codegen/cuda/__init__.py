@@ -1,16 +1,19 @@
-"""CUDA backend: the "lop3" weight layout, LOP3 decode functions, TensorCore GEMM and decode GEMV
+"""CUDA backend: the "lop3" weight layout, LOP3 decode functions, TensorCore GEMM (`gemm`) and decode GEMV (`gemv`)
 templates generated with TVM and compiled with nvcc, and a cubin launcher for torch tensors.
 
-Entry points: `pack(weight)` (a QuantizedWeight in the "lop3" layout), `build_kernel(spec, n, k, template,
-config, arch, m_range)` -> `CudaKernel` (callable, `save`-able; `load_kernel` needs neither TVM nor nvcc),
-the template configurations `GemmConfig` / `GemvConfig` and their `resources(spec, k, config)` (for the
-tuner's per-architecture limits).
+The registry: `TEMPLATES`, in the order the tuner lists them (each a `CudaTemplate`, `kernel.py`).  Entry
+points: `pack(weight)` (a QuantizedWeight in the "lop3" layout); a template's `build` -> `CudaKernel` (callable,
+`save`-able; `load_kernel` needs neither TVM nor nvcc).
 """
 
-from .gemm import GemmConfig, Resources
+from importlib import import_module
+
+from .gemm import GemmConfig
 from .gemv import GemvConfig
-from .kernel import TEMPLATES, CudaKernel, build_kernel, load_kernel
-from .layout import LAYOUT, Lop3Weight, to_lop3
+from .kernel import CudaKernel, CudaTemplate, Resources, load_kernel
+from .layout import Lop3Weight, to_lop3
+
+TEMPLATES = [import_module(f"{__name__}.{name}").TEMPLATE for name in ("gemm", "gemv")]
 
 
 def pack(weight) -> Lop3Weight:
@@ -18,17 +21,5 @@ def pack(weight) -> Lop3Weight:
     return to_lop3(weight)
 
 
-def resources(spec, k: int, config) -> Resources:
-    """Shared memory, threads and estimated registers per thread block of a template configuration for a
-    weight with K = k columns (the tuner checks them against an architecture's limits)."""
-    from . import gemm, gemv
-
-    if isinstance(config, GemmConfig):
-        return gemm.resources(spec, k, config)
-    if isinstance(config, GemvConfig):
-        return gemv.resources(spec, k, config)
-    raise TypeError(f"config must be a GemmConfig or GemvConfig, got {type(config).__name__}")
-
-
-__all__ = ["CudaKernel", "GemmConfig", "GemvConfig", "LAYOUT", "Lop3Weight", "Resources", "TEMPLATES",
-           "build_kernel", "load_kernel", "pack", "resources"]
+__all__ = ["CudaKernel", "CudaTemplate", "GemmConfig", "GemvConfig", "Lop3Weight", "Resources", "TEMPLATES",
+           "load_kernel", "pack"]

@@ -179,43 +179,28 @@ BK_FN uint32_t bk_u32(__half2 h) { uint32_t x; memcpy(&x, &h, 4); return x; }
 BK_FN uint32_t bk_u32(__nv_bfloat162 h) { uint32_t x; memcpy(&x, &h, 4); return x; }
 #endif
 
-BK_FN uint32_t bk_h2_fma(uint32_t a, uint32_t b, uint32_t c) {
-#ifdef __CUDA_ARCH__
-  return bk_u32(__hfma2(bk_h2(a), bk_h2(b), bk_h2(c)));
-#else
-  return bk_f32_to_f16(fmaf(bk_f16_to_f32(a & 0xFFFFu), bk_f16_to_f32(b & 0xFFFFu), bk_f16_to_f32(c & 0xFFFFu)))
-       | (bk_f32_to_f16(fmaf(bk_f16_to_f32(a >> 16), bk_f16_to_f32(b >> 16), bk_f16_to_f32(c >> 16))) << 16);
-#endif
-}
-
-BK_FN uint32_t bk_h2_mul(uint32_t a, uint32_t b) {
-#ifdef __CUDA_ARCH__
-  return bk_u32(__hmul2_rn(bk_h2(a), bk_h2(b)));
-#else
-  return bk_f32_to_f16(bk_f16_to_f32(a & 0xFFFFu) * bk_f16_to_f32(b & 0xFFFFu))
-       | (bk_f32_to_f16(bk_f16_to_f32(a >> 16) * bk_f16_to_f32(b >> 16)) << 16);
-#endif
-}
-
-BK_FN uint32_t bk_b2_fma(uint32_t a, uint32_t b, uint32_t c) {
-#ifdef __CUDA_ARCH__
-  return bk_u32(__hfma2(bk_b2(a), bk_b2(b), bk_b2(c)));
-#else
-  return bk_f32_to_bf16(fmaf(bk_bf16_to_f32(a & 0xFFFFu), bk_bf16_to_f32(b & 0xFFFFu), bk_bf16_to_f32(c & 0xFFFFu)))
-       | (bk_f32_to_bf16(fmaf(bk_bf16_to_f32(a >> 16), bk_bf16_to_f32(b >> 16), bk_bf16_to_f32(c >> 16))) << 16);
-#endif
-}
-
-BK_FN uint32_t bk_b2_mul(uint32_t a, uint32_t b) {
-#ifdef __CUDA_ARCH__
-  return bk_u32(__hmul2_rn(bk_b2(a), bk_b2(b)));
-#else
-  return bk_f32_to_bf16(bk_bf16_to_f32(a & 0xFFFFu) * bk_bf16_to_f32(b & 0xFFFFu))
-       | (bk_f32_to_bf16(bk_bf16_to_f32(a >> 16) * bk_bf16_to_f32(b >> 16)) << 16);
-#endif
-}
-#endif
 """
+# The 16-bit pair arithmetic, once for float16 pairs (h2) and once for bfloat16 pairs (b2).
+_PAIR_ARITHMETIC = r"""BK_FN uint32_t bk_{pair}_fma(uint32_t a, uint32_t b, uint32_t c) {{
+#ifdef __CUDA_ARCH__
+  return bk_u32(__hfma2(bk_{pair}(a), bk_{pair}(b), bk_{pair}(c)));
+#else
+  return bk_f32_to_{half}(fmaf(bk_{half}_to_f32(a & 0xFFFFu), bk_{half}_to_f32(b & 0xFFFFu), bk_{half}_to_f32(c & 0xFFFFu)))
+       | (bk_f32_to_{half}(fmaf(bk_{half}_to_f32(a >> 16), bk_{half}_to_f32(b >> 16), bk_{half}_to_f32(c >> 16))) << 16);
+#endif
+}}
+
+BK_FN uint32_t bk_{pair}_mul(uint32_t a, uint32_t b) {{
+#ifdef __CUDA_ARCH__
+  return bk_u32(__hmul2_rn(bk_{pair}(a), bk_{pair}(b)));
+#else
+  return bk_f32_to_{half}(bk_{half}_to_f32(a & 0xFFFFu) * bk_{half}_to_f32(b & 0xFFFFu))
+       | (bk_f32_to_{half}(bk_{half}_to_f32(a >> 16) * bk_{half}_to_f32(b >> 16)) << 16);
+#endif
+}}
+"""
+PRELUDE += "\n".join(_PAIR_ARITHMETIC.format(pair=pair, half=half) for pair, half in (("h2", "f16"), ("b2", "bf16")))
+PRELUDE += "#endif\n"
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...ops.expr import TVM_DTYPES, scale_storage, zero_storage
+from ...ops.expr import scale_storage, zero_storage
 from ...ops.matmul import Matmul
-from ...ttype import codes_per_word, get
+from ...ttype import codes_per_word, effective_group_size, get, tvm_dtype
 from .decode import FLOAT_OUTPUTS, Decoder
 from .layout import layout_group, padded_shape
 
@@ -77,7 +77,7 @@ def _dequant(decoder: Decoder, code_value, scale, zero, tensor_scale):
     else:
         factor = scale.astype("float32")
     weight = value * factor
-    return weight if out == "float32" else weight.astype(TVM_DTYPES[out])
+    return weight if out == "float32" else weight.astype(tvm_dtype(out))
 
 
 def _nan_free(expr):
@@ -129,10 +129,10 @@ def cuda_matmul_expr(spec: Matmul, n: int, k: int, row_block: int) -> CudaExpr:
     ttype = get(spec.weight_dtype)
     decoder = decoder_for(spec)
     n_pad, k_pad = padded_shape(n, k)
-    group = layout_group(k if spec.group_size == -1 else spec.group_size, k)
+    group = layout_group(effective_group_size(spec.group_size, k), k)
     columns = -(-k_pad // group)
     m = te.var("M")
-    x = te.placeholder((m, k), TVM_DTYPES[spec.activation_dtype], name="x")
+    x = te.placeholder((m, k), tvm_dtype(spec.activation_dtype), name="x")
     qweight = te.placeholder((n_pad, k_pad // codes_per_word(ttype.bits)), "int32", name="qweight")
     scales = te.placeholder((n_pad, columns), scale_storage(spec), name="scales")
     inputs = [x, qweight, scales]
@@ -176,7 +176,7 @@ def cuda_matmul_expr(spec: Matmul, n: int, k: int, row_block: int) -> CudaExpr:
             value = value * scales[i, 0].astype("float32")
         if bias is not None:
             value = value + bias[i]
-        return value.astype(TVM_DTYPES[spec.output_dtype])
+        return value.astype(tvm_dtype(spec.output_dtype))
 
     y = te.compute((m, n), epilogue, name="y")
     return CudaExpr(m, inputs, wdec, acc, y, decoder)

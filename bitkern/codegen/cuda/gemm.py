@@ -15,23 +15,22 @@ N and K come padded by the "lop3" layout, x's columns past K are zero-filled by 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
-from ...ops.expr import TVM_DTYPES
 from ...ops.matmul import Matmul
-from ...ttype import get
+from ...ttype import effective_group_size, get, itemsize
 from .decode import FLOAT_OUTPUTS, library
 from .expr import cuda_matmul_expr
 from .intrin import MMA_DTYPES, decode_intrinsic, mma_intrinsics, mma_k
 from .layout import K_GRAIN, check_type, layout_group, padded_shape
-from .sched import ITEM_BYTES, loops_under, read_index, vector_lanes
+from ..sched import loops_under, read_index, vector_lanes
+from ..template import Work
+from .kernel import DECODES, MAX_THREADS, WARP, CudaTemplate, Resources, check_config, weight_bytes
 
 log = logging.getLogger("bitkern")
 
-DECODES = ("lop3", "tir")
-WARP = 32
-MAX_THREADS = 1024
 STATIC_SHARED_LIMIT = 48 * 1024
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")
 
@@ -54,10 +53,7 @@ class GemmConfig:
     decode: str = "lop3"
 
     def __post_init__(self):
-        for field in ("block_m", "block_n", "block_k", "warp_m", "warp_n", "stages"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field}={value!r} must be a positive int")
+        check_config(self, ("block_m", "block_n", "block_k", "warp_m", "warp_n", "stages"))
         for field in ("warp_m", "warp_n"):
             if getattr(self, field) % 16:
                 raise ValueError(f"{field}={getattr(self, field)} must be a multiple of 16 (the mma tile)")
@@ -68,117 +64,148 @@ class GemmConfig:
             raise ValueError(f"{self.warps} warps ({self.threads} threads) exceed {MAX_THREADS} threads per block")
         if self.block_k not in (32, 64, 128):
             raise ValueError(f"block_k={self.block_k} is not supported; accepted: 32, 64, 128")
-        if self.decode not in DECODES:
-            raise ValueError(f"decode={self.decode!r} is not known; accepted: {list(DECODES)}")
 
     @property
     def warps(self) -> int:
         return (self.block_m // self.warp_m) * (self.block_n // self.warp_n)
+
+    def workspace(self, n: int, k: int, m: int) -> tuple:
+        """(names, shape) of float32 buffers the launches share: none."""
+        return ()
 
     @property
     def threads(self) -> int:
         return self.warps * WARP
 
 
-@dataclass(frozen=True)
-class Resources:
-    """What one thread block of a kernel uses, for the tuner to check against an architecture's limits."""
+class GemmTemplate(CudaTemplate):
+    name = "gemm"
+    title = "TensorCore GEMM"
+    config_type = GemmConfig
+    shape_fields = ("decode",)
 
-    shared_bytes: int
-    threads: int
-    registers: int
+    def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
+        ttype = get(spec.weight_dtype)
+        try:
+            check_type(ttype)
+        except ValueError as error:
+            return str(error)
+        activation = spec.activation_dtype
+        if activation not in MMA_DTYPES:
+            return f"activation_dtype={activation} (mma takes {list(MMA_DTYPES)})"
+        if activation == "float8_e4m3" and arch not in _FP8_ARCHS:
+            return f"float8_e4m3 mma on {arch} (it needs one of {list(_FP8_ARCHS)})"
+        if spec.accumulate_dtype not in ("float32", "int32"):
+            return f"accumulate_dtype={spec.accumulate_dtype} (mma accumulates in float32 / int32 here)"
+        if activation not in FLOAT_OUTPUTS:
+            if effective_group_size(spec.group_size, k) != k:
+                return (f"group_size={spec.group_size} with {activation} activations (the scale is applied after "
+                        f"the product: per-channel scales only, group_size=-1)")
+            if activation not in ttype.compute_types:
+                return f"{ttype.name} weights with {activation} activations (values not exact in {activation})"
+            if spec.zero_mode == "hqq" or (activation == "float8_e4m3" and spec.zero_mode != "none"):
+                return f"zero_mode={spec.zero_mode} with {activation} activations"
+        if activation == "int8" and k != padded_shape(n, k)[1]:
+            return (f"in_features={k} with int8 activations (K must be a multiple of {K_GRAIN}: TVM zero-fills only "
+                    f"float copies asynchronously)")
+        return None
+
+    def config_unsupported(self, spec: Matmul, n: int, k: int, config: GemmConfig, arch: str) -> str | None:
+        n_pad, k_pad = padded_shape(n, k)
+        activation = spec.activation_dtype
+        if n_pad % config.block_n:
+            return f"block_n={config.block_n} does not divide the padded N={n_pad}"
+        if k_pad % config.block_k:
+            return f"block_k={config.block_k} does not divide the padded K={k_pad}"
+        if config.block_k % mma_k(activation):
+            return f"block_k={config.block_k} is not a multiple of the mma's k={mma_k(activation)}"
+        per_word = 32 // get(spec.weight_dtype).bits
+        if config.block_k < per_word or WARP % (config.block_k // per_word):
+            return f"block_k={config.block_k} with {per_word} codes per word (one word per thread per row)"
+        size = itemsize(activation)
+        decoded_tile = config.block_n * (config.block_k + 16 // size) * size
+        if decoded_tile > STATIC_SHARED_LIMIT:
+            return (f"block_n={config.block_n} x block_k={config.block_k}: the decoded tile ({decoded_tile} bytes) is "
+                    f"static shared memory, at most {STATIC_SHARED_LIMIT} bytes")
+        words = config.block_n * (config.block_k // per_word)
+        if words % config.threads:
+            return (f"block_n={config.block_n} x block_k={config.block_k} holds {words} words of codes, not a "
+                    f"multiple of the {config.threads} threads that decode one word each")
+        if config.decode == "lop3":
+            group = layout_group(effective_group_size(spec.group_size, k), k)
+            if group % per_word:
+                return f"decode='lop3' with group_size={group} (a word of {per_word} codes needs one scale); use 'tir'"
+        return None
+
+    def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[GemmConfig]:
+        """Warp tiles of 16 to 64 in grids of up to 4 x 2 warps, block_k 32 to 128, 2 to 4 stages, both decodes:
+        those whose block tile is a multiple of the hint's m and n, that build, and fit the architecture."""
+        candidates = []
+        for warp_m, warp_n, (rows_of_warps, cols_of_warps), block_k, stages, decode in itertools.product(
+                (16, 32, 64), (16, 32, 64), ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2)), (32, 64, 128),
+                (2, 3, 4), DECODES):
+            try:
+                config = GemmConfig(warp_m * rows_of_warps, warp_n * cols_of_warps, block_k, warp_m, warp_n, stages,
+                                    decode)
+            except ValueError:
+                continue
+            if config.block_m % hint.m == 0 and config.block_n % hint.n == 0:
+                candidates.append(config)
+        return self.buildable(spec, n, k, candidates, device)
+
+    def resources(self, spec: Matmul, k: int, config: GemmConfig) -> Resources:
+        """Shared memory, threads and an estimate of the registers per thread of the kernel for `config`.
+
+        Shared memory (an upper bound, static and dynamic together): the pipeline (x tile and packed weight
+        tile per stage), the decoded weight tile (rows of both padded by 16 bytes) and the epilogue's float32
+        accumulator tile, which TVM places in the pipeline's memory when one of its buffers is large enough.
+        Registers: the accumulators, two sets of ldmatrix fragments and the decode's temporaries; ptxas' count
+        after the build is in `CudaKernel.binary.registers`."""
+        ttype = get(spec.weight_dtype)
+        activation = itemsize(spec.activation_dtype)
+        k_pad = padded_shape(1, k)[1]
+        pad = 16 // activation
+        x_tile = config.block_m * (config.block_k + pad) * activation
+        packed_tile = config.block_n * config.block_k * ttype.bits // 8
+        decoded_tile = config.block_n * (config.block_k + pad) * activation
+        stages = max(1, min(config.stages, k_pad // config.block_k))
+        pipeline = stages * (x_tile + packed_tile) + decoded_tile
+        epilogue = config.block_m * config.block_n * 4
+        accumulators = config.warp_m * config.warp_n // WARP
+        fragments = 2 * (config.warp_m + config.warp_n) // 16 * 4
+        registers = accumulators + fragments + 32 // ttype.bits + 24
+        return Resources(pipeline + epilogue, config.threads, registers)
+
+    def work(self, spec: Matmul, n: int, k: int, m: int, config: GemmConfig, device) -> Work:
+        """Per call: the weight read once per row block unless L2 holds it, x's tiles once per column block
+        (mostly from L2 when it holds x), y; the mma flops of the padded rows and the weights each row block
+        decodes; a thread block per output tile."""
+        n_pad, k_pad = padded_shape(n, k)
+        activation = itemsize(spec.activation_dtype)
+        weights = weight_bytes(spec, n_pad, k_pad)
+        m_blocks = -(-m // config.block_m)
+        dram = weights * min(m_blocks, 1 + (weights > device.l2_bytes) * (m_blocks - 1)) + \
+            m * k_pad * activation * (n_pad // config.block_n) / max(1, (device.l2_bytes > m * k_pad * 2) * 8) + \
+            m * n_pad * 4
+        operations = {"mma_flop": 2 * m_blocks * config.block_m * n_pad * k_pad,  # padded rows are computed too
+                      "decoded_weight": n_pad * k_pad * m_blocks}
+        return Work(m_blocks * (n_pad // config.block_n), dram, operations,
+                    per_block=self.resources(spec, k, config))
+
+    def functions(self, spec: Matmul, n: int, k: int, config: GemmConfig, arch: str, prefix: str = "") -> dict:
+        """The scheduled PrimFunc (arguments as `expr.cuda_matmul_expr`; the decode functions' C source is
+        attached with pragma_import_c)."""
+        from tvm import s_tir, te
+
+        self.checked(spec, n, k, config, arch)
+        expr = cuda_matmul_expr(spec, n, k, config.block_m)
+        func = te.create_prim_func([*expr.inputs, expr.output]).with_attr("global_symbol", "main")
+        schedule = _Schedule(s_tir.Schedule(func), spec, n, k, config, expr)
+        schedule.apply()
+        return {f"{prefix}gemm": schedule.sch.mod["main"].with_attr("global_symbol", "main")}
 
 
-def unsupported_reason(spec: Matmul, n: int, k: int, config: GemmConfig, arch: str) -> str | None:
-    """Why the template cannot build `spec` for a [N, K] weight with `config` on `arch`, or None."""
-    ttype = get(spec.weight_dtype)
-    try:
-        check_type(ttype)
-    except ValueError as error:
-        return str(error)
-    activation = spec.activation_dtype
-    if activation not in MMA_DTYPES:
-        return f"activation_dtype={activation} (mma takes {list(MMA_DTYPES)})"
-    if activation == "float8_e4m3" and arch not in _FP8_ARCHS:
-        return f"float8_e4m3 mma on {arch} (it needs one of {list(_FP8_ARCHS)})"
-    if spec.accumulate_dtype not in ("float32", "int32"):
-        return f"accumulate_dtype={spec.accumulate_dtype} (mma accumulates in float32 / int32 here)"
-    if activation not in FLOAT_OUTPUTS:
-        group = k if spec.group_size == -1 else spec.group_size
-        if group != k:
-            return (f"group_size={spec.group_size} with {activation} activations (the scale is applied after the "
-                    f"product: per-channel scales only, group_size=-1)")
-        if activation not in ttype.compute_types:
-            return f"{ttype.name} weights with {activation} activations (values not exact in {activation})"
-        if spec.zero_mode == "hqq" or (activation == "float8_e4m3" and spec.zero_mode != "none"):
-            return f"zero_mode={spec.zero_mode} with {activation} activations"
-    n_pad, k_pad = padded_shape(n, k)
-    if activation == "int8" and k != k_pad:
-        return (f"in_features={k} with int8 activations (K must be a multiple of {K_GRAIN}: TVM zero-fills only "
-                f"float copies asynchronously)")
-    if n_pad % config.block_n:
-        return f"block_n={config.block_n} does not divide the padded N={n_pad}"
-    if k_pad % config.block_k:
-        return f"block_k={config.block_k} does not divide the padded K={k_pad}"
-    if config.block_k % mma_k(activation):
-        return f"block_k={config.block_k} is not a multiple of the mma's k={mma_k(activation)}"
-    per_word = 32 // ttype.bits
-    if config.block_k < per_word or WARP % (config.block_k // per_word):
-        return f"block_k={config.block_k} with {per_word} codes per word (one word per thread per row)"
-    size = ITEM_BYTES[activation]
-    decoded_tile = config.block_n * (config.block_k + 16 // size) * size
-    if decoded_tile > STATIC_SHARED_LIMIT:
-        return (f"block_n={config.block_n} x block_k={config.block_k}: the decoded tile ({decoded_tile} bytes) is "
-                f"static shared memory, at most {STATIC_SHARED_LIMIT} bytes")
-    words = config.block_n * (config.block_k // per_word)
-    if words % config.threads:
-        return (f"block_n={config.block_n} x block_k={config.block_k} holds {words} words of codes, not a multiple "
-                f"of the {config.threads} threads that decode one word each")
-    if config.decode == "lop3":
-        group = layout_group(k if spec.group_size == -1 else spec.group_size, k)
-        if group % per_word:
-            return f"decode='lop3' with group_size={group} (a word of {per_word} codes needs one scale); use 'tir'"
-    return None
-
-
-def resources(spec: Matmul, k: int, config: GemmConfig) -> Resources:
-    """Shared memory, threads and an estimate of the registers per thread of the kernel for `config`.
-
-    Shared memory (an upper bound, static and dynamic together): the pipeline (x tile and packed weight
-    tile per stage), the decoded weight tile (rows of both padded by 16 bytes) and the epilogue's float32
-    accumulator tile, which TVM places in the pipeline's memory when one of its buffers is large enough.
-    Registers: the
-    accumulators, two sets of ldmatrix fragments and the decode's temporaries; ptxas' count after the
-    build is in `CudaKernel.binary.registers`."""
-    ttype = get(spec.weight_dtype)
-    activation = ITEM_BYTES[spec.activation_dtype]
-    k_pad = padded_shape(1, k)[1]
-    pad = 16 // activation
-    x_tile = config.block_m * (config.block_k + pad) * activation
-    packed_tile = config.block_n * config.block_k * ttype.bits // 8
-    decoded_tile = config.block_n * (config.block_k + pad) * activation
-    stages = max(1, min(config.stages, k_pad // config.block_k))
-    pipeline = stages * (x_tile + packed_tile) + decoded_tile
-    epilogue = config.block_m * config.block_n * 4
-    accumulators = config.warp_m * config.warp_n // WARP
-    fragments = 2 * (config.warp_m + config.warp_n) // 16 * 4
-    registers = accumulators + fragments + 32 // ttype.bits + 24
-    return Resources(pipeline + epilogue, config.threads, registers)
-
-
-def build(spec: Matmul, n: int, k: int, config: GemmConfig, arch: str, name: str = "main"):
-    """The scheduled PrimFunc (arguments as `expr.cuda_matmul_expr`; the decode functions' C source is
-    attached with pragma_import_c)."""
-    from tvm import s_tir, te
-
-    reason = unsupported_reason(spec, n, k, config, arch)
-    if reason:
-        raise ValueError(f"the TensorCore GEMM template does not support {reason}")
-    expr = cuda_matmul_expr(spec, n, k, config.block_m)
-    func = te.create_prim_func([*expr.inputs, expr.output]).with_attr("global_symbol", name)
-    schedule = _Schedule(s_tir.Schedule(func), spec, n, k, config, expr)
-    schedule.apply()
-    return schedule.sch.mod["main"].with_attr("global_symbol", name)
+TEMPLATE = GemmTemplate()
 
 
 class _Schedule:
@@ -223,7 +250,7 @@ class _Schedule:
     def _fetch_x(self) -> None:
         """x tile -> shared (cp.async); the K padding stays a predicate inside the copy (zero fill)."""
         sch, cfg = self.sch, self.cfg
-        size = ITEM_BYTES[self.spec.activation_dtype]
+        size = itemsize(self.spec.activation_dtype)
         vector = vector_lanes(16 // size, self.k)
         fetch = sch.cache_read(self.outer, 0, "shared.dyn")
         sch.compute_at(fetch, self.k0)
@@ -239,7 +266,7 @@ class _Schedule:
         """packed tile -> shared (cp.async), then per thread: one word -> registers -> decode -> shared."""
         sch, cfg, spec = self.sch, self.cfg, self.spec
         per_word = 32 // self.ttype.bits
-        size = ITEM_BYTES[spec.activation_dtype]
+        size = itemsize(spec.activation_dtype)
         tile = sch.cache_read(self.outer, 1, "shared")  # static: its barriers then ignore the dynamic buffers
         sch.compute_at(tile, self.k0)
         rows, cols = sch.get_loops(tile)[-2:]
@@ -311,7 +338,7 @@ class _Schedule:
         sch.compute_inline(self.c_shared)
         store = sch.get_sblock("y")
         sch.reverse_compute_at(store, self.warp)
-        out_size = ITEM_BYTES[TVM_DTYPES[self.spec.output_dtype]]
+        out_size = itemsize(self.spec.output_dtype)
         fused = sch.fuse(*sch.get_loops(store)[-2:])
         _, lane, vec = sch.split(fused, [None, WARP, vector_lanes(16 // out_size, self.n)])
         sch.bind(lane, "threadIdx.x")

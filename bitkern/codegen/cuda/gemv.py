@@ -12,23 +12,24 @@ the epilogue.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass
 
-from ...ops.expr import TVM_DTYPES
 from ...ops.matmul import Matmul
-from ...ttype import get
+from ...ttype import effective_group_size, get, itemsize, tvm_dtype
 from .decode import library
 from .expr import ACCUMULATE, MAX_ROWS, cuda_matmul_expr
-from .gemm import Resources
 from .intrin import decode_intrinsic
 from .layout import check_type, layout_group, padded_shape
-from .sched import ITEM_BYTES, read_index, vector_lanes
+from ..sched import read_index, vector_lanes
+from ..template import Work
+from .kernel import DECODES, MAX_THREADS, WARP, CudaTemplate, Resources, check_config, weight_bytes
 
 log = logging.getLogger("bitkern")
 
-WARP = 32
+FEW_ROWS = 4  # rows up to which a GEMV competes with the GEMM (it serves any M, in blocks of `rows`)
 ACTIVATIONS = ("float16", "bfloat16", "float32", "int8")
 
 
@@ -44,24 +45,19 @@ class GemvConfig:
 
     rows: int = 1
     warps: int = 4
-    k_threads: int = 32
+    k_threads: int = WARP  # a warp's lanes all along K
     words: int = 4
     split_k: int = 1
     decode: str = "lop3"
 
     def __post_init__(self):
-        for field in ("rows", "warps", "k_threads", "words", "split_k"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field}={value!r} must be a positive int")
+        check_config(self, ("rows", "warps", "k_threads", "words", "split_k"))
         if self.k_threads not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"k_threads={self.k_threads} must be a power of two up to {WARP}")
         if self.words not in (1, 2, 4):
             raise ValueError(f"words={self.words} is not supported; accepted: 1, 2, 4 (4 = 128-bit loads)")
-        if self.warps * WARP > 1024:
-            raise ValueError(f"warps={self.warps} exceed 1024 threads per block")
-        if self.decode not in ("lop3", "tir"):
-            raise ValueError(f"decode={self.decode!r} is not known; accepted: ['lop3', 'tir']")
+        if self.warps * WARP > MAX_THREADS:
+            raise ValueError(f"warps={self.warps} exceed {MAX_THREADS} threads per block")
 
     @property
     def columns_per_warp(self) -> int:
@@ -72,65 +68,101 @@ class GemvConfig:
         """Output columns (weight rows) one block computes."""
         return self.warps * self.columns_per_warp
 
-
-def unsupported_reason(spec: Matmul, n: int, k: int, config: GemvConfig) -> str | None:
-    """Why the template cannot build `spec` for a [N, K] weight with `config`, or None."""
-    ttype = get(spec.weight_dtype)
-    try:
-        check_type(ttype)
-    except ValueError as error:
-        return str(error)
-    if spec.activation_dtype not in ACTIVATIONS:
-        return f"activation_dtype={spec.activation_dtype} (the GEMV takes {list(ACTIVATIONS)})"
-    if spec.accumulate_dtype != ACCUMULATE[spec.activation_dtype]:
-        return f"accumulate_dtype={spec.accumulate_dtype} (it accumulates in {ACCUMULATE[spec.activation_dtype]})"
-    if spec.activation_dtype == "int8":
-        if (k if spec.group_size == -1 else spec.group_size) != k:
-            return f"group_size={spec.group_size} with int8 activations (per-channel scales only, group_size=-1)"
-        if spec.zero_mode == "hqq":
-            return "zero_mode=hqq with int8 activations"
-    n_pad, k_pad = padded_shape(n, k)
-    per_word = 32 // ttype.bits
-    step = config.k_threads * config.words * per_word * config.split_k
-    if k_pad % step:
-        return (f"k_threads={config.k_threads} x words={config.words} x {per_word} codes x split_k="
-                f"{config.split_k} = {step} does not divide the padded K={k_pad}")
-    if n_pad % config.columns:
-        return f"{config.columns} columns per block do not divide the padded N={n_pad}"
-    if config.split_k > 1 and spec.activation_dtype == "int8":
-        return "split_k with int8 activations"
-    if config.decode == "lop3" and layout_group(k if spec.group_size == -1 else spec.group_size, k) % per_word:
-        return f"decode='lop3' with group_size={spec.group_size} (a word of {per_word} codes needs one scale)"
-    return None
+    def workspace(self, n: int, k: int, m: int) -> tuple:
+        """(names, shape) of the float32 buffers the launches of a call with M rows share: split-K's partial sums
+        [split_k, M rounded up to rows, N_pad] (written as "acc", read as "partial")."""
+        if self.split_k == 1:
+            return ()
+        rows = -(-m // self.rows) * self.rows
+        return ((("acc", "partial"), (self.split_k, rows, padded_shape(n, k)[0])),)
 
 
-def resources(spec: Matmul, k: int, config: GemvConfig) -> Resources:
-    """Threads, shared memory (none: x is read through the cache, the reduction uses warp shuffles) and a
-    register estimate (ptxas' count after the build is in `CudaKernel.binary.registers`)."""
-    ttype = get(spec.weight_dtype)
-    x_cache = config.words * (32 // ttype.bits) * ITEM_BYTES[spec.activation_dtype] // 8 if config.rows == 1 else 0
-    registers = 32 + 2 * config.rows + 2 * config.words + x_cache
-    return Resources(0, config.warps * WARP, registers)
+class GemvTemplate(CudaTemplate):
+    name = "gemv"
+    title = "GEMV"
+    config_type = GemvConfig
+    shape_fields = ("rows", "decode")
+    max_rows = FEW_ROWS
+
+    def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
+        try:
+            check_type(get(spec.weight_dtype))
+        except ValueError as error:
+            return str(error)
+        if spec.activation_dtype not in ACTIVATIONS:
+            return f"activation_dtype={spec.activation_dtype} (the GEMV takes {list(ACTIVATIONS)})"
+        if spec.accumulate_dtype != ACCUMULATE[spec.activation_dtype]:
+            return f"accumulate_dtype={spec.accumulate_dtype} (it accumulates in {ACCUMULATE[spec.activation_dtype]})"
+        if spec.activation_dtype == "int8":
+            if effective_group_size(spec.group_size, k) != k:
+                return f"group_size={spec.group_size} with int8 activations (per-channel scales only, group_size=-1)"
+            if spec.zero_mode == "hqq":
+                return "zero_mode=hqq with int8 activations"
+        return None
+
+    def config_unsupported(self, spec: Matmul, n: int, k: int, config: GemvConfig, arch: str) -> str | None:
+        n_pad, k_pad = padded_shape(n, k)
+        per_word = 32 // get(spec.weight_dtype).bits
+        step = config.k_threads * config.words * per_word * config.split_k
+        if k_pad % step:
+            return (f"k_threads={config.k_threads} x words={config.words} x {per_word} codes x split_k="
+                    f"{config.split_k} = {step} does not divide the padded K={k_pad}")
+        if n_pad % config.columns:
+            return f"{config.columns} columns per block do not divide the padded N={n_pad}"
+        if config.split_k > 1 and spec.activation_dtype == "int8":
+            return "split_k with int8 activations"
+        if config.decode == "lop3" and layout_group(effective_group_size(spec.group_size, k), k) % per_word:
+            return f"decode='lop3' with group_size={spec.group_size} (a word of {per_word} codes needs one scale)"
+        return None
+
+    def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[GemvConfig]:
+        """1 to 4 rows per block, 2 to 8 warps, 8 to 32 threads along K, 64- or 128-bit loads, split-K 1 to 4,
+        both decodes: those that build and fit the architecture."""
+        candidates = [GemvConfig(*fields) for fields in itertools.product((1, 2, 4), (2, 4, 8), (8, 16, 32), (2, 4),
+                                                                          (1, 2, 4), DECODES)]
+        return self.buildable(spec, n, k, candidates, device)
+
+    def resources(self, spec: Matmul, k: int, config: GemvConfig) -> Resources:
+        """Threads, shared memory (none: x is read through the cache, the reduction uses warp shuffles) and a
+        register estimate (ptxas' count after the build is in `CudaKernel.binary.registers`)."""
+        ttype = get(spec.weight_dtype)
+        x_cache = config.words * (32 // ttype.bits) * itemsize(spec.activation_dtype) // 8 if config.rows == 1 else 0
+        registers = 32 + 2 * config.rows + 2 * config.words + x_cache
+        return Resources(0, config.warps * WARP, registers)
+
+    def work(self, spec: Matmul, n: int, k: int, m: int, config: GemvConfig, device) -> Work:
+        """Per call: the weight read (and decoded) once per block of rows, x once, y (and split-K's partial sums);
+        the products on the CUDA cores; a thread block per row block, column block and K slice."""
+        n_pad, k_pad = padded_shape(n, k)
+        row_blocks = -(-m // config.rows)
+        dram = weight_bytes(spec, n_pad, k_pad) * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + \
+            m * n_pad * 4 * config.split_k
+        operations = {"core_flop": 2 * m * n_pad * k_pad, "decoded_weight": n_pad * k_pad * row_blocks}
+        return Work(row_blocks * (n_pad // config.columns) * config.split_k, dram, operations,
+                    per_block=self.resources(spec, k, config))
+
+    def functions(self, spec: Matmul, n: int, k: int, config: GemvConfig, arch: str, prefix: str = "") -> dict:
+        """The scheduled PrimFunc (the decode functions' C source attached with pragma_import_c; arguments as
+        `expr.cuda_matmul_expr`); with split_k > 1 its last argument is instead the float32 partial sums
+        [split_k, M, N_pad], and the kernel that sums them (`build_reduce`) follows."""
+        from tvm import s_tir, te
+
+        self.checked(spec, n, k, config, arch)
+        expr = cuda_matmul_expr(spec, n, k, config.rows)
+        if config.split_k > 1:
+            partial = _partial_sums(expr, config.split_k)
+            func = te.create_prim_func([*expr.inputs, partial])
+        else:
+            func = te.create_prim_func([*expr.inputs, expr.output])
+        schedule = _Schedule(s_tir.Schedule(func.with_attr("global_symbol", "main")), spec, n, k, config, expr)
+        schedule.apply()
+        funcs = {f"{prefix}gemv": schedule.sch.mod["main"].with_attr("global_symbol", "main")}
+        if config.split_k > 1:
+            funcs[f"{prefix}gemv_reduce"] = build_reduce(spec, n, config)
+        return funcs
 
 
-def build(spec: Matmul, n: int, k: int, config: GemvConfig, name: str = "main"):
-    """The scheduled PrimFunc (the decode functions' C source attached with pragma_import_c).  Arguments
-    as `expr.cuda_matmul_expr`; with
-    split_k > 1 the last argument is instead the float32 partial sums [split_k, M, N_pad]."""
-    from tvm import s_tir, te
-
-    reason = unsupported_reason(spec, n, k, config)
-    if reason:
-        raise ValueError(f"the GEMV template does not support {reason}")
-    expr = cuda_matmul_expr(spec, n, k, config.rows)
-    if config.split_k > 1:
-        partial = _partial_sums(expr, config.split_k)
-        func = te.create_prim_func([*expr.inputs, partial])
-    else:
-        func = te.create_prim_func([*expr.inputs, expr.output])
-    schedule = _Schedule(s_tir.Schedule(func.with_attr("global_symbol", name)), spec, n, k, config, expr)
-    schedule.apply()
-    return schedule.sch.mod["main"].with_attr("global_symbol", name)
+TEMPLATE = GemvTemplate()
 
 
 def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce"):
@@ -150,7 +182,7 @@ def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce")
         value = total[r, i]
         if bias is not None:
             value = value + bias[i]
-        return value.astype(TVM_DTYPES[spec.output_dtype])
+        return value.astype(tvm_dtype(spec.output_dtype))
 
     y = te.compute((m, n), epilogue, name="y")
     inputs = [partial] + ([bias] if bias is not None else [])
@@ -231,7 +263,7 @@ class _Schedule:
         sch = self.sch
         cache = sch.cache_read(partial, read_index(sch, partial, "x"), "local")
         sch.compute_at(cache, k_step)
-        size = ITEM_BYTES[self.spec.activation_dtype]
+        size = itemsize(self.spec.activation_dtype)
         # lanes divide K too, so that every row of x starts on a vector boundary
         lanes = vector_lanes(16 // size, math.gcd(self.cfg.words * self.per_word, self.k))
         _, vector = sch.split(sch.get_loops(cache)[-1], [None, lanes])

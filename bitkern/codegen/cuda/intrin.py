@@ -160,7 +160,7 @@ def _decode_function(decoder: Decoder, describe: bool):
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
 
-    from ...ops.expr import TVM_DTYPES
+    from ...ttype import tvm_dtype
 
     ttype, per_word = decoder.ttype, decoder.per_word
     arguments = decoder.arguments()
@@ -169,7 +169,7 @@ def _decode_function(decoder: Decoder, describe: bool):
             T.func_name("decode_desc" if describe else "decode_impl")
             handles = {role: T.arg(role, T.handle()) for role in ["word", "out", *arguments]}
             word = T.match_buffer(handles["word"], (1,), "int32", scope="local", offset_factor=1)
-            out = T.match_buffer(handles["out"], (per_word,), TVM_DTYPES[decoder.out], scope="local",
+            out = T.match_buffer(handles["out"], (per_word,), tvm_dtype(decoder.out), scope="local",
                                  offset_factor=1)
             buffers = {}
             for role in arguments:
@@ -177,7 +177,7 @@ def _decode_function(decoder: Decoder, describe: bool):
                     buffers[role] = T.match_buffer(handles[role], (1,), "float32", offset_factor=1)
                 else:
                     dtype = "uint8" if role == "scale" and decoder.scale == "uint8" or \
-                        role == "zero" and decoder.zero_mode != "hqq" else TVM_DTYPES[decoder.scale]
+                        role == "zero" and decoder.zero_mode != "hqq" else tvm_dtype(decoder.scale)
                     buffers[role] = T.match_buffer(handles[role], (1,), dtype, offset_factor=1)
             element = (lambda role: buffers[role][0] if role in buffers else None)
             if describe:

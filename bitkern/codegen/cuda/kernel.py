@@ -1,15 +1,16 @@
-"""Build a CUDA template for one (spec, N, K) into a cubin and call it on torch tensors.
+"""A compiled CUDA kernel called on torch tensors, and the base of the CUDA templates, whose `build` lowers a
+template's scheduled TIR with TVM and compiles the CUDA source with nvcc for the target architecture (no GPU
+needed).
 
-`build_kernel` schedules the template (`gemm` or `gemv`), lowers it with TVM, compiles the CUDA source
-with nvcc for the target architecture (no GPU needed), and returns a `CudaKernel`: the call convention of
-the CPU kernels, `kernel(x2d, packed_weight, bias) -> y`, launched through the driver API on torch's
-current stream with the tensors' device pointers (no copies).  `CudaKernel.source` keeps the .cu,
+A `CudaKernel` has the call convention of the CPU kernels, `kernel(x2d, packed_weight, bias) -> y`, launched
+through the driver API on torch's current stream with the tensors' device pointers (no copies).  `CudaKernel.source` keeps the .cu,
 `binary.ptx` the PTX, `binary.registers` ptxas' register counts.  `save` / `load_kernel` move a built
 kernel to a machine with only a driver (no TVM, no nvcc: this module imports neither).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import logging
@@ -19,16 +20,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ...ops.matmul import Matmul
-from . import gemm, gemv
+from ...ttype import Layout, get, torch_dtype
+from ..template import Template
 from .compile import Binary, Launch, check_arch, evaluate, lower, nvcc
 from .expr import MAX_ROWS
-from .layout import Lop3Weight, padded_shape
+from .layout import Lop3Weight
 
 log = logging.getLogger("bitkern")
 
-TEMPLATES = ("gemm", "gemv")
 _ALIGNMENT = 16  # bytes: cp.async and 128-bit loads
-_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -57,7 +57,7 @@ class CudaKernel:
                             f"got {type(weight).__name__} layout {getattr(weight, 'layout', None)!r}")
         device = x.device
         self._check_device(device)
-        y = torch.empty(m, self.n, dtype=_TORCH[self.spec.output_dtype], device=device)
+        y = torch.empty(m, self.n, dtype=torch_dtype(self.spec.output_dtype), device=device)
         tensors = {"x": x, "qweight": weight.qweight, "scales": weight.scales, "y": y}
         if weight.zeros is not None:
             tensors["zeros"] = weight.zeros
@@ -65,11 +65,9 @@ class CudaKernel:
             tensors["tensor_scale"] = weight.tensor_scale.reshape(1)
         if bias is not None:
             tensors["bias"] = bias.to(torch.float32).contiguous()
-        if self.template == "gemv" and self.config.split_k > 1:
-            rows = -(-m // self.config.rows) * self.config.rows
-            partial = torch.empty(self.config.split_k, rows, padded_shape(self.n, self.k)[0], dtype=torch.float32,
-                                  device=device)
-            tensors["acc"] = tensors["partial"] = partial
+        for names, shape in self.config.workspace(self.n, self.k, m):  # float32 buffers the launches share
+            buffer = torch.empty(shape, dtype=torch.float32, device=device)
+            tensors.update(dict.fromkeys(names, buffer))
         for name, tensor in tensors.items():
             if not tensor.is_contiguous() or tensor.data_ptr() % _ALIGNMENT:
                 raise ValueError(f"{name} must be contiguous and {_ALIGNMENT}-byte aligned for the kernel's vector "
@@ -130,42 +128,114 @@ def load_kernel(directory: str) -> CudaKernel:
     with open(os.path.join(directory, "kernel.cu")) as handle:
         source = handle.read()
     template = description["template"]
-    if template not in TEMPLATES:
-        raise ValueError(f"{directory} holds a kernel of template {template!r}; accepted: {list(TEMPLATES)}")
-    config = (gemm.GemmConfig if template == "gemm" else gemv.GemvConfig)(**description["config"])
+    from . import TEMPLATES
+
+    templates = {t.name: t for t in TEMPLATES}
+    if template not in templates:
+        raise ValueError(f"{directory} holds a kernel of template {template!r}; accepted: {list(templates)}")
+    config = templates[template].config_from_dict(description["config"])
     binary = Binary(description["arch"], cubin, ptx, description["registers"], description["spills"])
     return CudaKernel(Matmul(**description["spec"]), description["n"], description["k"], template, config,
                       description["arch"], tuple(description["m_range"]),
                       source, [Launch.from_json(launch) for launch in description["launches"]], binary)
 
 
-def build_kernel(spec: Matmul, n: int, k: int, template: str, config, arch: str, m_range: tuple[int, int],
-                 keep_dir: str | None = None) -> CudaKernel:
-    """Generate the template's code for `config`, compile it with nvcc for `arch` (e.g. "sm_90")."""
-    funcs = kernel_functions(spec, n, k, template, config, arch)
-    source, launches = lower(funcs, arch)
-    binary = nvcc(source, arch, keep_dir)
-    ordered = [launch for symbol in funcs for launch in launches[symbol]]
-    for launch in ordered:
-        log.debug("bitkern: %s for %s: %d registers, %d bytes dynamic shared memory", launch.name, arch,
-                  binary.registers.get(launch.name, -1), launch.shared_bytes)
-    return CudaKernel(spec, n, k, template, config, arch, m_range, source, ordered, binary)
+WARP = 32
+MAX_THREADS = 1024  # per thread block
+DECODES = ("lop3", "tir")  # the LOP3 decode functions, or the same formula as plain TIR (any group size)
 
 
-def kernel_functions(spec: Matmul, n: int, k: int, template: str, config, arch: str, prefix: str = "") -> dict:
-    """The scheduled PrimFuncs of one kernel, {symbol: func} in launch order (a GEMV with split-K has two)."""
-    check_arch(arch)
-    if template == "gemm":
-        if not isinstance(config, gemm.GemmConfig):
-            raise TypeError(f"config must be a GemmConfig for template 'gemm', got {type(config).__name__}")
-        func = gemm.build(spec, n, k, config, arch)
-        return {f"{prefix}gemm": func}
-    if template == "gemv":
-        if not isinstance(config, gemv.GemvConfig):
-            raise TypeError(f"config must be a GemvConfig for template 'gemv', got {type(config).__name__}")
-        func = gemv.build(spec, n, k, config)
-        funcs = {f"{prefix}gemv": func}
-        if config.split_k > 1:
-            funcs[f"{prefix}gemv_reduce"] = gemv.build_reduce(spec, n, config)
-        return funcs
-    raise ValueError(f"template={template!r} is not known; accepted: {list(TEMPLATES)}")
+def check_config(config, positive: tuple[str, ...]) -> None:
+    """Raise unless the `positive` fields of a CUDA template configuration are positive ints and its decode is
+    known."""
+    for name in positive:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if config.decode not in DECODES:
+        raise ValueError(f"decode={config.decode!r} is not known; accepted: {list(DECODES)}")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one thread block of a kernel uses, to check against an architecture's limits."""
+
+    shared_bytes: int
+    threads: int
+    registers: int
+
+    def unfit(self, device) -> str | None:
+        """Why a block using these resources cannot run on `device` (a tuner CudaDevice), or None."""
+        if self.shared_bytes > device.shared_bytes_per_block:
+            return f"{self.shared_bytes} bytes of shared memory > {device.shared_bytes_per_block}"
+        if self.threads > device.max_threads_per_block:
+            return f"{self.threads} threads > {device.max_threads_per_block}"
+        if self.registers > device.registers_per_thread:
+            return f"{self.registers} registers per thread > {device.registers_per_thread}"
+        if self.registers * self.threads > device.registers_per_sm:
+            return f"{self.registers * self.threads} registers per block > {device.registers_per_sm}"
+        return None
+
+
+class CudaTemplate(Template):
+    """A CUDA template: schedules TIR functions (one per launch) over the "lop3" layout; `build` compiles them."""
+
+    target = "cuda"
+    layouts = (Layout.LOP3,)
+
+    @abc.abstractmethod
+    def config_unsupported(self, spec: Matmul, n: int, k: int, config, arch: str) -> str | None:
+        """Why `config` cannot build `spec` for a [N, K] weight (the spec itself being served), or None."""
+
+    @abc.abstractmethod
+    def functions(self, spec: Matmul, n: int, k: int, config, arch: str, prefix: str = "") -> dict:
+        """The scheduled PrimFuncs of one kernel, {symbol: func} in launch order (symbols start with `prefix`)."""
+
+    def reason(self, spec: Matmul, n: int, k: int, config, arch: str) -> str | None:
+        """Why the template cannot build `spec` with `config` on `arch` (the spec, then the configuration), or
+        None."""
+        return self.spec_unsupported(spec, n, k, arch) or self.config_unsupported(spec, n, k, config, arch)
+
+    @abc.abstractmethod
+    def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
+        """Why the template cannot serve `spec` on `arch` at all, or None."""
+
+    def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
+        return self.spec_unsupported(spec, n, k, device.arch)
+
+    def checked(self, spec: Matmul, n: int, k: int, config, arch: str) -> None:
+        """Raise (naming the template) unless `config` builds `spec` on `arch`."""
+        check_arch(arch)
+        self.check_config(config)
+        reason = self.reason(spec, n, k, config, arch)
+        if reason:
+            raise ValueError(f"the {self.title} template does not support {reason}")
+
+    def buildable(self, spec: Matmul, n: int, k: int, candidates, device) -> list:
+        """The candidate configurations that build `spec` and fit the device's limits; the plain-TIR decode only
+        where the LOP3 decode cannot serve (it is the slower, general path)."""
+        found = [config for config in candidates if self.config_unsupported(spec, n, k, config, device.arch) is None
+                 and self.resources(spec, k, config).unfit(device) is None]
+        lop3 = {config for config in found if config.decode == "lop3"}
+        return [config for config in found
+                if config.decode == "lop3" or dataclasses.replace(config, decode="lop3") not in lop3]
+
+    def build(self, spec: Matmul, n: int, k: int, config, layout, bucket: tuple[int, int], device,
+              keep_dir: str | None = None) -> CudaKernel:
+        """Generate the template's code for `config`, compile it with nvcc for `device.arch` (e.g. "sm_90")."""
+        if layout != Layout.LOP3:
+            raise ValueError(f"the {self.name} template reads the {Layout.LOP3} layout, not {layout!r}")
+        arch = device.arch
+        funcs = self.functions(spec, n, k, config, arch)
+        source, launches = lower(funcs, arch)
+        binary = nvcc(source, arch, keep_dir)
+        ordered = [launch for symbol in funcs for launch in launches[symbol]]
+        for launch in ordered:
+            log.debug("bitkern: %s for %s: %d registers, %d bytes dynamic shared memory", launch.name, arch,
+                      binary.registers.get(launch.name, -1), launch.shared_bytes)
+        return CudaKernel(spec, n, k, self.name, config, arch, bucket, source, ordered, binary)
+
+
+def weight_bytes(spec: Matmul, n_pad: int, k_pad: int) -> float:
+    """DRAM bytes of a padded weight's codes and scales."""
+    return n_pad * k_pad * get(spec.weight_dtype).bits / 8 + n_pad * (k_pad // max(16, abs(spec.group_size))) * 2

@@ -13,26 +13,16 @@ Words are row-major, qweight[N_pad, K_pad / C]: a 128-bit load reads 4·C consec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ...ttype import QuantizedWeight, codes_per_word, packed_length
-from ..cpu.layout import PackedWeight, map_words, trim_words, unmap_words
+from ...ttype import Layout, QuantizedWeight, codes_per_word, packed_length
+from ..cpu.layout import PackedWeight
+from ..words import map_words, trim_words, unmap_words
 
-LAYOUT = "lop3"
 LOP3_BITS = (1, 2, 4, 8)
 N_GRAIN = 16
 K_GRAIN = 128
-
-
-def word_order(bits: int) -> torch.Tensor:
-    """order[q] = which of a word's C consecutive k's the code at position q belongs to."""
-    per_word = codes_per_word(bits)
-    order = torch.empty(per_word, dtype=torch.long)
-    order[: per_word // 2] = torch.arange(0, per_word, 2)
-    order[per_word // 2:] = torch.arange(1, per_word, 2)
-    return order
 
 
 def padded_shape(n: int, k: int) -> tuple[int, int]:
@@ -48,11 +38,10 @@ def layout_group(group_size: int, k: int) -> int:
 def check_type(ttype) -> None:
     """Raise unless the layout (and the LOP3 decode) holds codes of this width."""
     if ttype.bits not in LOP3_BITS:
-        raise ValueError(f"layout {LAYOUT!r} holds {list(LOP3_BITS)}-bit types; {ttype.name!r} has {ttype.bits} "
+        raise ValueError(f"layout {Layout.LOP3.value!r} holds {list(LOP3_BITS)}-bit types; {ttype.name!r} has {ttype.bits} "
                          f"bits (it runs on the CPU kernels only)")
 
 
-@dataclass(eq=False)
 class Lop3Weight(PackedWeight):
     """A QuantizedWeight in the "lop3" layout (see the module docstring); `to_portable()` inverts it."""
 
@@ -67,12 +56,6 @@ class Lop3Weight(PackedWeight):
     @property
     def layout_group(self) -> int:
         return layout_group(self.group_size, self.shape[1])
-
-    def to(self, device) -> "Lop3Weight":
-        """A copy with every tensor on `device`."""
-        move = (lambda t: None if t is None else t.to(device))
-        return Lop3Weight(self.layout, self.ttype, self.shape, self.group_size, self.zero_mode, move(self.qweight),
-                          move(self.scales), move(self.zeros), move(self.tensor_scale))
 
     def to_portable(self) -> QuantizedWeight:
         """The same weight in the portable layout, bit for bit."""
@@ -99,5 +82,6 @@ def to_lop3(weight: QuantizedWeight) -> Lop3Weight:
     columns = math.ceil(k_pad / layout_group(weight.group_size, k))
     pad = (lambda t: None if t is None else
            torch.nn.functional.pad(t, (0, columns - t.shape[1], 0, n_pad - n)).contiguous())
-    return Lop3Weight(LAYOUT, weight.ttype, weight.shape, weight.group_size, weight.zero_mode, map_words(words, bits),
+    return Lop3Weight(Layout.LOP3, weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
+                      map_words(words, bits),
                       pad(weight.scales), pad(weight.zeros), weight.tensor_scale)

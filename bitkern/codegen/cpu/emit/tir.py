@@ -1,0 +1,126 @@
+"""Small TIR helpers for the hand-scheduled CPU templates: vectors, bf16 bit patterns, x86 intrinsics."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import tirx as T
+
+LANES = 16  # 32-bit lanes of one 512-bit vector
+
+
+def prim_func(name: str, arguments, body):
+    """The PrimFunc `name` written with TVM's IR builder: `arguments()` declares its arguments (which never alias),
+    `body()` emits its statements."""
+    with IRBuilder() as builder:
+        with T.prim_func():
+            T.func_name(name)
+            arguments()
+            T.func_attr({"tirx.noalias": True})
+            body()
+    return builder.get()
+
+
+def lanes(expr) -> int:
+    """Vector lanes of an expression (1 for scalars)."""
+    return expr.ty.dtype.lanes
+
+
+def load(buffer, *indices):
+    """buffer[indices] as an expression (a vector when an index is a ramp)."""
+    return tirx.BufferLoad(buffer, list(indices))
+
+
+def tile_pointer(buffer, indices, rows: int, row_stride: int, access: str):
+    """Pointer to a `rows` x `row_stride`-element block of a row-major buffer starting at `indices`, for
+    AMX tile loads/stores: the extent tells TVM the whole block is accessed (an address_of a single
+    element would let buffer compaction shrink the allocation to that element)."""
+    offset = 0
+    for index, extent in zip(indices, buffer.shape):
+        offset = offset * extent + index
+    return buffer.access_ptr(access, offset=offset, extent=rows * row_stride)
+
+
+def ramp(start, lanes: int = LANES):
+    return tirx.Ramp(start, 1, lanes)
+
+
+def splat(value, dtype: str, count: int = LANES):
+    """`count` lanes of a Python number (as `dtype`) or of a scalar expression."""
+    return tirx.Broadcast(tirx.const(value, dtype) if isinstance(value, (bool, int, float)) else value, count)
+
+
+def u32(value: int, count: int = LANES):
+    return splat(value, "uint32", count)
+
+
+def intrinsic(name: str, *args) -> None:
+    """Emit a call to an LLVM intrinsic that returns nothing (AMX tile ops, prefetch)."""
+    T.evaluate(tirx.call_llvm_intrin("void", name, *args))
+
+
+def tile(index: int):
+    """An AMX tile register number (an i8 immediate)."""
+    return tirx.const(index, "int8")
+
+
+def stride(bytes_: int):
+    return tirx.const(bytes_, "int64")
+
+
+def _typed(dtype: str, lanes: int) -> str:
+    return f"{dtype}x{lanes}" if lanes > 1 else dtype
+
+
+def _u32_like(value: int, lanes: int):
+    return u32(value, lanes) if lanes > 1 else tirx.const(value, "uint32")
+
+
+def bf16_bits(value):
+    """uint32 (lanes) holding the round-to-nearest-even bfloat16 pattern of float32 (lanes) in the low
+    16 bits."""
+    n = lanes(value)
+    bits = tirx.reinterpret(_typed("uint32", n), value)
+    lsb = tirx.bitwise_and(tirx.shift_right(bits, _u32_like(16, n)), _u32_like(1, n))
+    return tirx.shift_right(bits + _u32_like(0x7FFF, n) + lsb, _u32_like(16, n))
+
+
+def bf16_value(bits):
+    """float32 (lanes) of bfloat16 patterns held in the low 16 bits of uint32 (lanes)."""
+    n = lanes(bits)
+    return tirx.reinterpret(_typed("float32", n), tirx.shift_left(bits, _u32_like(16, n)))
+
+
+def bf16_to_float(stored):
+    """float32 (lanes) of loaded bfloat16 (or int16 bit pattern) lanes, by shifting their bits."""
+    n = lanes(stored)
+    return bf16_value(tirx.Cast(_typed("uint32", n), tirx.reinterpret(_typed("uint16", n), stored)))
+
+
+def horizontal_sum(values):
+    """Sum of the lanes of a float32 vector, as a tree of halves."""
+    while lanes(values) > 1:
+        half = lanes(values) // 2
+        values = tirx.Shuffle([values], list(range(half))) + tirx.Shuffle([values], list(range(half, 2 * half)))
+    return values
+
+
+
+def prefetch_ahead(buffer, tile_index, index, distance: int, tiles_per_task: int) -> None:
+    """Prefetch the line `distance` rows past (tile, index) of a per-tile buffer [tiles, rows, lanes] (tile16
+    weight words, or the per-group scales and zeros).  Past a tile's end it reaches the same stream of the
+    next task (`tiles_per_task` tiles on; consecutive tasks run on the same thread), so a task starts on
+    prefetched lines instead of cold misses.  Distance 0 emits nothing: the hardware prefetchers alone."""
+    if distance == 0:
+        return
+    tiles, rows = buffer.shape[0], buffer.shape[1]
+    ahead = index + distance
+    tile_ahead = tirx.min(tile_index + tirx.floordiv(ahead, rows) * tiles_per_task, tiles - 1)
+    prefetch(load(buffer, tile_ahead, tirx.floormod(ahead, rows), 0))
+
+
+def prefetch(element, into_l1: bool = True) -> None:
+    """Prefetch the cache line holding a buffer element (for reading): into L1 for the next iterations, or
+    into L2 only (prefetcht1) for lines needed later than L1 could keep them."""
+    intrinsic("llvm.prefetch.p0", tirx.address_of(element), tirx.const(0, "int32"),
+              tirx.const(3 if into_l1 else 2, "int32"), tirx.const(1, "int32"))

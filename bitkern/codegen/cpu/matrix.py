@@ -1,0 +1,106 @@
+"""What the two bf16 matrix templates (AMX and AVX512-BF16) share: the specs they serve, their decodes and
+activation planes, and the base class both derive from.  Their code comes from one emitter base
+(`emit.tile16.Tile16Builder`): the same prologue, decode and per-group epilogue, around AMX tile products or
+a vdpbf16ps micro-kernel."""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from ...ops.matmul import Matmul
+from ...ttype import effective_group_size, get
+from ...ttype.types import INT, UINT
+from .kernel import CpuTemplate
+from .layout import AMX_STEP_K, TILE16_BITS
+
+PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}  # bf16 planes that sum to an activation of each type
+MATRIX_BITS = (*TILE16_BITS, 8)
+DECODES = ("affine", "lut", "convert")
+TILE_BYTES = 16 * 64  # a decoded bf16 B tile (16 k pairs x 16 columns), a float32 C tile (16 x 16)
+
+
+def decode_strategies(spec: Matmul) -> tuple[str, ...]:
+    """Decode strategies that apply to the spec.  "affine" folds a 128 offset out of float32 sums, which
+    costs up to ~2^-16 relative accuracy: below bf16 activations' own rounding, so it is offered for them
+    only; 8-bit codes have no table decode, and convert (exact) serves every activation type."""
+    ttype = get(spec.weight_dtype)
+    affine = ttype.kind in (INT, UINT) and spec.activation_dtype == "bfloat16"
+    if ttype.bits == 8:
+        return ("affine", "convert") if affine else ("convert",)
+    return ("affine", "lut") if affine else ("lut",)
+
+
+def nibbles(spec: Matmul, decode: str) -> int:
+    """B tiles per 16 weight columns and 32-deep step: the affine decode multiplies 8-bit codes as two 4-bit
+    nibbles."""
+    return 2 if get(spec.weight_dtype).bits == 8 and decode == "affine" else 1
+
+
+def step_depth(group: int, k: int) -> int | None:
+    """k's per decoded step: 32 (an AMX step), 16 for groups of 16, None where the group fits neither."""
+    if group % AMX_STEP_K == 0:
+        return AMX_STEP_K
+    if group == 16:
+        return 16
+    if group == k:  # per-channel: K is padded to the step and the whole padded K is one group
+        return AMX_STEP_K
+    return None
+
+
+def lut_words(spec: Matmul) -> torch.Tensor:
+    """The table decode's `lut` argument: the type's bf16 values, repeated to 32 entries, as 16 int32 words."""
+    values = get(spec.weight_dtype).lut("bfloat16").view(torch.int16)
+    return values.repeat(32 // values.numel()).view(torch.int32).contiguous()
+
+
+def check_decode(decode: str) -> None:
+    """Raise unless `decode` names a decode strategy."""
+    if decode not in DECODES:
+        raise ValueError(f"decode={decode!r} is not known; accepted: {list(DECODES)}")
+
+
+class MatrixTemplate(CpuTemplate):
+    """Base of the AMX and AVX512-BF16 templates.  Their emitter (`builder`, imported when a kernel is built) is
+    an `emit.tile16.Tile16Builder`; both take the table of the lut decode after the weight's tensors."""
+
+    shape_fields = ("n_tiles", "m_tiles", "rows", "prefetch", "decode", "chunk_prologue")
+
+    def unsupported_spec(self, spec: Matmul, k: int) -> str | None:
+        """Why neither matrix template can run `spec` with reduction length k, or None if they can."""
+        ttype = get(spec.weight_dtype)
+        group = effective_group_size(spec.group_size, k)
+        if ttype.bits not in MATRIX_BITS:
+            return f"{ttype.bits}-bit codes (it decodes {MATRIX_BITS}-bit codes)"
+        if ttype.bits == 8 and ttype.kind not in (INT, UINT):
+            return f"8-bit {ttype.kind} codes (8-bit codes decode as integers)"
+        if spec.activation_dtype not in PLANES:
+            return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"
+        depth = step_depth(group, k)
+        if depth is None:
+            return f"group_size={group} with in_features={k} (it needs a multiple of 32, 16, or per-channel)"
+        if depth * ttype.bits < 32:
+            return f"group_size={group}, shorter than one 32-bit word of {ttype.bits}-bit codes"
+        if not decode_strategies(spec):
+            return f"{ttype.bits}-bit codes with {spec.activation_dtype} activations (their affine decode keeps " \
+                   f"bf16's accuracy only)"
+        return None
+
+    @abc.abstractmethod
+    def builder(self):
+        """The emitter class of the template's kernels (an `emit.tile16.Tile16Builder`)."""
+
+    def program(self, spec: Matmul, n: int, k: int, config, layout, bucket, device):
+        """The PrimFunc computing `spec` for a [N, K] weight in the tile16 layout, for any number of rows M
+        (at most 16 with small_m).  Arguments, in order: x [M, K], qweight, scales, zeros (zero modes),
+        tensor_scale (nvfp4), lut (lut decode), bias [N] float32 (bias specs), y [M, N]."""
+        self.check_config(config)
+        reason = self.unsupported_spec(spec, k)
+        if reason:
+            raise ValueError(f"the {self.title} template does not support {reason}")
+        if config.decode not in decode_strategies(spec):
+            raise ValueError(f"decode={config.decode!r} does not apply to {spec.weight_dtype}; "
+                             f"accepted: {list(decode_strategies(spec))}")
+        func = self.builder()(spec, n, k, config).build("main")
+        return func, [lut_words(spec)] if config.decode == "lut" else []

@@ -1,0 +1,95 @@
+"""The kernel-template protocol: what every template of every target exposes, so that the tuner, the cache
+and the dispatch work with any of them through one interface (in the spirit of TVM dlight's ScheduleRule,
+with a registry per target: `bitkern.codegen.cpu.TEMPLATES`, `bitkern.codegen.cuda.TEMPLATES`).
+
+A template says which calls it can serve (`unsupported`), which configurations it can be built with
+(`configs`, grown from the tuner's device hint while they fit the device), what one unit of its work holds
+(`resources`: the one footprint the configuration space and the cost model both use), what a call does
+(`work`: counts the tuner's cost model prices with its own figures per operation), and builds a kernel
+(`build`).  The tuner keeps the policy: hints, prices, the shortlist, timing.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from ..ttype import Layout
+
+ANY_ROWS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one call of a template configuration does, for the tuner's cost model.
+
+    tasks: parallel tasks (CPU) or thread blocks (CUDA); dram_bytes: bytes moved from and to DRAM;
+    operations: {operation: count}, each operation priced by the tuner for the device kind; bounds: groups
+    of operations issued side by side, each group costing its slowest member; l1_bytes / l1_budget: the
+    footprint a CPU task keeps in L1 and the part of L1 it may take before it slows the streams through the
+    rest; streams / prefetch: weight streams a task reads at once and the words ahead it prefetches (None:
+    the template has no prefetch knob); per_block: what one CUDA thread block holds (occupancy).
+    """
+
+    tasks: int
+    dram_bytes: float
+    operations: dict = field(default_factory=dict)
+    bounds: tuple = ()
+    l1_bytes: float = 0.0
+    l1_budget: float = 0.0
+    streams: int = 1
+    prefetch: int | None = None
+    per_block: object = None
+
+
+class Template(abc.ABC):
+    """One kernel template of one target.
+
+    name: its key in the registry, the cache and tuning records; title: its name in messages; target: "cpu"
+    or "cuda"; layouts: the weight layouts it reads; config_type: its configuration (a frozen dataclass,
+    stored in the cache by its fields); max_rows: the largest M it is a candidate for; shape_fields: the
+    configuration fields that make two candidates differ in more than the cost model can rank (the tuner
+    times such candidates first).
+    """
+
+    name: str
+    title: str
+    target: str
+    layouts: tuple[Layout, ...]
+    config_type: type
+    max_rows: int = ANY_ROWS
+    shape_fields: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def unsupported(self, spec, n: int, k: int, device) -> str | None:
+        """Why the template cannot serve `spec` on a [N, K] weight on `device`, or None if it can."""
+
+    @abc.abstractmethod
+    def configs(self, spec, n: int, k: int, bucket: tuple[int, int], device, hint) -> list:
+        """Every configuration of the template for this kernel that fits `device`, grown from `hint`."""
+
+    @abc.abstractmethod
+    def resources(self, spec, k: int, config):
+        """What one unit of work of `config` holds (a CPU task's footprint, a CUDA block's resources)."""
+
+    @abc.abstractmethod
+    def work(self, spec, n: int, k: int, m: int, config, device) -> Work:
+        """What one call with M rows does (see `Work`)."""
+
+    @abc.abstractmethod
+    def build(self, spec, n: int, k: int, config, layout: Layout, bucket: tuple[int, int], device):
+        """The compiled kernel of `config` for rows M in `bucket` on `device` (callable as kernel(x, weight,
+        bias))."""
+
+    def config_from_dict(self, fields: dict):
+        """A configuration from its fields (as cache manifests store them)."""
+        return self.config_type(**fields)
+
+    def check_config(self, config) -> None:
+        """Raise unless `config` is a configuration of this template."""
+        if not isinstance(config, self.config_type):
+            raise TypeError(f"config must be a {self.config_type.__name__} for template {self.name!r}, got "
+                            f"{type(config).__name__}")
+
+    def __repr__(self) -> str:
+        return f"<{self.title} template {self.name!r} ({self.target})>"

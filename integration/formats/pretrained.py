@@ -1,0 +1,120 @@
+"""`bitkern.load_pretrained(path)`: a GPTQ / AWQ / bitsandbytes-4bit checkpoint directory (or one written with
+`bitkern.save`) as a transformers model whose quantized layers are `bitkern.Linear`.
+
+The model is built from its config without initialising weights (transformers' `no_init_weights`), every
+quantized module is converted and checked first (`convert_state_dict`: a bad checkpoint fails before any
+model exists), then the converted layers replace the model's nn.Linear modules and the float tensors are
+assigned.  Transformers is not patched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .checkpoint import bitkern_metadata, read_config, read_tensors, weight_files
+from .convert import convert_state_dict
+from .imported import FormatError
+
+ACCEPTED_KWARGS = ("dtype", "torch_dtype", "attn_implementation", "compute_dtype")
+
+
+def load_pretrained(path, **from_pretrained_kwargs):
+    """The transformers model of checkpoint directory `path` with bitkern layers, ready to `generate`.
+
+    Keyword arguments: dtype (float tensors and activations; default: as stored), attn_implementation
+    (as in from_pretrained), compute_dtype (what the bitkern layers multiply in; default: the input's).
+    """
+    unknown = sorted(set(from_pretrained_kwargs) - set(ACCEPTED_KWARGS))
+    if unknown:
+        raise TypeError(f"load_pretrained got unsupported arguments {unknown}; accepted: {list(ACCEPTED_KWARGS)}")
+    path = os.fspath(path)
+    dtype = from_pretrained_kwargs.get("dtype", from_pretrained_kwargs.get("torch_dtype"))
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, dtype)
+    if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype={dtype!r} is not supported; accepted: torch.float32, torch.float16, torch.bfloat16")
+    quantization_config = read_config(path).get("quantization_config")
+    if bitkern_metadata(path):
+        import bitkern
+
+        model = _build(path, dtype, from_pretrained_kwargs)
+        bitkern.load(model, weight_files(path)[0])
+        return _finish(model, from_pretrained_kwargs.get("compute_dtype"))
+    if quantization_config is None:
+        raise FormatError(f"{path}/config.json has no quantization_config and its weights are not bitkern's: "
+                          f"not a quantized checkpoint (load it with transformers, then bitkern.quantize_model)")
+    modules, rest = convert_state_dict(read_tensors(path), quantization_config)
+    model = _build(path, dtype, from_pretrained_kwargs)
+    _replace_linears(model, modules)
+    _assign(model, rest, dtype)
+    return _finish(model, from_pretrained_kwargs.get("compute_dtype"))
+
+
+def _build(path: str, dtype, kwargs):
+    """The model of the directory's config (its architecture's class, without the quantization_config), float
+    tensors allocated but not initialised."""
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    model_config = transformers.AutoConfig.from_pretrained(path)
+    if hasattr(model_config, "quantization_config"):
+        del model_config.quantization_config
+    architectures = model_config.architectures or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    options = {"dtype": dtype or model_config.dtype or torch.float32}
+    if "attn_implementation" in kwargs:
+        options["attn_implementation"] = kwargs["attn_implementation"]
+    with no_init_weights():
+        if model_class is None:
+            return transformers.AutoModelForCausalLM.from_config(model_config, **options)
+        return model_class._from_config(model_config, **options)
+
+
+def _replace_linears(model, modules: dict) -> None:
+    """Check that every converted module has an nn.Linear of its shape in the model, then swap them in."""
+    layers = {}
+    for name, imported in modules.items():
+        try:
+            target = model.get_submodule(name)
+        except AttributeError:
+            raise FormatError(f"the checkpoint holds a quantized module {name!r}, which the model lacks") from None
+        n, k = imported.weight.shape
+        if not isinstance(target, torch.nn.Linear) or (target.out_features, target.in_features) != (n, k):
+            raise FormatError(f"the checkpoint holds {name!r} as a [{n}, {k}] linear layer; the model has "
+                              f"{type(target).__name__} {tuple(getattr(target, 'weight', torch.empty(0)).shape)}")
+        if (target.bias is not None) != (imported.bias is not None):
+            raise FormatError(f"tensor {name + '.bias'!r} is {'missing' if target.bias is not None else 'unexpected'}")
+        layers[name] = imported.to_module()
+    for name, layer in layers.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+
+
+def _assign(model, tensors: dict, dtype) -> None:
+    """Assign the float tensors; every tensor the model expects must be there (tied ones come from their twin)."""
+    floats = {key: value.to(dtype) if dtype is not None and value.is_floating_point() else value
+              for key, value in tensors.items()}
+    result = model.load_state_dict(floats, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise FormatError(f"the checkpoint holds tensors the model does not have: {result.unexpected_keys}")
+    model.tie_weights()
+    import bitkern
+
+    loaded = {value.data_ptr() for value in floats.values()}
+    state = model.state_dict()
+    missing = [key for key in result.missing_keys if not isinstance(
+        model.get_submodule(key.rpartition(".")[0]), bitkern.Linear) and state[key].data_ptr() not in loaded]
+    if missing:
+        raise FormatError(f"tensors missing from the checkpoint: {missing}")
+
+
+def _finish(model, compute_dtype):
+    """The model in eval mode, its bitkern layers multiplying in `compute_dtype` (None: the input's dtype)."""
+    import bitkern
+
+    for module in model.modules():
+        if isinstance(module, bitkern.Linear):
+            module.compute_dtype = compute_dtype
+    return model.eval()

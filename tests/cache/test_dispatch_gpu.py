@@ -1,0 +1,34 @@
+"""Through the public API on a GPU: Matmul on CUDA tensors and modules moved to CUDA (skipped without one)."""
+
+import pytest
+import torch
+
+import bitkern
+from bitkern.ops import Matmul
+
+pytestmark = pytest.mark.requires_cuda
+
+
+@pytest.mark.parametrize("name, activation", [("int4", "float16"), ("nf4", "bfloat16"), ("uint4", "float16")])
+@pytest.mark.parametrize("m", [1, 33])
+def test_matmul_on_cuda_tensors(name, activation, m):
+    q = bitkern.quantize(torch.randn(256, 512), name).to("cuda")
+    packed = bitkern.pack(q)
+    assert packed.layout == "lop3"
+    spec = Matmul.for_weight(q, activation, output_dtype="float32")
+    x = torch.randn(m, 512, device="cuda").to(getattr(torch, activation))
+    y = spec(x, packed)
+    expected = spec.exact(x.cpu(), q.to("cpu"))
+    magnitude = x.double().abs().cpu() @ q.to("cpu").dequantize(torch.float64).abs().T
+    assert float(((y.double().cpu() - expected).abs() - 2.0**-7 * magnitude).max()) <= 0
+
+
+def test_linear_moved_to_cuda_relays_its_weight():
+    layer = bitkern.Linear(512, 256, dtype="int4", compute_dtype=torch.float16)
+    x = torch.randn(4, 512)
+    expected = layer(x)
+    layer.to("cuda")
+    assert layer.layout == "lop3"
+    torch.testing.assert_close(layer(x.cuda()).cpu(), expected, rtol=2e-2, atol=2e-2)
+    layer.cpu()
+    assert layer.layout == "tile16" and torch.equal(layer(x), expected)

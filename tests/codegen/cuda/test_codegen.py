@@ -1,0 +1,283 @@
+"""CUDA code generation without a GPU: every weight-type family's GEMM and GEMV kernels lower with TVM and
+compile with nvcc to cubins for sm_80 and sm_90, and their PTX holds the instructions the templates are
+built around (mma.sync, ldmatrix, cp.async; lop3 for integer weights; warp shuffles and 128-bit loads in
+the GEMV).  All kernels of an architecture go into one .cu, compiled once per test session."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bitkern.codegen import build_kernel, template as template_named
+from bitkern.codegen.cuda import GemmConfig, GemvConfig
+from bitkern.codegen.cuda.compile import evaluate, lower, nvcc
+from bitkern.codegen.cuda.expr import decoder_for
+from bitkern.ops import Matmul
+from bitkern.tuner import cuda_device
+
+pytestmark = pytest.mark.requires_nvcc
+
+INTEGER = ("int4", "uint4", "int2", "uint2", "int1", "uint1", "int8", "uint8")
+
+
+def _float(weight, activation="float16", group=128, zero_mode="none", **options):
+    scale = "bfloat16" if activation == "bfloat16" and "fp" not in weight and weight != "nvfp4" else "float16"
+    return Matmul(weight, activation, group_size=group, zero_mode=zero_mode, scale_dtype=scale, **options)
+
+
+GEMM_CASES = {  # name: (spec, N, K, config)
+    "int4_f16": (_float("int4"), 256, 512, GemmConfig()),
+    "uint4_gptq_f16": (_float("uint4", zero_mode="gptq", bias=True), 256, 512, GemmConfig()),
+    "uint4_awq_bf16": (_float("uint4", "bfloat16", zero_mode="awq"), 256, 512, GemmConfig(block_k=64)),
+    "uint4_hqq_f16": (_float("uint4", zero_mode="hqq", output_dtype="float32"), 256, 512, GemmConfig(stages=2)),
+    "int2_bf16": (_float("int2", "bfloat16"), 256, 512, GemmConfig(block_k=64)),
+    "uint2_gptq_f16": (_float("uint2", zero_mode="gptq", group=64), 256, 512, GemmConfig(block_k=64)),
+    "int1_f16": (_float("int1", group=-1), 128, 384, GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32,
+                                                               block_k=64)),
+    "int8_f16": (_float("int8"), 128, 512, GemmConfig(block_k=128, stages=2)),
+    "int1_group16_tir_f16": (_float("int1", group=16), 128, 256, GemmConfig(block_n=64, warp_n=32, block_k=64,
+                                                                            decode="tir")),
+    "nf4_f16": (_float("nf4", group=64), 96, 200, GemmConfig(block_m=32, block_n=32, warp_n=32)),
+    "fp4_bf16": (_float("fp4_e2m1", "bfloat16"), 256, 512, GemmConfig()),
+    "e4m3_f16": (_float("float8_e4m3"), 128, 256, GemmConfig(block_k=128, block_n=64, warp_n=32)),
+    "e5m2_bf16": (_float("float8_e5m2", "bfloat16"), 128, 256, GemmConfig(block_k=128, block_n=64, warp_n=32)),
+    "mxfp4_bf16": (Matmul("mxfp4", "bfloat16", group_size=32, bias=True), 144, 96,
+                   GemmConfig(block_m=16, warp_m=16, block_n=48, warp_n=16)),
+    "nvfp4_f16": (Matmul("nvfp4", "float16", group_size=16), 256, 512, GemmConfig(stages=4)),
+    "int4_int8": (Matmul("int4", "int8", accumulate_dtype="int32", group_size=-1, output_dtype="float16"), 256, 512,
+                  GemmConfig(block_k=64)),
+    "uint4_gptq_int8": (Matmul("uint4", "int8", accumulate_dtype="int32", group_size=-1, zero_mode="gptq"), 256,
+                        512, GemmConfig(block_k=64)),
+}
+FP8_GEMM_CASES = {  # float8_e4m3 mma: sm_89 and newer
+    "fp4_e4m3": (Matmul("fp4_e2m1", "float8_e4m3", group_size=-1, output_dtype="bfloat16"), 256, 640,
+                 GemmConfig(block_k=64, stages=4)),
+    "int4_e4m3": (Matmul("int4", "float8_e4m3", group_size=-1, output_dtype="float16", bias=True), 256, 512,
+                  GemmConfig(block_k=128)),
+}
+GEMV_CASES = {
+    "gemv_uint4_gptq_f16": (_float("uint4", zero_mode="gptq"), 4096, 4096, GemvConfig()),
+    "gemv_int4_bf16_rows4": (_float("int4", "bfloat16", bias=True), 256, 512,
+                             GemvConfig(rows=4, k_threads=16, words=2)),
+    "gemv_nf4_f16": (_float("nf4", group=64), 96, 256, GemvConfig(k_threads=8)),
+    "gemv_int4_int8": (Matmul("int4", "int8", accumulate_dtype="int32", group_size=-1, output_dtype="float16"), 256,
+                       512, GemvConfig(k_threads=16)),
+    "gemv_uint2_awq_f32": (Matmul("uint2", "float32", group_size=64, zero_mode="awq", scale_dtype="float32"), 64, 1024,
+                           GemvConfig(rows=2, k_threads=16)),
+    "gemv_mxfp4_bf16": (Matmul("mxfp4", "bfloat16", group_size=32), 128, 1024, GemvConfig(k_threads=8)),
+    "gemv_splitk_uint4_f16": (_float("uint4", zero_mode="gptq", bias=True), 4096, 4096,
+                              GemvConfig(split_k=4, k_threads=8, rows=2)),
+    "gemv_int2_group8_tir_f16": (_float("int2", group=8), 128, 512, GemvConfig(k_threads=8, words=1, decode="tir")),
+}
+ARCHS = ("sm_80", "sm_90")
+
+
+def _cases(arch):
+    cases = {name: ("gemm", *case) for name, case in GEMM_CASES.items()}
+    if arch == "sm_90":
+        cases.update({name: ("gemm", *case) for name, case in FP8_GEMM_CASES.items()})
+    cases.update({name: ("gemv", *case) for name, case in GEMV_CASES.items()})
+    return cases
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def compiled(request):
+    """(arch, cases, launches per case, binary, PTX per kernel) for one architecture: one nvcc call."""
+    arch = request.param
+    cases = _cases(arch)
+    funcs, owners = {}, {}
+    for name, (template, spec, n, k, config) in cases.items():
+        for symbol, func in template_named(template).functions(spec, n, k, config, arch, prefix=f"{name}_").items():
+            funcs[symbol] = func
+            owners[symbol] = name
+    source, launches = lower(funcs, arch)
+    binary = nvcc(source, arch)
+    by_case = {}
+    for symbol, found in launches.items():
+        by_case.setdefault(owners[symbol], []).extend(found)
+    return arch, cases, by_case, binary, _entries(binary.ptx)
+
+
+def _entries(ptx: str) -> dict:
+    """PTX text of each .entry (the device functions are inlined into them)."""
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx)]
+    return {name: ptx[start:(starts[i + 1][0] if i + 1 < len(starts) else len(ptx))]
+            for i, (start, name) in enumerate(starts)}
+
+
+def test_every_kernel_compiles_to_the_cubin(compiled):
+    arch, cases, launches, binary, entries = compiled
+    assert binary.cubin[:4] == b"\x7fELF" and binary.arch == arch
+    for name in cases:
+        for launch in launches[name]:
+            assert launch.name in entries, f"{launch.name} missing from the PTX"
+            assert 0 < binary.registers[launch.name] <= 255
+
+
+@pytest.mark.parametrize("name", list(GEMM_CASES) + list(FP8_GEMM_CASES))
+def test_gemm_ptx_has_mma_ldmatrix_cp_async_and_lop3(compiled, name):
+    arch, cases, launches, binary, entries = compiled
+    if name not in cases:
+        pytest.skip(f"float8_e4m3 mma needs sm_89+, not {arch}")
+    _, spec, _, _, _ = cases[name]
+    (launch,) = launches[name]
+    ptx = entries[launch.name]
+    shape = "m16n8k32" if spec.activation_dtype in ("int8", "float8_e4m3") else "m16n8k16"
+    kinds = {"float16": "f16.f16", "bfloat16": "bf16.bf16", "int8": "s8.s8", "float8_e4m3": "e4m3.e4m3"}
+    assert re.search(rf"mma\.sync\.aligned\.{shape}\.row\.col\.\w+\.{kinds[spec.activation_dtype]}", ptx)
+    assert "ldmatrix.sync.aligned" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    decoder = decoder_for(spec)
+    if spec.weight_dtype in INTEGER and spec.activation_dtype in ("float16", "bfloat16"):
+        assert decoder.uses_lop3  # every integer weight decodes to 16-bit floats with LOP3
+    assert ("lop3.b32" in ptx) == (decoder.uses_lop3 and cases[name][4].decode == "lop3")
+
+
+@pytest.mark.parametrize("name", list(GEMV_CASES))
+def test_gemv_ptx_has_lop3_shuffles_and_wide_loads(compiled, name):
+    _, cases, launches, binary, entries = compiled
+    _, spec, _, _, config = cases[name]
+    ptx = entries[launches[name][0].name]
+    assert "shfl.sync" in ptx
+    width = {4: "v4", 2: "v2"}.get(config.words)
+    if width:
+        assert re.search(rf"ld\.global\.nc\.{width}\.(u32|b32|s32)", ptx), "no vectorized weight load"
+    assert ("lop3.b32" in ptx) == (decoder_for(spec).uses_lop3 and config.decode == "lop3")
+    if config.split_k > 1:
+        assert [launch.name for launch in launches[name]] == [f"{name}_gemv_kernel", f"{name}_gemv_reduce_kernel"]
+
+
+def test_resources_match_the_compiled_kernels(compiled):
+    """Shared memory: the estimate bounds the kernel's, and exceeds it by at most the epilogue tile (which
+    TVM may fit into freed pipeline memory); the register estimate is within 2x of ptxas' count."""
+    arch, cases, launches, binary, _ = compiled
+    for name, (template, spec, n, k, config) in cases.items():
+        launch = launches[name][0]
+        estimate = template_named(template).resources(spec, k, config)
+        epilogue = config.block_m * config.block_n * 4 if template == "gemm" else 0
+        shared = launch.shared_bytes + launch.static_shared_bytes
+        assert estimate.shared_bytes - epilogue <= shared <= estimate.shared_bytes, name
+        assert estimate.threads == evaluate(launch.block[0], 1) * evaluate(launch.block[1], 1) * \
+            evaluate(launch.block[2], 1), name
+        actual = binary.registers[launch.name]
+        assert actual / 2 <= estimate.registers <= 2 * actual, (name, estimate.registers, actual)
+
+
+def test_launch_extents_follow_m(compiled):
+    _, cases, launches, _, _ = compiled
+    template, spec, n, k, config = cases["uint4_gptq_f16"]
+    (launch,) = launches["uint4_gptq_f16"]
+    assert [evaluate(g, 1) for g in launch.grid] == [n // config.block_n, 1, 1]
+    assert [evaluate(g, 65) for g in launch.grid] == [n // config.block_n, 2, 1]
+    assert launch.params[-1] == "M" and {"x", "qweight", "scales", "zeros", "bias", "y"} <= set(launch.params)
+
+
+def test_kernel_checks_its_inputs_before_launching():
+    import torch
+
+    import bitkern
+    from bitkern.codegen import pack as pack_for_cpu
+    from bitkern.codegen.cuda import pack
+
+    spec = Matmul("int4", "float16", group_size=-1)
+    kernel = build_kernel(spec, 64, 128, "gemv", GemvConfig(k_threads=4, words=1, warps=2), "lop3", (1, 4),
+                          cuda_device("sm_80"))
+    assert kernel.binary.cubin and "gemv_kernel" in kernel.source
+    q = bitkern.quantize(torch.randn(64, 128), "int4", group_size=-1)
+    x = torch.randn(2, 128).half()
+    with pytest.raises(ValueError, match="this kernel runs on CUDA devices"):
+        kernel(x, pack(q))
+    with pytest.raises(ValueError, match="x has 0 rows; a CUDA kernel serves 1 to"):
+        kernel(x[:0], pack(q))
+    with pytest.raises(TypeError, match="weight must be packed in the 'lop3' layout"):
+        kernel(x, pack_for_cpu(q))
+
+
+def test_build_errors_name_the_problem():
+    spec = Matmul("int4", "float16", group_size=128)
+    sm_80, sm_90 = cuda_device("sm_80"), cuda_device("sm_90")
+    with pytest.raises(ValueError, match="template='wmma' is not known"):
+        build_kernel(spec, 64, 256, "wmma", GemmConfig(), "lop3", (1, 16), sm_80)
+    with pytest.raises(TypeError, match="config must be a GemvConfig"):
+        build_kernel(spec, 64, 256, "gemv", GemmConfig(), "lop3", (1, 16), sm_80)
+    with pytest.raises(ValueError, match="arch='sm_75' is not supported"):
+        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "lop3", (1, 16), dataclasses.replace(sm_80, arch="sm_75"))
+    with pytest.raises(ValueError, match="the gemm template reads the lop3 layout, not 'tile16'"):
+        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "tile16", (1, 16), sm_80)
+    with pytest.raises(ValueError, match="block_n=128 does not divide the padded N=64"):
+        build_kernel(spec, 64, 256, "gemm", GemmConfig(), "lop3", (1, 16), sm_80)
+    with pytest.raises(ValueError, match=r"the decoded tile \(69632 bytes\) is static shared memory"):
+        build_kernel(spec, 256, 512, "gemm", GemmConfig(block_n=256, block_k=128), "lop3", (1, 16), sm_90)
+    with pytest.raises(ValueError, match="float8_e4m3 mma on sm_80"):
+        build_kernel(Matmul("int4", "float8_e4m3", group_size=-1, output_dtype="float16"), 128, 256, "gemm",
+                     GemmConfig(), "lop3", (1, 16), sm_80)
+    with pytest.raises(ValueError, match="group_size=128 with int8 activations"):
+        build_kernel(Matmul("int4", "int8", accumulate_dtype="int32"), 128, 256, "gemm", GemmConfig(), "lop3",
+                     (1, 16), sm_80)
+    with pytest.raises(ValueError, match=r"layout 'lop3' holds \[1, 2, 4, 8\]-bit types; 'int3'"):
+        build_kernel(Matmul("int3", "float16"), 128, 256, "gemv", GemvConfig(), "lop3", (1, 16), sm_80)
+    with pytest.raises(ValueError, match="activation_dtype=float32 \\(mma takes"):
+        build_kernel(Matmul("int4", "float32"), 128, 256, "gemm", GemmConfig(), "lop3", (1, 16), sm_80)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("warp_m", 24, "warp_m=24 must be a multiple of 16"), ("block_n", 96, "whole number of warp tiles"),
+    ("block_k", 48, "block_k=48 is not supported"), ("stages", 0, "stages=0 must be a positive int"),
+    ("decode", "lut", "decode='lut' is not known")])
+def test_gemm_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        GemmConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("k_threads", 3, "k_threads=3 must be a power of two"), ("words", 3, "words=3 is not supported"),
+    ("warps", 64, "warps=64 exceed 1024 threads"), ("rows", 0, "rows=0 must be a positive int")])
+def test_gemv_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        GemvConfig(**{field: value})
+
+
+def test_saved_kernel_loads_without_tvm(tmp_path):
+    """A built kernel round-trips through files, and loading it imports neither TVM nor the compiler path."""
+    from bitkern.codegen.cuda import load_kernel
+
+    spec = Matmul("uint4", "bfloat16", group_size=64, zero_mode="gptq", scale_dtype="bfloat16", bias=True)
+    kernel = build_kernel(spec, 64, 256, "gemv", GemvConfig(rows=2, k_threads=8, words=2, split_k=2), "lop3", (1, 8),
+                          cuda_device("sm_90"))
+    kernel.save(str(tmp_path))
+    loaded = load_kernel(str(tmp_path))
+    for field in ("spec", "n", "k", "template", "config", "arch", "m_range", "source", "launches"):
+        assert getattr(loaded, field) == getattr(kernel, field), field
+    assert loaded.binary == kernel.binary
+    script = ("import sys; from bitkern.codegen.cuda.kernel import load_kernel; "
+              f"k = load_kernel({str(tmp_path)!r}); "
+              "assert not [m for m in sys.modules if m.split('.')[0] in ('tvm', 'tvm_ffi')], 'TVM was imported'; "
+              "print(len(k.launches))")
+    repository = str(Path(__file__).resolve().parents[3])  # this checkout's bitkern (tests/codegen/cuda/ is three below)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=str(tmp_path),
+                            env={**os.environ, "PYTHONPATH": repository})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2"
+
+
+def test_bfloat16_intrinsics_are_the_float16_ones_with_the_type_substituted():
+    """The bfloat16 ldmatrix / mma intrinsics come from TVM's float16 ones through a script round trip.
+    Retyping the float16 ones to float16 gives them back, up to the static type of ldmatrix's shared
+    pointer argument (the code generator takes the element type from its type_annotation argument)."""
+    from tvm.s_tir import TensorIntrin
+    from tvm_ffi import get_first_structural_mismatch
+
+    from bitkern.codegen.cuda.intrin import mma_intrinsics, retyped
+
+    f16, bf16 = mma_intrinsics("float16"), mma_intrinsics("bfloat16")
+    for f16_name, bf16_name in ((f16.load_a, bf16.load_a), (f16.load_b, bf16.load_b), (f16.compute, bf16.compute)):
+        original, variant = TensorIntrin.get(f16_name), TensorIntrin.get(bf16_name)
+        for func, bf16_func in ((original.desc, variant.desc), (original.impl, variant.impl)):
+            mismatch = get_first_structural_mismatch(retyped(func, "float16"), func)
+            assert mismatch is None or str(mismatch[0]).endswith("value.args[5].ty.element_type.dtype"), mismatch
+            text = bf16_func.script()
+            assert "bfloat16" in text and '"float16"' not in text and '"fp16"' not in text

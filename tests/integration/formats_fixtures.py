@@ -1,0 +1,39 @@
+"""The format fixtures (tests/fixtures/formats, made by tools/format_fixtures/ with the real tools) and the
+reference model built from a fixture's float tensors and the tool's own dequantized weights."""
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+DIRECTORY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "formats")
+NAMES = sorted(name for name in os.listdir(DIRECTORY) if os.path.isfile(os.path.join(DIRECTORY, name, "reference.safetensors")))
+
+
+def path(name: str) -> str:
+    return os.path.join(DIRECTORY, name)
+
+
+def reference(name: str) -> dict:
+    """{module name: the producing tool's own dequantized [out, in] weight}."""
+    return {key.removesuffix(".weight"): value for key, value in load_file(os.path.join(path(name), "reference.safetensors")).items()}
+
+
+def quantization_config(name: str) -> dict:
+    with open(os.path.join(path(name), "config.json")) as file:
+        return json.load(file)["quantization_config"]
+
+
+def reference_model(name: str, dtype=torch.float32):
+    """The fixture's Llama in float with the tool's dequantized weights (the reference implementation's model)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(path(name))
+    del config.quantization_config
+    model = LlamaForCausalLM(config)
+    tensors = load_file(os.path.join(path(name), "model.safetensors"))
+    state = {key: value for key, value in tensors.items() if key in model.state_dict()}
+    state.update({f"{module}.weight": weight for module, weight in reference(name).items()})
+    model.load_state_dict({key: value.to(dtype) for key, value in state.items()}, strict=True)
+    return model.to(dtype).eval()

