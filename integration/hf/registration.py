@@ -28,6 +28,9 @@ def register() -> None:
     from transformers.quantizers.auto import (AUTO_QUANTIZATION_CONFIG_MAPPING, register_quantization_config,
                                               register_quantizer)
 
+    quantizer = sys.modules.get(f"{__package__}.quantizer")
+    if quantizer is not None and not hasattr(quantizer, "BitkernHfQuantizer"):
+        return  # the quantizer module's own import of transformers' quantizers got here: it registers at its end
     from .config import METHOD, BitkernConfig
     from .quantizer import BitkernHfQuantizer
 
