@@ -2,6 +2,7 @@
 locally: quantize on load bit for bit as `bitkern.quantize_model`, save_pretrained and from_pretrained in a fresh
 process, sharded files with no float copy of a quantized weight, generate (greedy, sampling, KV caches,
 compiled), dequantize, device moves, LoRA training, bad input, and the registration `import bitkern` does.
+The model is tests/integration/conftest.py's `tiny_llama` (hidden 256, MLP 512, 2 layers, vocabulary 1024).
 
 test_hf_versions.py runs this module again under transformers 5.19 (its own environment)."""
 
@@ -17,25 +18,13 @@ import pytest
 import safetensors
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import bitkern
 from bitkern.integration.hf.config import BitkernConfig
 
 CASES = {"int4": 32, "nf4": 64, "int8": -1, "mxfp4": None}  # dtype: group size
 PROMPT = torch.tensor([[1, 17, 200, 33, 95, 4, 250, 61, 7, 130]])
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A float32 Llama with random weights (2 layers, grouped-query attention, untied lm_head), saved."""
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
-                         tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +93,7 @@ def test_per_module_overrides_and_modules_kept_float(tiny_llama, float_model):
     assert type(layers["model.layers.0.mlp.down_proj"]) is nn.Linear
     assert type(layers["model.layers.0.mlp.gate_proj"]) is nn.Linear
     assert layers["model.layers.1.mlp.down_proj"].weight_dtype == "int8"
-    assert layers["model.layers.1.mlp.down_proj"].group_size == 256  # per channel: in_features
+    assert layers["model.layers.1.mlp.down_proj"].group_size == 512  # per channel: in_features
     assert layers["model.layers.1.self_attn.q_proj"].weight_dtype == "nf4"
     assert layers["model.layers.1.self_attn.k_proj"].group_size == 32  # the config's own, the override's dtype
     assert layers["model.layers.1.self_attn.v_proj"].weight_dtype == "int4"
@@ -187,45 +176,17 @@ def test_a_checkpoint_loads_without_float_weights_in_memory(quantized, tmp_path)
     assert all(isinstance(m, bitkern.Linear) for n, m in _linears(reloaded).items() if n != "lm_head")
 
 
-def test_a_checkpoint_of_another_format_loads_through_a_registered_source(quantized, tmp_path):
-    """A checkpoint format bitkern does not write (here: unpacked uint8 codes named `codes`, `scale`) loads
-    through `BitkernConfig(source=...)` once a CheckpointSource says which tensors a layer has and converts them."""
-    from bitkern.integration.hf import format as checkpoint_format
-    from safetensors.torch import load_file, save_file
-
-    renamed = {"weight_scale": "scale", "weight_zero": "zero", "weight_tensor_scale": "tensor_scale"}
-
-    def expected(settings, in_features, out_features):
-        native = checkpoint_format.expected_tensors(settings, in_features, out_features)
-        return {"codes": ((out_features, in_features), torch.uint8),
-                **{renamed[name]: spec for name, spec in native.items() if name != "weight"}}
-
-    def to_bitkern(tensors, settings, in_features, out_features):
-        return {"weight": bitkern.ttype.pack(tensors["codes"], bitkern.ttype.get(settings.dtype).bits),
-                **{name: tensors[other] for name, other in renamed.items() if other in tensors}}
-
-    model = quantized("int4")
-    model.save_pretrained(tmp_path / "saved")
-    state = load_file(str(tmp_path / "saved" / "model.safetensors"))
-    layers = _linears(model)
-    converted = {}
-    for key, value in state.items():
-        module, _, tensor = key.rpartition(".")
-        if isinstance(layers.get(module), bitkern.Linear) and tensor == "weight":
-            converted[f"{module}.codes"] = layers[module].quantized_weight().codes()
-        else:
-            converted[f"{module}.{renamed.get(tensor, tensor)}"] = value
-    save_file(converted, str(tmp_path / "saved" / "model.safetensors"), metadata={"format": "pt"})
-    document = json.loads((tmp_path / "saved" / "config.json").read_text())
-    document["quantization_config"]["source"] = "unpacked_codes_test"
-    (tmp_path / "saved" / "config.json").write_text(json.dumps(document))
-    checkpoint_format.register_source("unpacked_codes_test", checkpoint_format.CheckpointSource(expected, to_bitkern))
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
-    finally:
-        checkpoint_format.SOURCES.pop("unpacked_codes_test")
-    assert torch.equal(_logits(loaded), _logits(model))
-    assert loaded.config.quantization_config.source == "bitkern"  # saving it writes bitkern's format
+def test_load_pretrained_reads_a_save_pretrained_checkpoint(quantized, tmp_path):
+    """`bitkern.load_pretrained`, the one call for checkpoints of other tools, loads bitkern's own transformers
+    checkpoints too (sharded here), through the quantizer, bit for bit."""
+    model = quantized("nf4")
+    model.save_pretrained(tmp_path / "saved", max_shard_size="40KB")
+    loaded = bitkern.load_pretrained(tmp_path / "saved")
+    assert not loaded.training and loaded.is_quantized and loaded.hf_quantizer.quantization_config.dtype == "nf4"
+    assert torch.equal(_logits(loaded), _logits(model)) and torch.equal(_greedy(loaded), _greedy(model))
+    cast = bitkern.load_pretrained(tmp_path / "saved", dtype="bfloat16", compute_dtype=torch.bfloat16)
+    assert cast.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert {m.compute_dtype for m in cast.modules() if isinstance(m, bitkern.Linear)} == {torch.bfloat16}
 
 
 # -- generate, compile, dequantize, devices -------------------------------------------------------------------
@@ -239,7 +200,7 @@ def test_generate_greedy_sampling_and_kv_caches(quantized):
     sampled = model.generate(PROMPT, max_new_tokens=12, do_sample=True, top_k=20, temperature=0.8)
     torch.manual_seed(3)
     again = model.generate(PROMPT, max_new_tokens=12, do_sample=True, top_k=20, temperature=0.8)
-    assert torch.equal(sampled, again) and sampled.shape == greedy.shape and int(sampled.max()) < 256
+    assert torch.equal(sampled, again) and sampled.shape == greedy.shape and int(sampled.max()) < 1024
 
 
 def test_generate_with_torch_compile(tiny_llama):
@@ -293,7 +254,8 @@ def test_cuda_device_map_puts_the_layers_on_the_gpu(tiny_llama, quantized, tmp_p
 
 # -- LoRA -------------------------------------------------------------------------------------------------------
 def test_lora_adapters_train_on_the_quantized_base(tiny_llama):
-    peft = pytest.importorskip("peft")
+    import peft
+
     from bitkern.integration.hf.lora import LoraLinear
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=BitkernConfig("int4", group_size=32))
@@ -332,8 +294,8 @@ def test_bad_settings_are_named_before_anything_loads(tiny_llama, tmp_path):
     before = {file.name: file.read_bytes() for file in tiny_llama.iterdir()}
     with pytest.raises(ValueError) as error:
         AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=BitkernConfig("int4", group_size=96))
-    assert "model.layers.0.self_attn.q_proj (in_features 128)" in str(error.value)
-    assert "model.layers.1.mlp.down_proj (in_features 256)" in str(error.value)
+    assert "model.layers.0.self_attn.q_proj (in_features 256)" in str(error.value)
+    assert "model.layers.1.mlp.down_proj (in_features 512)" in str(error.value)
     assert {file.name: file.read_bytes() for file in tiny_llama.iterdir()} == before
 
 
@@ -357,8 +319,8 @@ def test_a_checkpoint_into_a_model_of_other_sizes_is_refused(quantized, tmp_path
     with pytest.raises(ValueError) as error:
         AutoModelForCausalLM.from_pretrained(tmp_path / "saved", config=other)
     message = str(error.value)
-    assert "does not fit this model" in message and "model.layers.0.mlp.up_proj: weight is [256, 16] int32, " \
-                                                   "expected [192, 16] int32" in message
+    assert "does not fit this model" in message and "model.layers.0.mlp.up_proj: weight is [512, 32] int32, " \
+                                                   "expected [192, 32] int32" in message
 
 
 def test_without_bitkern_registered_a_checkpoint_fails_loudly(quantized, tmp_path):
@@ -383,7 +345,8 @@ def test_import_bitkern_registers_with_transformers_whichever_comes_first():
         assert bitkern.BitkernConfig is BitkernConfig
         """
     for first, second in (("bitkern", "transformers.quantizers.auto as auto"),
-                          ("transformers.quantizers.auto as auto", "bitkern")):
+                          ("transformers.quantizers.auto as auto", "bitkern"),
+                          ("bitkern.integration.hf.quantizer", "transformers.quantizers.auto as auto")):
         result = _run(f"import {first}\nimport {second}\n" + textwrap.dedent(check))
         assert result.returncode == 0, (first, result.stderr[-3000:])
 
