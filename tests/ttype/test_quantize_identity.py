@@ -192,7 +192,7 @@ def test_nearest_codes_on_every_bfloat16_and_its_neighbours(name):
     centres = centres[torch.isfinite(centres)]
     x = torch.cat([centres, torch.nextafter(centres, torch.tensor(math.inf)),
                    torch.nextafter(centres, torch.tensor(-math.inf)),
-                   centres + torch.ldexp(torch.ones(()), torch.frexp(centres)[1] - 9)])  # half a bfloat16 step
+                   centres + torch.ldexp(torch.ones_like(centres), torch.frexp(centres)[1] - 9)])  # half a bfloat16 step
     x = x[torch.isfinite(x)]
     assert torch.equal(nearest_codes(t, x), _oracle_nearest_codes(t, x))
 

@@ -101,8 +101,9 @@ def _mapped_tiles(qweight: torch.Tensor, k: int, bits: int, rows: int) -> torch.
     """Portable words -> tile16 words [rows/16, padded words, 16], mapped a chunk of 16-row tiles at a time
     (so the temporaries stay in cache); padding is zero."""
     n, length = qweight.shape
-    tiles = torch.zeros(rows // AMX_TILE_ROWS, padded_k(k, bits) // codes_per_word(bits), AMX_TILE_ROWS,
+    tiles = torch.empty(rows // AMX_TILE_ROWS, padded_k(k, bits) // codes_per_word(bits), AMX_TILE_ROWS,
                         dtype=torch.int32, device=qweight.device)
+    tiles[:, length:] = 0  # the padded words; the loop writes all others (and zero rows past N)
     step = max(1, _CHUNK_WORDS // (length * AMX_TILE_ROWS)) * AMX_TILE_ROWS
     for start in range(0, n, step):
         mapped = map_words(trim_words(qweight[start:start + step], k, bits), bits)
