@@ -24,7 +24,7 @@ ROUNDS = 10
 
 def _pair(spec, n, k):
     """The two kernels that differ only in where the planes are built."""
-    return {chunk: build_kernel(spec, n, k, "amx", AmxConfig(2, 2, False, 128, 2, 64, "affine", chunk), "tile16",
+    return {chunk: build_kernel(spec, n, k, "amx", AmxConfig(2, False, 128, 2, 64, "affine", chunk, m_tiles=2), "tile16",
                                 LARGE_BUCKET, host_cpu()) for chunk in (False, True)}
 
 

@@ -45,11 +45,13 @@ def kernel_for(spec: Matmul, n: int, k: int, m: int, layout: str, device=None, s
 
 
 def _load_or_build(key: KernelKey, device, store: DiskStore):
+    """The stored kernel, else one built under the store's build lock and stored; where the store cannot be
+    used (see `DiskStore.building`) the kernel is built in memory only."""
     kernel = store.load(key)
     if kernel is not None:
         return kernel
-    with store.lock(key):
-        kernel = store.load(key)  # another process may have built it while we waited
+    with store.building(key) as storing:
+        kernel = store.load(key) if storing else None  # another process may have built it while we waited
         if kernel is None:
             from ..tuner import tune
 
@@ -57,7 +59,8 @@ def _load_or_build(key: KernelKey, device, store: DiskStore):
                          profile=tuning_mode() == "profile")
             kernel = tuned.kernel
             kernel.record = tuned.record
-            store.save(key, kernel)
+            if storing:
+                store.save(key, kernel)
     return kernel
 
 

@@ -92,6 +92,10 @@ def prebuild(shapes: list[LinearShape], dtype: str = "int4", group_size: int = 1
         check_type(ttype)
     layout = layout_for(ttype, device.kind)
     store = store or DiskStore()
+    problem = store.problem()
+    if problem:  # kernels would be built in memory only: nothing prebuilt
+        raise ValueError(f"the kernel cache {store.root} {problem}; prebuild stores kernels there (choose another "
+                         f"with --cache-dir or BITKERN_CACHE_DIR)")
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     group = ttype.block_size if ttype.block_size > 1 else group_size
     buckets = sorted({m_bucket(m) for m in rows})

@@ -219,7 +219,7 @@ def test_a_bundle_of_other_versions_is_refused(tmp_path, monkeypatch):
     kernel_for(SPEC, 64, 256, 1, "tile16", store=store)
     bundle = tmp_path / "kernels.tar.gz"
     store.export(bundle)
-    monkeypatch.setattr("bitkern.cache.disk.versions", lambda: {**versions(), "tvm": "9.9"})
+    monkeypatch.setattr("bitkern.cache.bundle.versions", lambda: {**versions(), "tvm": "9.9"})
     with pytest.raises(ValueError, match="never uses kernels built with other versions"):
         DiskStore(tmp_path / "two").import_(bundle)
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get
-from .kernel import LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, check_prefetch, doublings, operand_bytes
+from .kernel import LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, doublings, operand_bytes
 from .layout import AMX_TILE_ROWS, padded_k
-from .matrix import PLANES, TILE_BYTES, MatrixTemplate, check_decode, decode_strategies, nibbles
+from .matrix import PLANES, TILE_BYTES, MatrixConfig, MatrixTemplate, decode_strategies, nibbles
 from ..template import Work
 
 TILE_REGISTERS = 8  # AMX tile registers
@@ -18,29 +18,15 @@ PIPELINE_TILES = 4  # decoded tiles between a tile's stores and its AMX load tha
 
 
 @dataclass(frozen=True)
-class AmxConfig:
-    """Tile configuration of the AMX template (chosen by the tuner).
+class AmxConfig(MatrixConfig):
+    """Tile configuration of the AMX template (chosen by the tuner): MatrixConfig's fields, n_tiles counting
+    16-column C tiles, and m_tiles, the 16-row A tiles per m-block (large M; small_m kernels have one block of
+    M rows)."""
 
-    n_tiles: 16-column C tiles per task; m_tiles: 16-row A tiles per m-block (large M); small_m: one
-    block of all M <= 16 rows (tile rows = M) instead of 16-row tiles; m_chunk: rows per task (large M);
-    stage_steps: 32-deep k-steps decoded per pipeline stage; prefetch: words ahead (0: none); decode: strategy;
-    chunk_prologue (large M): each task builds its row chunk's activation planes itself and runs every
-    column block over them while they sit in L2, instead of one pass over all rows before the main loop
-    (whose planes outgrow the caches at large M and are re-read once per column block).
-    """
-
-    n_tiles: int = 4
     m_tiles: int = 1
-    small_m: bool = True
-    m_chunk: int = 256
-    stage_steps: int = 4
-    prefetch: int = 16
-    decode: str = "affine"
-    chunk_prologue: bool = False
 
     def __post_init__(self):
-        check_decode(self.decode)
-        check_prefetch(self.prefetch)
+        super().__post_init__()
         if self.small_m and (self.m_tiles != 1 or self.chunk_prologue):
             raise ValueError("small_m kernels use m_tiles=1 and build their planes in one pass")
         if self.m_tiles * self.n_tiles + self.m_tiles + 1 > TILE_REGISTERS:
@@ -90,11 +76,11 @@ class AmxTemplate(MatrixTemplate):
                     break
                 for stage in doublings(1, 8):
                     for chunk in [SMALL_M] if small else doublings(hint.m * m_tiles, 256):
-                        config = AmxConfig(n_tiles, m_tiles, small, max(chunk, 16 * m_tiles), stage, 0, decode)
+                        config = AmxConfig(n_tiles, small, max(chunk, 16 * m_tiles), stage, 0, decode, m_tiles=m_tiles)
                         if self.resources(spec, k, config).l1_bytes > device.l1_bytes:
                             continue
-                        found += [AmxConfig(n_tiles, m_tiles, small, config.m_chunk, stage, prefetch, decode,
-                                            chunk_prologue)
+                        found += [AmxConfig(n_tiles, small, config.m_chunk, stage, prefetch, decode, chunk_prologue,
+                                            m_tiles=m_tiles)
                                   for prefetch, chunk_prologue in itertools.product(PREFETCH_WORDS, prologues)]
         return found
 

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get
 from ..template import Work
-from .kernel import (FEW_ROWS, LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, check_prefetch, doublings,
-                     operand_bytes)
+from .kernel import FEW_ROWS, LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, doublings, operand_bytes
 from .layout import AMX_TILE_ROWS, padded_k
-from .matrix import PLANES, TILE_BYTES, MatrixTemplate, check_decode, decode_strategies, nibbles
+from .matrix import PLANES, TILE_BYTES, MatrixConfig, MatrixTemplate, decode_strategies, nibbles
 
 CPU_FLAG = "avx512_bf16"
 # zmm registers a register block may hold (C rows and the task's decoded weight rows, of 32): measured on
@@ -26,29 +25,21 @@ BODY = 80  # vdpbf16ps per k pair over a stage's steps
 
 
 @dataclass(frozen=True)
-class DotConfig:
-    """Tile configuration of the AVX512-BF16 template (chosen by the tuner).
-
-    n_tiles: 16-column weight tiles per task; rows: activation rows per register block (C rows held in
-    registers: rows x n_tiles, x2 for 8-bit codes); small_m: one chunk of all M <= 16 rows; m_chunk: rows
-    per task (large M); stage_steps, prefetch, decode, chunk_prologue: as in AmxConfig; direct (few rows):
-    decoded weight rows go from registers straight into the products of a block of up to `rows` rows, one
-    body per row count, instead of through a decoded stage in L1 that serves every row block.
-    """
+class DotConfig(MatrixConfig):
+    """Tile configuration of the AVX512-BF16 template (chosen by the tuner): MatrixConfig's fields, n_tiles
+    counting 16-column weight tiles; rows: activation rows per register block (C rows held in registers:
+    rows x n_tiles, x2 for 8-bit codes); direct (few rows): decoded weight rows go from registers straight into
+    the products of a block of up to `rows` rows, one body per row count, instead of through a decoded stage in
+    L1 that serves every row block."""
 
     n_tiles: int = 2
-    rows: int = 8
-    small_m: bool = True
     m_chunk: int = 64
     stage_steps: int = 2
-    prefetch: int = 16
-    decode: str = "affine"
-    chunk_prologue: bool = False
+    rows: int = 8
     direct: bool = False
 
     def __post_init__(self):
-        check_decode(self.decode)
-        check_prefetch(self.prefetch)
+        super().__post_init__()
         if self.direct and not self.small_m:
             raise ValueError("direct kernels serve few rows: they need small_m")
         if self.small_m and (self.chunk_prologue or AMX_TILE_ROWS % self.rows):
@@ -104,17 +95,17 @@ class DotTemplate(MatrixTemplate):
                     if stage * rows * planes * n_tiles * nib > BODY:
                         break
                     for chunk in [SMALL_M] if small else [c for c in doublings(32, 256) if c % rows == 0]:
-                        used = self.resources(spec, k, DotConfig(n_tiles, rows, small, chunk, stage, 0, decode))
+                        used = self.resources(spec, k, DotConfig(n_tiles, small, chunk, stage, 0, decode, rows=rows))
                         if used.l1_bytes > device.l1_bytes // 2 or used.l2_bytes > device.l2_bytes // 2:
                             continue
                         for prefetch in PREFETCH_WORDS:
-                            found += [DotConfig(n_tiles, rows, small, max(chunk, rows), stage, prefetch, decode,
-                                                chunk_prologue) for chunk_prologue in prologues]
+                            found += [DotConfig(n_tiles, small, max(chunk, rows), stage, prefetch, decode,
+                                                chunk_prologue, rows=rows) for chunk_prologue in prologues]
                             # a direct kernel has a body for each row count up to `rows`
                             direct_body = stage * rows * (rows + 1) // 2 * planes * n_tiles * nib
                             if bucket[1] <= FEW_ROWS and direct_body <= BODY:
-                                found.append(DotConfig(n_tiles, rows, True, SMALL_M, stage, prefetch, decode,
-                                                       direct=True))
+                                found.append(DotConfig(n_tiles, True, SMALL_M, stage, prefetch, decode,
+                                                       rows=rows, direct=True))
         return found
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: DotConfig, device) -> Work:

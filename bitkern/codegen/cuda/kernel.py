@@ -87,16 +87,20 @@ class CudaKernel:
                           launch.static_shared_bytes)
         return y
 
-    def save(self, directory: str) -> None:
-        """Write kernel.cubin, kernel.ptx, kernel.cu and kernel.json: what `load_kernel` needs."""
-        os.makedirs(directory, exist_ok=True)
+    def files(self) -> dict[str, bytes]:
+        """kernel.cubin, kernel.ptx, kernel.cu and kernel.json: what `kernel_from_files` needs."""
         description = {"spec": dataclasses.asdict(self.spec), "n": self.n, "k": self.k, "template": self.template,
                        "config": dataclasses.asdict(self.config), "arch": self.arch, "m_range": list(self.m_range),
                        "launches": [launch.to_json() for launch in self.launches],
                        "registers": self.binary.registers, "spills": self.binary.spills}
-        for name, content, mode in (("kernel.cubin", self.binary.cubin, "wb"), ("kernel.ptx", self.binary.ptx, "w"),
-                                    ("kernel.cu", self.source, "w"), ("kernel.json", json.dumps(description), "w")):
-            with open(os.path.join(directory, name), mode) as handle:
+        return {"kernel.cubin": self.binary.cubin, "kernel.ptx": self.binary.ptx.encode(),
+                "kernel.cu": self.source.encode(), "kernel.json": json.dumps(description).encode()}
+
+    def save(self, directory: str) -> None:
+        """Write `files()` into `directory`: what `load_kernel` needs."""
+        os.makedirs(directory, exist_ok=True)
+        for name, content in self.files().items():
+            with open(os.path.join(directory, name), "wb") as handle:
                 handle.write(content)
 
     def _check_device(self, device: torch.device) -> None:
@@ -119,20 +123,24 @@ class CudaKernel:
 
 def load_kernel(directory: str) -> CudaKernel:
     """A kernel written by `CudaKernel.save`."""
-    with open(os.path.join(directory, "kernel.json")) as handle:
-        description = json.load(handle)
-    with open(os.path.join(directory, "kernel.cubin"), "rb") as handle:
-        cubin = handle.read()
-    with open(os.path.join(directory, "kernel.ptx")) as handle:
-        ptx = handle.read()
-    with open(os.path.join(directory, "kernel.cu")) as handle:
-        source = handle.read()
+    files = {}
+    for name in ("kernel.json", "kernel.cubin", "kernel.ptx", "kernel.cu"):
+        with open(os.path.join(directory, name), "rb") as handle:
+            files[name] = handle.read()
+    return kernel_from_files(files)
+
+
+def kernel_from_files(files: dict[str, bytes]) -> CudaKernel:
+    """A kernel from the contents of the files `CudaKernel.files` gives (e.g. as the kernel cache read and
+    verified them)."""
+    description = json.loads(files["kernel.json"])
+    cubin, ptx, source = files["kernel.cubin"], files["kernel.ptx"].decode(), files["kernel.cu"].decode()
     template = description["template"]
     from . import TEMPLATES
 
     templates = {t.name: t for t in TEMPLATES}
     if template not in templates:
-        raise ValueError(f"{directory} holds a kernel of template {template!r}; accepted: {list(templates)}")
+        raise ValueError(f"kernel.json describes a kernel of template {template!r}; accepted: {list(templates)}")
     config = templates[template].config_from_dict(description["config"])
     binary = Binary(description["arch"], cubin, ptx, description["registers"], description["spills"])
     return CudaKernel(Matmul(**description["spec"]), description["n"], description["k"], template, config,
