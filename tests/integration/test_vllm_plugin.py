@@ -28,9 +28,23 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # each rank takes a slice 
 NEAR_TIE = 0.03  # logits; bfloat16 rounds logits of this model (|logit| < 1) to 0.002-0.004
 
 
+def greedy(model):
+    """(greedy tokens, top-2 logit margins per step, {name: float32 weight of every bitkern.Linear})."""
+    tokens, margins = [], []
+    for prompt in PROMPTS:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        top2 = [score[0].float().topk(2).values for score in out.scores]
+        margins.append([float(a - b) for a, b in top2])
+    weights = {name: module.dequantize_weight(torch.float32) for name, module in model.named_modules()
+               if isinstance(module, bitkern.Linear)}
+    return tokens, margins, weights
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    """reference(dtype, settings) -> (greedy tokens, top-2 logit margins per step, {name: float32 weight})."""
+    """reference(dtype, settings) -> greedy(the tiny Llama loaded by transformers, quantized by quantize_model)."""
     from transformers import AutoModelForCausalLM
 
     results = {}
@@ -40,19 +54,26 @@ def reference(tiny_llama):
         if key not in results:
             model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=getattr(torch, dtype))
             bitkern.quantize_model(model, skip=["lm_head"], **settings)
-            tokens, margins = [], []
-            for prompt in PROMPTS:
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                     output_scores=True, return_dict_in_generate=True)
-                tokens.append(out.sequences[0, len(prompt):].tolist())
-                top2 = [score[0].float().topk(2).values for score in out.scores]
-                margins.append([float(a - b) for a, b in top2])
-            weights = {name: module.dequantize_weight(torch.float32) for name, module in model.named_modules()
-                       if isinstance(module, bitkern.Linear)}
-            results[key] = tokens, margins, weights
+            results[key] = greedy(model)
         return results[key]
 
     return compute
+
+
+@pytest.fixture(scope="module")
+def bitkern_checkpoint(tiny_llama, tmp_path_factory):
+    """(the tiny Llama quantized on load by transformers with BitkernConfig(int4, group 64) and saved with
+    save_pretrained, greedy(that model))."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
+                                                 quantization_config=bitkern.BitkernConfig(**INT4))
+    path = tmp_path_factory.mktemp("bitkern-checkpoint")
+    model.save_pretrained(path)
+    with safe_open(path / "model.safetensors", "pt") as file:  # packed codes, no float weight
+        assert file.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype() == "I32"
+    return path, greedy(model)
 
 
 def engine(model, dtype, settings, eager=True, **extra):
@@ -90,6 +111,19 @@ def test_quantize_on_load_matches_transformers(run_vllm, tiny_llama, reference, 
     tokens, _, weights = reference("float32", settings)
     result, _ = run_vllm({"engine": engine(tiny_llama, "float32", settings, eager), "prompts": PROMPTS,
                           "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
+    check_weights(tmp_path, weights, ranks=1)
+    assert result["tokens"] == tokens
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_bitkern_checkpoint_loads_prequantized(run_vllm, bitkern_checkpoint, tmp_path, eager):
+    """A checkpoint saved by transformers from a BitkernConfig model: vLLM reads its quant_method "bitkern" and
+    loads every layer's packed codes and scales as stored (no quantization= needed); each served layer is the
+    saved layer bit for bit and the tokens are the transformers model's."""
+    path, (tokens, _, weights) = bitkern_checkpoint
+    request = engine(path, "float32", INT4, eager)
+    del request["quantization"], request["hf_overrides"]
+    result, _ = run_vllm({"engine": request, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
     check_weights(tmp_path, weights, ranks=1)
     assert result["tokens"] == tokens
 
@@ -132,11 +166,10 @@ def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
         (engine(tiny_llama, "float32", {"scale_dtype": "int8"}), "scale_dtype='int8' is not supported"),
         (dict(engine(tiny_llama, "float32", INT4), hf_overrides={"quantization_config_dict_json": "{dtype: int4}"}),
          "quantization_config_dict_json is not valid JSON"),
-        (dict(engine(gptq, "float32", INT4), hf_overrides={}),
-         "quantization='bitkern' was given for a checkpoint quantized with 'gptq'"),
+        (dict(engine(gptq, "float32", INT4), hf_overrides={}), "the checkpoint holds no gptq tensors"),
         (engine(gptq, "float32", INT4), "checkpoint is already quantized with 'gptq'"),
         (dict(engine(bitkern_checkpoint, "float32", INT4), hf_overrides={}),
-         "vLLM cannot load pre-quantized bitkern checkpoints yet"),
+         "quant_method 'bitkern' but it holds no bitkern layers"),
     ]
     result, _ = run_vllm({"cases": [case for case, _ in cases]})
     for (_, message), outcome in zip(cases, result["outcomes"]):
