@@ -1,4 +1,5 @@
-"""bitkern's linear method for checkpoints that are already quantized (GPTQ, AWQ; see sources.py).
+"""bitkern's linear method for checkpoints that are already quantized (bitkern, GPTQ, AWQ, bitsandbytes; see
+sources.py).
 
 Each layer's partition registers the checkpoint's own tensors with vLLM's parameter classes, so that vLLM's
 weight loaders stack merged shards (q/k/v, gate/up) and cut tensor-parallel partitions as they do for vLLM's
@@ -15,12 +16,12 @@ from vllm.model_executor.parameter import (BasevLLMParameter, ChannelQuantScaleP
 from vllm.model_executor.utils import set_weight_attrs
 
 from .linear_method import QUANTIZED, BitkernLayerMethod
-from .sources import NO_GROUP_INDEX, Partition, StoredTensor
+from .sources import Partition, StoredTensor
 
 
 class ShardRowsParameter(BasevLLMParameter):
-    """A tensor with one row per merged shard (GPTQ's g_idx: q, k and v each store their own), cut along its
-    inputs for row-parallel layers."""
+    """A tensor stored whole per merged shard, one row each, flattened (GPTQ's g_idx: q, k and v each store
+    their own; bitsandbytes' flat blocks, shorter rows padded), cut along its inputs for row-parallel layers."""
 
     def __init__(self, input_dim: int, **kwargs):
         self._input_dim = input_dim
@@ -30,24 +31,31 @@ class ShardRowsParameter(BasevLLMParameter):
     def input_dim(self) -> int:
         return self._input_dim
 
+    def _store(self, row: int, loaded_weight: torch.Tensor) -> None:
+        flat = loaded_weight.reshape(-1)
+        if flat.numel() > self.data.shape[1]:
+            raise ValueError(f"a checkpoint tensor of {flat.numel()} elements does not fit the {self.data.shape[1]} "
+                             f"its header gave")
+        self.data[row, :flat.numel()].copy_(flat)
+
     def load_column_parallel_weight(self, loaded_weight: torch.Tensor):
-        self.data[0].copy_(loaded_weight)
+        self._store(0, loaded_weight)
 
     def load_row_parallel_weight(self, loaded_weight: torch.Tensor):
         size = self.data.shape[self.input_dim]
-        self.data[0].copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        self._store(0, loaded_weight.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded_weight)
 
     def load_merged_column_weight(self, loaded_weight: torch.Tensor, **kwargs):
-        self.data[self._shard_id_as_int(kwargs["shard_id"])].copy_(loaded_weight)
+        self._store(self._shard_id_as_int(kwargs["shard_id"]), loaded_weight)
 
     def load_qkv_weight(self, loaded_weight: torch.Tensor, **kwargs):
-        self.data[self._shard_id_as_int(kwargs["shard_id"])].copy_(loaded_weight)
+        self._store(self._shard_id_as_int(kwargs["shard_id"]), loaded_weight)
 
 
 def vllm_parameter(stored: StoredTensor, weight_loader) -> BasevLLMParameter:
     """The vLLM parameter class whose loaders stack and cut `stored` along its axes."""
     if stored.output_dim is None:
-        data = torch.full(stored.shape, NO_GROUP_INDEX, dtype=stored.dtype)
+        data = torch.full(stored.shape, stored.fill, dtype=stored.dtype)
         return ShardRowsParameter(data=data, input_dim=stored.input_dim, weight_loader=weight_loader)
     data = torch.zeros(stored.shape, dtype=stored.dtype)
     axes = {"output_dim": stored.output_dim, "weight_loader": weight_loader}

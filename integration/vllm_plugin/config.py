@@ -1,9 +1,9 @@
 """The quantization method "bitkern" as vLLM sees it: a QuantizationConfig that gives every linear layer
 bitkern's linear method: quantize a float checkpoint on load (`Settings`), load a bitkern checkpoint
-(save_pretrained of a model quantized with bitkern.BitkernConfig) as stored, or serve a GPTQ or AWQ
-checkpoint converted on load into bitkern layers (`sources.py`).
+(save_pretrained of a model quantized with bitkern.BitkernConfig) as stored, or serve a GPTQ, AWQ or
+bitsandbytes 4-bit checkpoint converted on load into bitkern layers (`sources.py`).
 
-Serving a GPTQ or AWQ checkpoint on bitkern's kernels is the user's choice, `quantization="bitkern"`
+Serving a GPTQ, AWQ or bitsandbytes checkpoint on bitkern's kernels is the user's choice, `quantization="bitkern"`
 (`--quantization bitkern`); without it vLLM serves the checkpoint with its own method.
 
 vLLM pickles this config into its engine and worker processes, so the class lives at module level.
@@ -34,7 +34,7 @@ MIN_CUDA_CAPABILITY = 80
 
 class BitkernVllmConfig(QuantizationConfig):
     """Quantize a float checkpoint's linear layers on load with bitkern (`settings`), or serve a quantized
-    checkpoint (`source`: bitkern, GPTQ, AWQ) on bitkern's kernels."""
+    checkpoint (`source`: bitkern, GPTQ, AWQ, bitsandbytes) on bitkern's kernels."""
 
     def __init__(self, settings: Settings | None = None, source: QuantizedSource | None = None):
         super().__init__()
@@ -67,17 +67,17 @@ class BitkernVllmConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BitkernVllmConfig":
-        """The checkpoint's own quantization_config: a bitkern checkpoint (quant_method "bitkern"), or a GPTQ or
-        AWQ one served on bitkern's kernels."""
+        """The checkpoint's own quantization_config: a bitkern checkpoint (quant_method "bitkern"), or a GPTQ,
+        AWQ or bitsandbytes one served on bitkern's kernels."""
         return cls(source=checkpoint_source(config))
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
-        """Called by vLLM for a checkpoint that is already quantized: with quantization='bitkern', serve a GPTQ or
-        AWQ checkpoint on bitkern's kernels (its settings are checked here, at engine start); refuse other
-        methods, and quantize-on-load settings, with a message that says why.  A bitkern checkpoint needs no
-        override (vLLM reads its quant_method)."""
+        """Called by vLLM for a checkpoint that is already quantized: with quantization='bitkern', serve a GPTQ,
+        AWQ or bitsandbytes checkpoint on bitkern's kernels (its settings are checked here, at engine start);
+        refuse other methods, and quantize-on-load settings, with a message that says why.  A bitkern
+        checkpoint needs no override (vLLM reads its quant_method)."""
         method = hf_quant_cfg.get("quant_method")
         if user_quant != METHOD:
             return None
@@ -101,12 +101,14 @@ class BitkernVllmConfig(QuantizationConfig):
             self.source.rename(hf_to_vllm_mapper.apply_list)
 
     def get_checkpoint_weight_mapper(self):
-        """Keep GPTQ's g_idx (vLLM drops it by default): act-order layers need it."""
-        if self.source is not None and self.source.method == "gptq":
-            from vllm.model_executor.models.utils import WeightsMapper
+        """The checkpoint's tensors as the layers' parameters: GPTQ's g_idx kept (vLLM drops it by default,
+        act-order layers need it), bitsandbytes' weight.absmax & co. renamed (a parameter name has no dots)."""
+        renames = None if self.source is None else self.source.checkpoint_renames()
+        if renames is None:
+            return super().get_checkpoint_weight_mapper()
+        from vllm.model_executor.models.utils import WeightsMapper
 
-            return WeightsMapper()
-        return super().get_checkpoint_weight_mapper()
+        return WeightsMapper(orig_to_new_suffix=renames)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):

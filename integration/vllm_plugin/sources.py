@@ -3,8 +3,8 @@ tensor-parallel partition holds as the checkpoint stores them (shapes, dtypes, t
 shards along and cuts partitions of), and how they become one bitkern.Linear.
 
 bitkern's own checkpoints (transformers' save_pretrained of a BitkernConfig model, integration/hf/format.py)
-load as stored; GPTQ and AWQ ones go through the importers (bitkern.integration.formats), bit for bit the
-tool's own dequantization.
+load as stored; GPTQ, AWQ and bitsandbytes 4-bit ones go through the importers (bitkern.integration.formats),
+bit for bit the tool's own dequantization.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import bitkern
 from bitkern.ttype import QuantizedWeight
 
-from ..formats import FORMATS, FormatError, ImportedLinear, awq, convert_module, gptq, quantized_modules
+from ..formats import FORMATS, FormatError, ImportedLinear, awq, bnb, convert_module, gptq, quantized_modules
 from ..formats.bitstream import block_codes, stream_length
 from ..formats.convert import quantization_settings
 
@@ -34,7 +34,8 @@ class StoredTensor:
     output_dim: the axis along which vLLM stacks merged shards (q/k/v, gate/up) and cuts column-parallel
     slices, None for a tensor with one row per shard (`per_shard`, GPTQ's g_idx); outputs_per_element: the
     outputs one stored element along it holds (8 for 4-bit codes packed into int32 along the outputs);
-    input_dim: the axis cut for row-parallel layers, None where every rank loads the tensor whole.
+    input_dim: the axis cut for row-parallel layers, None where every rank loads the tensor whole; fill: its
+    value until loaded (what a tensor the checkpoint lacks keeps).
     """
 
     name: str
@@ -43,6 +44,7 @@ class StoredTensor:
     output_dim: int | None
     input_dim: int | None
     outputs_per_element: Fraction = Fraction(1)
+    fill: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,16 @@ class QuantizedSource:
     def quantized_modules(self, tensor_names) -> list[str]:
         raise NotImplementedError
 
-    def read_checkpoint(self, tensor_names) -> None:
-        """Record which modules the checkpoint holds quantized; FormatError if none, or naming a missing tensor."""
-        self.modules = self.quantized_modules(tensor_names)
+    def read_checkpoint(self, headers: dict) -> None:
+        """Record which modules the checkpoint holds quantized from its safetensors headers ({tensor name:
+        {"dtype", "shape"}}); FormatError if none, or naming a missing tensor."""
+        self.modules = self.quantized_modules(headers)
         self.quantized = set(self.modules)
+
+    def checkpoint_renames(self) -> dict[str, str | None] | None:
+        """{suffix: new suffix} renaming the checkpoint's tensors to the layer's parameters (an empty dict: as
+        they are), or None for vLLM's default (which drops g_idx)."""
+        return None
 
     def rename(self, rename) -> None:
         """Name the quantized modules as vLLM's model does (`rename`: a list of checkpoint names -> vLLM's)."""
@@ -153,9 +161,9 @@ class ImportedSource(QuantizedSource):
         super().__init__()
         self.config = dict(quantization_config)
         method = self.config.get("quant_method")
-        if method not in SOURCES:
-            raise FormatError(f"quantization='bitkern' serves float, bitkern, {', '.join(SOURCES)} checkpoints; this "
-                              f"one is quantized with quant_method={method!r}")
+        if method not in IMPORTED:
+            raise FormatError(f"quantization='bitkern' serves float, bitkern, gptq, awq and bitsandbytes (4-bit) "
+                              f"checkpoints; this one is quantized with quant_method={method!r}")
         self.settings = quantization_settings(self.config)[1]
         self.method = method  # (the format module itself is looked up by it: vLLM pickles this object)
         if self.config.get("lm_head"):
@@ -176,6 +184,9 @@ class ImportedSource(QuantizedSource):
                 if f"{module}.{tensor}" not in names:
                     raise FormatError(f"tensor {module + '.' + tensor!r} is missing from the checkpoint")
         return modules
+
+    def checkpoint_renames(self) -> dict[str, str | None] | None:
+        return {} if self.method == gptq.QUANT_METHOD else None  # act-order layers need GPTQ's g_idx
 
     def stored_tensors(self, part: Partition) -> list[StoredTensor]:
         """The tensors of this partition in the checkpoint's layout (ValueError naming the layer where the
@@ -201,6 +212,81 @@ class ImportedSource(QuantizedSource):
         return stacked.to_module()
 
 
+class BnbSource(QuantizedSource):
+    """A bitsandbytes 4-bit checkpoint (nf4, fp4, double quantization), served with tensor_parallel_size=1: its
+    blocks and their nested scales run through each module's flat weight across rows, so every module's tensors
+    are loaded whole (one row per merged shard, shapes from the checkpoint's headers) and converted by the
+    importer."""
+
+    method = bnb.QUANT_METHOD
+
+    def __init__(self, quantization_config: dict):
+        super().__init__()
+        self.config = dict(quantization_config)
+        quantization_settings(self.config)
+        self.stored: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # checkpoint tensor -> shape, dtype
+
+    def quantized_modules(self, headers) -> list[str]:
+        modules = quantized_modules(headers, self.config)
+        if not modules:
+            raise FormatError(f"the checkpoint holds no bitsandbytes 4-bit tensors (keys ending in "
+                              f"{', '.join(bnb.TENSORS)})")
+        for module in modules:
+            for suffix in bnb.OWNED:
+                if f"{module}.{suffix}" in headers:
+                    header = headers[f"{module}.{suffix}"]
+                    self.stored[f"{module}.{suffix}"] = tuple(header["shape"]), SAFETENSORS_DTYPES[header["dtype"]]
+            for suffix in ("weight", "weight.absmax", "weight.quant_map"):
+                if f"{module}.{suffix}" not in self.stored:
+                    raise FormatError(f"tensor {module + '.' + suffix!r} is missing from the checkpoint")
+        return modules
+
+    def checkpoint_renames(self) -> dict[str, str | None]:
+        return {f".{suffix}": f".{parameter_name(suffix)}" for suffix in bnb.TENSORS}
+
+    def stored_tensors(self, part: Partition) -> list[StoredTensor]:
+        for shard, outputs in zip(part.shards, part.outputs):
+            shape, dtype = self.stored[f"{shard}.weight"]
+            whole = 2 * shape[0] * dtype.itemsize // part.total_inputs
+            if part.split or outputs != whole:
+                raise part.fail(f"bitsandbytes checkpoints are served with tensor_parallel_size=1 (their blocks "
+                                f"run across rows; {shard} has {whole} outputs, this rank {outputs})")
+        tensors = []
+        for suffix in bnb.OWNED:
+            found = [self.stored.get(f"{shard}.{suffix}") for shard in part.shards]
+            if not any(found):
+                continue
+            if not all(found) or len({dtype for _, dtype in found}) != 1:
+                raise part.fail(f"the checkpoint modules {list(part.shards)} that vLLM stacks in this layer do not "
+                                f"all hold {suffix} of one dtype: {found}")
+            length = max(_numel(shape) for shape, _ in found)
+            tensors.append(StoredTensor(parameter_name(suffix), (len(part.shards), length), found[0][1], None, 1))
+        return tensors
+
+    def linear(self, part: Partition, tensors: dict[str, torch.Tensor]) -> bitkern.Linear:
+        imported = []
+        for row, shard in enumerate(part.shards):
+            own = {}
+            for suffix in bnb.OWNED:
+                if f"{shard}.{suffix}" in self.stored:
+                    shape = self.stored[f"{shard}.{suffix}"][0]
+                    own[f"{shard}.{suffix}"] = tensors[parameter_name(suffix)][row, :_numel(shape)].reshape(shape)
+            imported.append(convert_module(own, f"{shard}.", self.config))
+        return stack_outputs(part, imported).to_module()
+
+
+def parameter_name(suffix: str) -> str:
+    """The layer parameter holding a checkpoint tensor of a module (a name without dots)."""
+    return suffix.replace(".", "_")
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
 def _gptq_tensors(part: Partition, config: dict, settings: dict) -> list[StoredTensor]:
     bits, group_size = settings["bits"], settings["group_size"]
     k, n = part.inputs, sum(part.outputs)
@@ -219,7 +305,7 @@ def _gptq_tensors(part: Partition, config: dict, settings: dict) -> list[StoredT
     return [StoredTensor("qweight", (stream_length(k, bits), n), torch.int32, 1, 0),
             StoredTensor("qzeros", (groups, stream_length(n, bits)), torch.int32, 1, 0 if grouped else None, per_word),
             StoredTensor("scales", (groups, n), torch.float32, 1, 0 if grouped else None),
-            StoredTensor("g_idx", (len(part.shards), k), torch.int32, None, 1)]
+            StoredTensor("g_idx", (len(part.shards), k), torch.int32, None, 1, fill=NO_GROUP_INDEX)]
 
 
 def _awq_tensors(part: Partition, config: dict, settings: dict) -> list[StoredTensor]:
@@ -269,7 +355,8 @@ def _shard_group_index(part: Partition, group_index: torch.Tensor, group_size: i
         return None
     if not part.split:
         return group_index
-    consecutive = torch.arange(part.inputs, dtype=group_index.dtype) // (part.inputs if group_size == -1 else group_size)
+    width = part.inputs if group_size == -1 else group_size
+    consecutive = torch.arange(part.inputs, dtype=group_index.dtype) // width
     if torch.equal(group_index - group_index[0], consecutive):
         return None
     raise part.fail("g_idx of this rank's slice of the inputs is not consecutive groups (an act-order layer); use "
@@ -307,8 +394,11 @@ def stack_outputs(part: Partition, imported: list[ImportedLinear]) -> ImportedLi
     return ImportedLinear(weight, first.input_order)
 
 
-SOURCES = (gptq.QUANT_METHOD, awq.QUANT_METHOD)
+IMPORTED = (gptq.QUANT_METHOD, awq.QUANT_METHOD)  # served by ImportedSource; bitsandbytes by BnbSource
 REQUIRED = {gptq.QUANT_METHOD: ("qweight", "qzeros", "scales"), awq.QUANT_METHOD: awq.TENSORS}
+SAFETENSORS_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+                      "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                      "F64": torch.float64}
 
 
 def checkpoint_source(quantization_config: dict) -> QuantizedSource:
@@ -316,8 +406,11 @@ def checkpoint_source(quantization_config: dict) -> QuantizedSource:
     naming what is not supported (checked while vLLM builds its config, i.e. at engine start)."""
     if not isinstance(quantization_config, dict):
         raise TypeError(f"a checkpoint's quantization_config is a dict, got {type(quantization_config).__name__}")
-    if quantization_config.get("quant_method") == BitkernSource.method:
+    method = quantization_config.get("quant_method")
+    if method == BitkernSource.method:
         return BitkernSource(quantization_config)
+    if method == BnbSource.method:
+        return BnbSource(quantization_config)
     return ImportedSource(quantization_config)
 
 

@@ -1,5 +1,5 @@
 """Quantized checkpoints served by a real vLLM CPU engine on bitkern's kernels (`quantization="bitkern"`): the
-GPTQ and AWQ fixtures made by the real tools (tests/fixtures/formats) give the greedy tokens of the tool's
+GPTQ, AWQ and bitsandbytes fixtures made by the real tools (tests/fixtures/formats) give the greedy tokens of the tool's
 dequantized model through transformers, and every served layer dequantizes, bit for bit, to the tool's own
 weights (vLLM's merged q/k/v and gate/up rows and tensor-parallel slices against the tool's separate layers).
 
@@ -16,10 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.integration.formats_fixtures import path, reference, reference_model
+from tests.integration.greedy import assert_greedy_agrees, greedy_tokens
 
 HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 PROMPTS = [[5, 17, 33, 2, 90, 64], [1, 100, 7], [64, 12, 99, 3, 45, 8, 110, 27]]
 NEW_TOKENS = 8
+NEAR_TIE = 0.01  # logits; the float16 rounding of the reference's weights moves these models' logits by up to 0.002
 CHECKPOINT_FILES = ("config.json", "model.safetensors")  # (the fixture's reference weights stay out of vLLM's reach)
 MERGED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -41,15 +43,12 @@ def engine(model, eager=True, **extra):
                 quantization="bitkern", hf_overrides=dict(HEADS), **extra)
 
 
-def reference_tokens(name):
-    model = reference_model(name, torch.float32, **HEADS)
-    tokens = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-            tokens.append(out[0, len(prompt):].tolist())
-    return tokens
+def check_tokens(served, name):
+    """The served greedy tokens are the reference model's (a near tie aside: the tool rounds its dequantized
+    weights to float16, bitkern multiplies by the exact products, which round to those bit for bit)."""
+    tokens, margins = greedy_tokens(reference_model(name, torch.float32, **HEADS), PROMPTS, NEW_TOKENS,
+                                    min_new_tokens=NEW_TOKENS, pad_token_id=0)
+    assert_greedy_agrees(served, tokens, margins, NEAR_TIE)
 
 
 def expected_weight(weights, name, rank, ranks):
@@ -76,17 +75,19 @@ def check_weights(folder, name, ranks):
         assert len(served) == 4 * 2, sorted(served)
         for layer, weight in served.items():
             tool = expected_weight(weights, layer, rank, ranks)
-            assert torch.equal(weight.to(tool.dtype).view(torch.int16), tool.view(torch.int16)), layer
+            bits = {2: torch.int16, 4: torch.int32}[tool.element_size()]
+            assert torch.equal(weight.to(tool.dtype).view(bits), tool.view(bits)), layer
 
 
 @pytest.mark.parametrize("name, eager", [("gptq_4bit_asym_actorder", True), ("gptq_3bit_asym_actorder", False),
-                                         ("awq_4bit_gemm", True)],
-                         ids=["gptq-4bit-actorder-eager", "gptq-3bit-actorder-compiled", "awq-eager"])
+                                         ("awq_4bit_gemm", True), ("bnb_nf4_double_quant", True)],
+                         ids=["gptq-4bit-actorder-eager", "gptq-3bit-actorder-compiled", "awq-eager",
+                              "bnb-nf4-double-quant-eager"])
 def test_checkpoint_served_on_bitkern_gives_the_reference_tokens(run_vllm, tmp_path, name, eager):
     result, _ = run_vllm({"engine": engine(checkpoint(tmp_path, name), eager), "prompts": PROMPTS,
                           "max_tokens": NEW_TOKENS, "ignore_eos": True, "weights": str(tmp_path)})
     check_weights(tmp_path, name, ranks=1)
-    assert result["tokens"] == reference_tokens(name)
+    check_tokens(result["tokens"], name)
 
 
 def test_gptq_tensor_parallel_2(run_vllm, tmp_path):
@@ -97,7 +98,7 @@ def test_gptq_tensor_parallel_2(run_vllm, tmp_path):
                           "max_tokens": NEW_TOKENS, "ignore_eos": True, "weights": str(tmp_path)},
                          {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     check_weights(tmp_path, name, ranks=2)
-    assert result["tokens"] == reference_tokens(name)
+    check_tokens(result["tokens"], name)
 
 
 def _edited(tmp_path, name, folder, quantization_config=None, drop=()):

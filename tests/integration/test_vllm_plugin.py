@@ -17,6 +17,8 @@ import torch
 
 import bitkern
 
+from tests.integration.greedy import assert_greedy_agrees, greedy_tokens
+
 PROMPTS = [[1, 5, 9, 200], [17, 300, 42, 7, 99, 512, 3, 8, 640, 11], [900], [64, 128, 256, 33, 21]]
 MAX_TOKENS = 12
 INT4 = {"dtype": "int4", "group_size": 64}
@@ -30,13 +32,7 @@ NEAR_TIE = 0.03  # logits; bfloat16 rounds logits of this model (|logit| < 1) to
 
 def greedy(model):
     """(greedy tokens, top-2 logit margins per step, {name: float32 weight of every bitkern.Linear})."""
-    tokens, margins = [], []
-    for prompt in PROMPTS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        top2 = [score[0].float().topk(2).values for score in out.scores]
-        margins.append([float(a - b) for a, b in top2])
+    tokens, margins = greedy_tokens(model, PROMPTS, MAX_TOKENS)
     weights = {name: module.dequantize_weight(torch.float32) for name, module in model.named_modules()
                if isinstance(module, bitkern.Linear)}
     return tokens, margins, weights
@@ -144,9 +140,7 @@ def test_bfloat16(run_vllm, tiny_llama, reference, tmp_path):
     result, _ = run_vllm({"engine": engine(tiny_llama, "bfloat16", INT4), "prompts": PROMPTS,
                           "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
     check_weights(tmp_path, weights, ranks=1)
-    for served, expected, margin in zip(result["tokens"], tokens, margins):
-        differ = [step for step, (a, b) in enumerate(zip(served, expected)) if a != b]
-        assert not differ or margin[differ[0]] < NEAR_TIE, (served, expected, margin)
+    assert_greedy_agrees(result["tokens"], tokens, margins, NEAR_TIE)
 
 
 def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
