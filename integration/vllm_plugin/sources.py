@@ -15,6 +15,7 @@ from fractions import Fraction
 import torch
 
 import bitkern
+from bitkern import ttype
 from bitkern.ttype import QuantizedWeight
 
 from ..formats import FORMATS, FormatError, ImportedLinear, awq, bnb, convert_module, gptq, quantized_modules
@@ -135,16 +136,16 @@ class BitkernSource(QuantizedSource):
         except ValueError as error:
             split = f" (this rank's part of {part.total_inputs})" if part.split else ""
             raise part.fail(f"input size {part.inputs}{split}: {error}") from None
-        ranks = part.total_inputs // part.inputs
+        per_word = 32 // ttype.get(settings.dtype).bits  # codes packed along the inputs, none straddling words
+        if part.split and part.inputs % per_word:
+            raise part.fail(f"this rank's {part.inputs} of {part.total_inputs} inputs are not whole words of "
+                            f"{per_word} {settings.dtype} codes; use another tensor_parallel_size")
         tensors = []
         for name, (shape, dtype) in here.items():
             if len(shape) != 2:
                 raise part.fail(f"{settings.dtype} keeps one scale per tensor ({name}), which vLLM's merged and "
                                 f"tensor-parallel layers cannot share")
-            split = whole[name][0][1] != shape[1]
-            if split and whole[name][0][1] != ranks * shape[1]:
-                raise part.fail(f"this rank's {part.inputs} of {part.total_inputs} inputs do not hold whole "
-                                f"{name} columns ({whole[name][0][1]} in all); use another tensor_parallel_size")
+            split = whole[name][0][1] != shape[1]  # (a per-channel scale is every rank's whole)
             tensors.append(StoredTensor(name, shape, dtype, 0, 1 if split else None))
         return tensors
 
