@@ -33,7 +33,8 @@ class StoredTensor:
     """One tensor of a layer partition as the checkpoint stores it.
 
     output_dim: the axis along which vLLM stacks merged shards (q/k/v, gate/up) and cuts column-parallel
-    slices, None for a tensor with one row per shard (`per_shard`, GPTQ's g_idx); outputs_per_element: the
+    slices, None for a tensor stored whole per merged shard, one row each (GPTQ's g_idx, bitsandbytes'
+    tensors); outputs_per_element: the
     outputs one stored element along it holds (8 for 4-bit codes packed into int32 along the outputs);
     input_dim: the axis cut for row-parallel layers, None where every rank loads the tensor whole; fill: its
     value until loaded (what a tensor the checkpoint lacks keeps).
@@ -69,7 +70,7 @@ class Partition:
 
 
 class QuantizedSource:
-    """A quantized checkpoint: which of its modules it holds quantized (read from its tensor names)."""
+    """A quantized checkpoint: which of its modules it holds quantized (read from its safetensors headers)."""
 
     method = ""
 

