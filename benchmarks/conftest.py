@@ -165,8 +165,9 @@ def pytest_terminal_summary(terminalreporter):
         lines += ["| " + " | ".join(_format(row.get(c)) for c in columns) + " |" for row in rows]
         text = "\n".join(lines)
         terminalreporter.write_line(f"\n{table}\n{text}")
-        (RESULTS / f"{table}.md").write_text(f"{text}\n\nthreads: {torch.get_num_threads()}, "
-                                             f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}\n")
+        load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+        (RESULTS / f"{table}.md").write_text(f"{text}\n\nthreads: {torch.get_num_threads()}, load average at the "
+                                             f"end: {load}\n")
 
 
 def _format(value) -> str:

@@ -72,7 +72,7 @@ class Linear(QuantizedModule):
                              f"so x must be [..., {self.in_features}]")
         x, output_dtype = self._compute_input(x)
         if self.input_order is not None:
-            x = x.index_select(-1, self.input_order)
+            x = torch.gather(x, -1, self.input_order.expand(*x.shape[:-1], self.in_features))
         weight, weight_format = self.op_weight()
         return torch.ops.bitkern.linear(x, weight, weight_format, self.bias, output_dtype)
 

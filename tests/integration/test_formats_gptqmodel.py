@@ -1,13 +1,11 @@
 """Checkpoints bitkern exports to GPTQ load in gptqmodel (the tool transformers uses for GPTQ), and gptqmodel's
-own dequantization of them equals bitkern's bit for bit.  gptqmodel runs in its own virtual environment,
-made from the package registry on first use (pip install torch==2.13.0 gptqmodel==7.6.0, a few minutes),
-under $BITKERN_TEST_VENVS (default ~/.cache/bitkern-test-venvs); $BITKERN_GPTQMODEL_PYTHON names an
-existing interpreter with gptqmodel instead."""
+own dequantization of them equals bitkern's bit for bit.  gptqmodel runs in its own virtual environment, made
+from the package registry on first use by tests/client_venv.py (torch==2.13.0 gptqmodel==7.6.0, a few
+minutes); $BITKERN_GPTQMODEL_PYTHON names an existing interpreter with gptqmodel instead."""
 
 import os
 import subprocess
 import sys
-import venv
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from safetensors.torch import load_file
 import bitkern
 from bitkern.integration.formats import import_checkpoint, save_gptq
 
+from tests.client_venv import client_python
 from tests.integration.formats_fixtures import path
 
 GPTQMODEL = "gptqmodel==7.6.0"
@@ -24,17 +23,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gptqmodel_deq
 
 @pytest.fixture(scope="session")
 def gptqmodel_python():
-    if os.environ.get("BITKERN_GPTQMODEL_PYTHON"):
-        return os.environ["BITKERN_GPTQMODEL_PYTHON"]
-    root = os.environ.get("BITKERN_TEST_VENVS", os.path.expanduser("~/.cache/bitkern-test-venvs"))
-    directory = os.path.join(root, GPTQMODEL.replace("==", "-"))
-    python = os.path.join(directory, "bin", "python")
-    ready = os.path.join(directory, "installed")
-    if not os.path.exists(ready):
-        venv.create(directory, with_pip=True, clear=True)
-        subprocess.run([python, "-m", "pip", "install", "-q", "torch==2.13.0", GPTQMODEL], check=True, timeout=1800)
-        open(ready, "w").close()
-    return python
+    return os.environ.get("BITKERN_GPTQMODEL_PYTHON") or str(client_python("gptqmodel", ["torch==2.13.0", GPTQMODEL]))
 
 
 @pytest.mark.parametrize("name", ["gptq_3bit_asym_actorder", "gptq_4bit_sym", "awq_4bit_gemm"])
