@@ -14,16 +14,30 @@ from .ttype import QuantizedWeight, quantize  # noqa: E402
 from . import nn  # noqa: E402
 from .nn import Conv2d, Linear, dequantize_model, load, quantize_model, save  # noqa: E402
 
+from .integration.hf import registration as _hf_registration  # noqa: E402
+
+_hf_registration.install()  # transformers finds bitkern checkpoints' method once it loads (imports no transformers)
+
 __version__ = "0.1.0"
 
 
 def load_pretrained(path, **from_pretrained_kwargs):
-    """A GPTQ / AWQ / bitsandbytes-4bit checkpoint directory (or one written by `bitkern.save`) as a transformers
-    model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
+    """A GPTQ / AWQ / bitsandbytes-4bit checkpoint directory, or one `save_pretrained` of a bitkern model wrote,
+    as a transformers model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
     from .integration.formats.pretrained import load_pretrained as load
 
     return load(path, **from_pretrained_kwargs)
 
 
-__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load", "load_pretrained", "nn",
-           "ops", "pack", "quantize", "quantize_model", "save", "ttype"]
+def __getattr__(name: str):
+    if name == "BitkernConfig":  # the transformers quantization config; importing it imports transformers
+        try:
+            from .integration.hf import BitkernConfig
+        except ImportError as error:
+            raise ImportError(f"bitkern.BitkernConfig needs transformers (pip install transformers): {error}") from error
+        return BitkernConfig
+    raise AttributeError(f"module 'bitkern' has no attribute {name!r}")
+
+
+__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "load",
+           "load_pretrained", "nn", "ops", "pack", "quantize", "quantize_model", "save", "ttype"]

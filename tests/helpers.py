@@ -10,7 +10,7 @@ import torch
 import bitkern
 from bitkern import ttype
 from bitkern.codegen.cuda.decode import Decoder, library
-from bitkern.codegen.cuda.layout import word_order
+from bitkern.codegen.words import word_order
 from bitkern.ops import Matmul
 from bitkern.ttype import torch_dtype
 from bitkern.tuner import host_cpu

@@ -49,6 +49,15 @@ def pack(values: torch.Tensor, bits: int, storage: torch.dtype = torch.int32) ->
     values = check_codes(values, bits, "values")
     if values.dim() == 0:
         raise ValueError("values must have at least one dimension (codes are packed along the last)")
+    return pack_codes(values, bits, storage)
+
+
+def pack_codes(values: torch.Tensor, bits: int, storage: torch.dtype = torch.int32) -> torch.Tensor:
+    """`pack` without checking the codes (callers that made them, such as quantization, know they fit)."""
+    if 8 % bits == 0:
+        stream = _byte_stream(values, bits)
+        return stream.view(torch.int32) if storage == torch.int32 else \
+            stream[..., :packed_length(values.shape[-1], bits, torch.uint8)].contiguous()
     per_word = 32 // bits
     length = values.shape[-1]
     words = math.ceil(length / per_word)
@@ -60,6 +69,41 @@ def pack(values: torch.Tensor, bits: int, storage: torch.dtype = torch.int32) ->
     byte_shifts = torch.arange(4, device=values.device, dtype=torch.int64) * 8
     stream = ((word_values.unsqueeze(-1) >> byte_shifts) & 0xFF).reshape(*values.shape[:-1], 4 * words)
     return stream[..., :packed_length(length, bits, torch.uint8)].to(torch.uint8)
+
+
+# Widths that divide 8 pack a byte's codes as one little-endian integer of that many bytes: its code i sits in
+# byte i, and OR-ing it with itself shifted right by i·(8 - bits) gathers every code into the low byte.
+_BYTES_AS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _byte_stream(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of a width dividing 8, packed into bytes (uint8) padded to whole 32-bit words: byte j holds
+    codes j·(8/bits) ... at increasing bit positions, so four bytes viewed as an int32 are the packed word."""
+    per_byte, per_word = 8 // bits, 32 // bits
+    codes = values.to(torch.uint8)
+    if values.shape[-1] % per_word:
+        codes = torch.nn.functional.pad(codes, (0, per_word - values.shape[-1] % per_word))
+    codes = codes.contiguous()
+    if per_byte == 1:
+        return codes
+    grouped = codes.view(_BYTES_AS[per_byte])
+    gathered = grouped.clone()
+    for i in range(1, per_byte):
+        gathered |= grouped >> (i * (8 - bits))
+    return gathered.to(torch.uint8)
+
+
+def _codes_of_bytes(stream: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `_byte_stream` (before its padding is cut): the codes of each byte, 8 // bits per byte."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return stream
+    wide = stream.to(_BYTES_AS[per_byte])
+    spread = wide.clone()
+    for i in range(1, per_byte):
+        spread |= wide << (i * (8 - bits))
+    mask = sum(((1 << bits) - 1) << (8 * i) for i in range(per_byte))
+    return (spread & mask).view(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int, shape) -> torch.Tensor:
@@ -75,6 +119,9 @@ def unpack(packed: torch.Tensor, bits: int, shape) -> torch.Tensor:
     if tuple(packed.shape) != expected:
         raise ValueError(f"shape={shape} needs packed data of shape {expected} for {bits}-bit codes in "
                          f"{packed.dtype}, got {tuple(packed.shape)}")
+    if 8 % bits == 0:
+        stream = packed.contiguous().view(torch.uint8) if packed.dtype == torch.int32 else packed.contiguous()
+        return _codes_of_bytes(stream, bits)[..., :shape[-1]].contiguous()
     if packed.dtype == torch.int32:
         words = packed.long() & 0xFFFFFFFF
     else:

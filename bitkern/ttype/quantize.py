@@ -21,11 +21,13 @@ IEEE round-to-nearest-even for floats).
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .packing import pack, packed_length, unpack
+from .packing import pack_codes, packed_length, unpack
 from .registry import get
 from .types import INT, UINT, TType
 from .weight import ZERO_MODES, Layout, StoredWeight, weight_format
@@ -33,7 +35,9 @@ from .weight import ZERO_MODES, Layout, StoredWeight, weight_format
 INTEGER_ZERO_MODES = ("gptq", "awq")
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_GROUP_SIZE = 128
-_ROWS_PER_CHUNK = 256  # bounds the float64 temporaries of nearest-value rounding
+_ROWS_PER_CHUNK = 256  # bounds the float64 temporaries of nearest-value rounding by search
+_CHUNK_ELEMENTS = 1 << 20  # quantize rows in chunks of about this many weights, so temporaries stay in cache
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # weight dtypes that divide by float32 scales exactly
 
 
 class QuantizedWeight(StoredWeight):
@@ -114,7 +118,7 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
     group_size: elements along K sharing a scale; any divisor of K, -1 for per-channel; default 128
     (the block size for block-scaled types, which accept no other).  zero_mode: see the module table;
     default "gptq" for unsigned integer types and "none" otherwise.  scale_dtype: storage of the scales
-    (and of hqq's float zeros).
+    (and of hqq's float zeros).  Rows are quantized a chunk at a time, so the temporaries stay small.
     """
     ttype = get(dtype)
     if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
@@ -127,26 +131,30 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
                          f"8 bits (for {ttype.name} cast the weight with .to())")
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype={scale_dtype} is not supported; accepted: {list(SCALE_DTYPES)}")
-    if not bool(torch.isfinite(weight).all()):
-        raise ValueError("weight contains NaN or infinity; quantization needs finite values")
     n, k = weight.shape
     group_size = check_group_size(ttype, DEFAULT_GROUP_SIZE if group_size is None and ttype.block_size == 1
                                   else group_size, k)
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     check_zero_mode(ttype, zero_mode)
 
-    groups = weight.float().reshape(n, k // group_size, group_size)
+    low, high = _group_range(weight, group_size)
     zeros = tensor_scale = None
     if ttype.block_size > 1:
-        scales, tensor_scale, divisor = _block_scales(ttype, groups)
-        codes = nearest_codes(ttype, _safe_divide(groups, divisor.unsqueeze(-1)))
+        scales, tensor_scale, divisor = _block_scales(ttype, torch.maximum(low.abs(), high.abs()))
+        rule = _Rounding(ttype, _nonzero(divisor))
     elif zero_mode == "none":
-        scales = _store_scale(_symmetric_scale(ttype, groups), scale_dtype)
-        codes = nearest_codes(ttype, _safe_divide(groups, scales.float().unsqueeze(-1)))
+        scales = _store_scale(_symmetric_scale(ttype, weight, group_size, low, high), scale_dtype)
+        rule = _Rounding(ttype, _nonzero(scales.float()))
     else:
-        scales, zeros, codes = _asymmetric(ttype, groups, zero_mode, scale_dtype)
-    return QuantizedWeight(ttype, (n, k), group_size, zero_mode, pack(codes.reshape(n, k), ttype.bits),
-                           scales, zeros, tensor_scale)
+        scales, zeros, divisor, offset = _asymmetric(ttype, low, high, zero_mode, scale_dtype)
+        rule = _Rounding(ttype, divisor, offset, zero_mode)
+    qweight = torch.empty(n, packed_length(k, ttype.bits), dtype=torch.int32, device=weight.device)
+    rows = max(1, _CHUNK_ELEMENTS // k)
+    for start in range(0, n, rows):
+        chunk = weight[start:start + rows]
+        codes = rule.codes(_as_float(chunk).reshape(chunk.shape[0], -1, group_size), slice(start, start + rows))
+        qweight[start:start + rows] = pack_codes(codes.reshape(chunk.shape), ttype.bits)
+    return QuantizedWeight(ttype, (n, k), group_size, zero_mode, qweight, scales, zeros, tensor_scale)
 
 
 def default_zero_mode(ttype: TType) -> str:
@@ -184,8 +192,71 @@ def nearest_codes(ttype: TType, x: torch.Tensor) -> torch.Tensor:
     saturating at the largest finite values."""
     if ttype.kind in (INT, UINT) and ttype.bits > 1:
         values = ttype.values
-        q = torch.round(x).clamp(float(values.min()), float(values.max())).long()
-        return (q & (ttype.num_codes - 1)).to(torch.uint8)
+        top = float(values.max())
+        codes = _as_bytes(torch.round(x).clamp_(float(values.min()), top), top)
+        return codes if ttype.kind == UINT or ttype.bits == 8 else codes.bitwise_and_(ttype.num_codes - 1)
+    table = _rounding_table(ttype, x.device) if x.dtype in _FLOATS else None
+    if table is None:
+        return _nearest_codes_by_search(ttype, x)
+    return table.codes(x)
+
+
+class _RoundingTable:
+    """Nearest-code rounding of float32 values by table lookup, bit for bit what `_nearest_codes_by_search`
+    gives.  A value's bfloat16 rounding (its top 16 bits, rounded) names an interval of float32 values that
+    holds at most one rounding threshold; per interval the table keeps that threshold and the codes below
+    and above it (the same code twice where the interval holds none), the code of interval i and side u
+    at 2·i + u."""
+
+    def __init__(self, threshold: torch.Tensor, codes: torch.Tensor):
+        self.threshold, self.codes_by_side = threshold, codes
+
+    def codes(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1).float()
+        cell = flat.to(torch.bfloat16).view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+        above = flat > self.threshold.index_select(0, cell)
+        return self.codes_by_side.index_select(0, cell.mul_(2).add_(above)).reshape(x.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _rounding_table(ttype: TType, device: torch.device) -> _RoundingTable | None:
+    """The rounding table of `ttype` on `device`, or None where some bfloat16 interval holds two thresholds
+    (values closer than bfloat16 resolves) or a threshold lies among the float32 subnormals (which some
+    float32 -> bfloat16 conversions flush to zero)."""
+    if device.type != "cpu":
+        cpu = _rounding_table(ttype, torch.device("cpu"))
+        return None if cpu is None else _RoundingTable(cpu.threshold.to(device), cpu.codes_by_side.to(device))
+    candidates, codes = _sorted_finite_values(ttype)
+    zero, negative_zero = _zero_codes(ttype)
+    midpoints = (candidates[1:] + candidates[:-1]) / 2
+    # x > thresholds[j] exactly when the search rounds x above midpoint j: x > m, or x >= m where a tie at
+    # m goes to the upper code (the even one)
+    tie_up = (codes[:-1] % 2 == 1) & (codes[1:] % 2 == 0)
+    thresholds = midpoints.float()
+    below = (thresholds.double() > midpoints) | (tie_up & (thresholds.double() == midpoints))
+    thresholds = torch.where(below, torch.nextafter(thresholds, torch.tensor(-math.inf)), thresholds)
+    if bool((thresholds.abs() < torch.finfo(torch.float32).tiny).any()):
+        return None
+    # float32 bit patterns rounding to each bfloat16 pattern (round to nearest, ties to even), by magnitude
+    pattern = torch.arange(1 << 16, dtype=torch.int64)
+    magnitude, negative = pattern & 0x7FFF, pattern >= 0x8000
+    infinity = 0x7F800000
+    low = ((magnitude << 16) - 0x8000 + (magnitude & 1)).clamp(0, infinity)
+    high = ((magnitude << 16) + 0x8000 - (magnitude & 1)).clamp(0, infinity)
+    ends = torch.stack([low, high], -1).to(torch.int32).view(torch.float32).double()
+    ends = torch.where(negative.unsqueeze(-1), -ends.flip(-1), ends)
+    index = torch.searchsorted(thresholds.double(), ends)
+    if bool((index[:, 1] - index[:, 0] > 1).any()):
+        return None
+    chosen = codes[index]
+    if negative_zero is not None:  # IEEE rounding keeps the sign of a value that rounds to zero
+        chosen = torch.where((chosen == zero) & negative.unsqueeze(-1), negative_zero, chosen)
+    threshold = thresholds[index[:, 0].clamp(max=len(thresholds) - 1)]
+    return _RoundingTable(threshold, chosen.reshape(-1).to(torch.uint8))
+
+
+def _nearest_codes_by_search(ttype: TType, x: torch.Tensor) -> torch.Tensor:
+    """`nearest_codes` by binary search over the midpoints of the type's values, in float64."""
     candidates, codes = _sorted_finite_values(ttype)
     candidates, codes = candidates.to(x.device), codes.to(x.device)
     zero, negative_zero = _zero_codes(ttype)
@@ -227,16 +298,67 @@ def _zero_codes(ttype: TType) -> tuple[int | None, int | None]:
     return (positive[0] if positive else None), (negative[0] if negative and positive else None)
 
 
-def _safe_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale, with zero scales (all-zero groups) treated as 1 so their codes come out as 0."""
-    return x / torch.where(scale == 0, torch.ones_like(scale), scale)
+def _as_float(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in a dtype whose division by float32 scales is the float32 division (float32 itself, or a
+    16-bit float, which converts to float32 exactly)."""
+    return weight if weight.dtype in _FLOATS else weight.float()
 
 
-def _symmetric_scale(ttype: TType, groups: torch.Tensor) -> torch.Tensor:
+def _group_range(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of every group as float32 [N, K // group_size], read a chunk of rows at a time; ValueError
+    if the weight holds NaN or infinity.  Taken from float32 groups (faster than 16-bit ones, and which of -0.0
+    and +0.0 a group's amin/amax reports depends on the dtype's vector width: the sign of a zero range reaches
+    the zero-point conventions' scales and zeros)."""
+    n, k = weight.shape
+    low = torch.empty(n, k // group_size, dtype=torch.float32, device=weight.device)
+    high = torch.empty_like(low)
+    rows = max(1, _CHUNK_ELEMENTS // k)
+    for start in range(0, n, rows):
+        chunk = weight[start:start + rows]
+        groups = chunk.float().reshape(chunk.shape[0], -1, group_size)
+        low[start:start + rows], high[start:start + rows] = groups.amin(-1), groups.amax(-1)
+    if not bool(torch.isfinite(low).all() & torch.isfinite(high).all()):
+        raise ValueError("weight contains NaN or infinity; quantization needs finite values")
+    return low, high
+
+
+@dataclass
+class _Rounding:
+    """How a chunk of groups becomes codes: divided by its group's `divisor`, then rounded to the nearest
+    code ("none"), or rounded with the group's zero point `offset` added before ("hqq") or after ("gptq",
+    "awq") and clamped to the code range."""
+
+    ttype: TType
+    divisor: torch.Tensor
+    offset: torch.Tensor | None = None
+    zero_mode: str = "none"
+
+    def codes(self, groups: torch.Tensor, rows: slice) -> torch.Tensor:
+        x = groups / self.divisor[rows].unsqueeze(-1)
+        if self.zero_mode == "none":
+            return nearest_codes(self.ttype, x)
+        offset = self.offset[rows].unsqueeze(-1)
+        x = x.add_(offset).round_() if self.zero_mode == "hqq" else x.round_().add_(offset)
+        return _as_bytes(x.clamp_(0, self.ttype.num_codes - 1), self.ttype.num_codes - 1)
+
+
+def _as_bytes(q: torch.Tensor, top: float) -> torch.Tensor:
+    """Integral floats in [-128, top], top <= 255, as uint8 (negatives as their two's complement byte): through
+    int8 where top allows (torch converts float32 to int8 ~8x faster than to uint8), else through int16."""
+    return q.to(torch.int8).view(torch.uint8) if top < 128 else q.to(torch.int16).to(torch.uint8)
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    """Zero scales (all-zero groups) replaced by 1, so that their codes come out as 0."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def _symmetric_scale(ttype: TType, weight: torch.Tensor, group_size: int, low: torch.Tensor,
+                     high: torch.Tensor) -> torch.Tensor:
     if ttype.kind == INT and ttype.bits == 1:
-        return groups.abs().mean(-1)
+        return weight.float().reshape(weight.shape[0], -1, group_size).abs().mean(-1)
     largest = float(ttype.values[torch.isfinite(ttype.values)].max())
-    return groups.abs().amax(-1) / largest
+    return torch.maximum(low.abs(), high.abs()) / largest
 
 
 def _store_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
@@ -246,35 +368,31 @@ def _store_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     return stored
 
 
-def _asymmetric(ttype: TType, groups: torch.Tensor, zero_mode: str, scale_dtype: torch.dtype):
-    """Scales, zeros and codes of the zero-point conventions ("gptq", "awq", "hqq")."""
+def _asymmetric(ttype: TType, low: torch.Tensor, high: torch.Tensor, zero_mode: str, scale_dtype: torch.dtype):
+    """Scales and zeros of the zero-point conventions ("gptq", "awq", "hqq"), the float32 divisor of each
+    group and the zero point its rounding adds (see `_Rounding`)."""
     top = ttype.num_codes - 1
-    low, high = groups.amin(-1), groups.amax(-1)
     # GPTQ's range always holds 0; the others widen only constant groups to 0, so they stay exact.
     widen = torch.ones_like(low, dtype=torch.bool) if zero_mode == "gptq" else low == high
     low, high = torch.where(widen, low.clamp(max=0), low), torch.where(widen, high.clamp(min=0), high)
     scale = _store_scale((high - low) / top, scale_dtype)
-    stored = scale.float()
-    stored = torch.where(stored == 0, torch.ones_like(stored), stored)
+    stored = _nonzero(scale.float())
     if zero_mode == "hqq":
         zero = (-low / stored).to(scale_dtype)
-        codes = torch.round(groups / stored.unsqueeze(-1) + zero.float().unsqueeze(-1)).clamp(0, top)
-    else:
-        zero = torch.round(-low / stored).clamp(0, top)
-        codes = (torch.round(groups / stored.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(0, top)
-        zero = zero.to(torch.uint8)
-    return scale, zero, codes.to(torch.uint8)
+        return scale, zero, stored, zero.float()
+    zero = torch.round(-low / stored).clamp(0, top)
+    return scale, zero.to(torch.uint8), stored, zero
 
 
-def _block_scales(ttype: TType, groups: torch.Tensor):
-    """Block scale codes (uint8), tensor scale, and the float32 divisor per block, by the type's rule."""
-    absmax = groups.abs().amax(-1)
+def _block_scales(ttype: TType, absmax: torch.Tensor):
+    """Block scale codes (uint8), tensor scale, and the float32 divisor per block (from each block's largest
+    magnitude), by the type's rule."""
     element_max = float(ttype.values[torch.isfinite(ttype.values)].max())
     scale_type = get(ttype.block_scale)
     if ttype.tensor_scale:
         tensor_amax = float(absmax.max())
         tensor_scale = torch.tensor(tensor_amax / (element_max * scale_type.max_abs) if tensor_amax else 1.0,
-                                    dtype=torch.float32, device=groups.device)
+                                    dtype=torch.float32, device=absmax.device)
         codes = nearest_codes(scale_type, absmax / element_max / tensor_scale)
         return codes, tensor_scale, scale_type.decode(codes) * tensor_scale
     if scale_type.name != "float8_e8m0":

@@ -240,7 +240,7 @@ def check_codes(codes, bits: int, argument: str) -> torch.Tensor:
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise TypeError(f"{argument} must hold integer codes, got dtype {codes.dtype}")
     if codes.numel():
-        low, high = int(codes.min()), int(codes.max())
+        low, high = (0, int(codes.max())) if codes.dtype == torch.uint8 else map(int, torch.aminmax(codes))
         if low < 0 or high >= 1 << bits:
             raise ValueError(f"{argument} must lie in [0, 2**{bits}); got values in [{low}, {high}]")
     return codes

@@ -1,5 +1,9 @@
 """`bitkern.load_pretrained(path)`: a GPTQ / AWQ / bitsandbytes-4bit checkpoint directory (or one written with
-`bitkern.save`) as a transformers model whose quantized layers are `bitkern.Linear`.
+`bitkern.save`, or by `save_pretrained` of a model quantized with `bitkern.BitkernConfig`) as a transformers model
+whose quantized layers are `bitkern.Linear`.
+
+A `save_pretrained` checkpoint (quant_method "bitkern") loads through transformers' `from_pretrained` and bitkern's
+quantizer (`bitkern.integration.hf`), which checks the files against the model before reading a tensor.
 
 The model is built from its config without initialising weights (transformers' `no_init_weights`), every
 quantized module is converted and checked first (`convert_state_dict`: a bad checkpoint fails before any
@@ -36,6 +40,11 @@ def load_pretrained(path, **from_pretrained_kwargs):
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype={dtype!r} is not supported; accepted: torch.float32, torch.float16, torch.bfloat16")
     quantization_config = read_config(path).get("quantization_config")
+    if (quantization_config or {}).get("quant_method") == "bitkern":
+        model = _from_pretrained(path, dtype, from_pretrained_kwargs)
+        if "compute_dtype" not in from_pretrained_kwargs:  # the compute dtypes the checkpoint's config gives
+            return model.eval()
+        return _finish(model, from_pretrained_kwargs["compute_dtype"])
     if bitkern_metadata(path):
         import bitkern
 
@@ -61,15 +70,34 @@ def _build(path: str, dtype, kwargs):
     model_config = transformers.AutoConfig.from_pretrained(path)
     if hasattr(model_config, "quantization_config"):
         del model_config.quantization_config
-    architectures = model_config.architectures or []
-    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    model_class = _model_class(model_config)
     options = {"dtype": dtype or model_config.dtype or torch.float32}
     if "attn_implementation" in kwargs:
         options["attn_implementation"] = kwargs["attn_implementation"]
     with no_init_weights():
-        if model_class is None:
-            return transformers.AutoModelForCausalLM.from_config(model_config, **options)
+        if model_class is transformers.AutoModelForCausalLM:
+            return model_class.from_config(model_config, **options)
         return model_class._from_config(model_config, **options)
+
+
+def _from_pretrained(path: str, dtype, kwargs):
+    """A checkpoint `save_pretrained` wrote from a bitkern model, loaded by its architecture's `from_pretrained`
+    (bitkern's quantizer lays out the packed tensors; `import bitkern` registered it)."""
+    import transformers
+
+    options = {} if dtype is None else {"dtype": dtype}
+    if "attn_implementation" in kwargs:
+        options["attn_implementation"] = kwargs["attn_implementation"]
+    return _model_class(transformers.AutoConfig.from_pretrained(path)).from_pretrained(path, **options)
+
+
+def _model_class(model_config):
+    """The transformers class the config's first architecture names, else the causal LM auto class."""
+    import transformers
+
+    architectures = model_config.architectures or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    return transformers.AutoModelForCausalLM if model_class is None else model_class
 
 
 def _replace_linears(model, modules: dict) -> None:

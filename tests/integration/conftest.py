@@ -1,6 +1,7 @@
-"""Fixtures for the vLLM plugin tests: the vLLM CPU environment (built once from the registry, see
-tests/client_venv.py) with this checkout installed in it, a tiny random-weight Llama, and a runner that starts real
-engines in subprocesses of that environment."""
+"""Fixtures of the integration tests: a tiny random-weight Llama (the vLLM plugin's and the transformers
+integration's tests), and for the vLLM plugin the vLLM CPU environment (built once from the registry, see
+tests/client_venv.py) with this checkout installed in it and a runner that starts real engines in subprocesses of
+that environment."""
 
 import json
 import os

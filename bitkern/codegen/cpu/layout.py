@@ -17,13 +17,16 @@ import math
 
 import torch
 
-from ...ttype import Layout, QuantizedWeight, StoredWeight, codes_per_word, effective_group_size, pack, unpack
+from ...ttype import (Layout, QuantizedWeight, StoredWeight, codes_per_word, effective_group_size, pack,
+                      packed_length, unpack)
 from ...ttype.weight import weight_format
+from ..words import WORD_MAPPED_BITS, map_codes, map_words, trim_words, unmap_codes, unmap_words
 
 AMX_TILE_ROWS = 16
 AMX_STEP_K = 32
 TILE16_BITS = (1, 2, 4)  # widths whose words split into 16-bit halves of whole codes (AMX, lookup tables)
 ALIGNMENT = 64  # TVM's kernels assume 64-byte aligned tensors and use aligned vector loads
+_CHUNK_WORDS = 1 << 18  # words mapped at a time when laying out (the temporaries stay in cache)
 log = logging.getLogger("bitkern")
 
 
@@ -58,9 +61,13 @@ class PackedWeight(StoredWeight):
         n, k = self.shape
         bits = self.ttype.bits
         words = self.qweight.permute(0, 2, 1).reshape(-1, self.qweight.shape[1])[:n]
-        codes = _unmap_codes(unpack(words, bits, (n, words.shape[1] * codes_per_word(bits))), bits)[:, :k]
         untile = (lambda t: None if t is None else t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n].contiguous())
-        return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, pack(codes, bits),
+        if bits in WORD_MAPPED_BITS:
+            qweight = trim_words(unmap_words(words, bits)[:, :packed_length(k, bits)].contiguous(), k, bits)
+        else:
+            codes = unmap_codes(unpack(words, bits, (n, words.shape[1] * codes_per_word(bits))), bits)[:, :k]
+            qweight = pack(codes, bits)
+        return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, qweight,
                                untile(self.scales), untile(self.zeros), self.tensor_scale)
 
 
@@ -80,36 +87,37 @@ def to_layout(weight: QuantizedWeight, layout: str) -> PackedWeight:
     bits = weight.ttype.bits
     n, k = weight.shape
     rows = math.ceil(n / AMX_TILE_ROWS) * AMX_TILE_ROWS
-    codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
-    words = pack(_map_codes(codes, bits), bits)
     tile = (lambda t: None if t is None else _tile_rows(t, rows))
-    return PackedWeight(Layout.TILE16, weight.ttype, weight.shape, weight.group_size, weight.zero_mode, tile(words),
+    if bits in WORD_MAPPED_BITS:
+        words = _mapped_tiles(weight.qweight, k, bits, rows)
+    else:
+        codes = torch.nn.functional.pad(weight.codes(), (0, padded_k(k, bits) - k, 0, rows - n))
+        words = tile(pack(map_codes(codes, bits), bits))
+    return PackedWeight(Layout.TILE16, weight.ttype, weight.shape, weight.group_size, weight.zero_mode, words,
                         tile(weight.scales), tile(weight.zeros), weight.tensor_scale)
+
+
+def _mapped_tiles(qweight: torch.Tensor, k: int, bits: int, rows: int) -> torch.Tensor:
+    """Portable words -> tile16 words [rows/16, padded words, 16], mapped a chunk of 16-row tiles at a time
+    (so the temporaries stay in cache); padding is zero."""
+    n, length = qweight.shape
+    tiles = torch.empty(rows // AMX_TILE_ROWS, padded_k(k, bits) // codes_per_word(bits), AMX_TILE_ROWS,
+                        dtype=torch.int32, device=qweight.device)
+    tiles[:, length:] = 0  # the padded words; the loop writes all others (and zero rows past N)
+    step = max(1, _CHUNK_WORDS // (length * AMX_TILE_ROWS)) * AMX_TILE_ROWS
+    for start in range(0, n, step):
+        mapped = map_words(trim_words(qweight[start:start + step], k, bits), bits)
+        mapped = torch.nn.functional.pad(mapped, (0, 0, 0, (-mapped.shape[0]) % AMX_TILE_ROWS))
+        first = start // AMX_TILE_ROWS
+        tiles[first:first + mapped.shape[0] // AMX_TILE_ROWS, :length] = \
+            mapped.view(-1, AMX_TILE_ROWS, length).permute(0, 2, 1)
+    return tiles
 
 
 def _tile_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """[N, C] -> [rows/16, C, 16], zero-padding N to `rows`."""
     padded = torch.nn.functional.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
     return padded.reshape(rows // AMX_TILE_ROWS, AMX_TILE_ROWS, -1).permute(0, 2, 1).contiguous()
-
-
-def _word_order(bits: int) -> torch.Tensor:
-    """Position i of a mapped word holds code order[i] of its k's: even k's first, then odd k's."""
-    per_word = codes_per_word(bits)
-    return torch.cat([torch.arange(0, per_word, 2), torch.arange(1, per_word, 2)])
-
-
-def _map_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    per_word = codes_per_word(bits)
-    grouped = codes.reshape(codes.shape[0], -1, per_word)
-    return grouped[..., _word_order(bits)].reshape(codes.shape)
-
-
-def _unmap_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    per_word = codes_per_word(bits)
-    grouped = codes.reshape(codes.shape[0], -1, per_word)
-    return grouped[..., torch.argsort(_word_order(bits))].reshape(codes.shape)
-
 
 
 class Tile16Storage:

@@ -16,21 +16,13 @@ import math
 
 import torch
 
-from ...ttype import Layout, QuantizedWeight, codes_per_word, pack, unpack
+from ...ttype import Layout, QuantizedWeight, codes_per_word, packed_length
 from ..cpu.layout import PackedWeight
+from ..words import map_words, trim_words, unmap_words
 
 LOP3_BITS = (1, 2, 4, 8)
 N_GRAIN = 16
 K_GRAIN = 128
-
-
-def word_order(bits: int) -> torch.Tensor:
-    """order[q] = which of a word's C consecutive k's the code at position q belongs to."""
-    per_word = codes_per_word(bits)
-    order = torch.empty(per_word, dtype=torch.long)
-    order[: per_word // 2] = torch.arange(0, per_word, 2)
-    order[per_word // 2:] = torch.arange(1, per_word, 2)
-    return order
 
 
 def padded_shape(n: int, k: int) -> tuple[int, int]:
@@ -70,14 +62,10 @@ class Lop3Weight(PackedWeight):
         n, k = self.shape
         n_pad, k_pad = self.padded_shape
         bits = self.ttype.bits
-        mapped = unpack(self.qweight, bits, (n_pad, k_pad))
-        per_word = codes_per_word(bits)
-        codes = torch.empty_like(mapped).view(n_pad, -1, per_word)
-        codes[..., word_order(bits)] = mapped.view(n_pad, -1, per_word)
-        codes = codes.view(n_pad, k_pad)[:n, :k].contiguous()
+        words = unmap_words(self.qweight[:n], bits)[:, :packed_length(k, bits)].contiguous()
         groups = k // self.group_size
         crop = (lambda t: None if t is None else t[:n, :groups].contiguous())
-        return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, pack(codes, bits),
+        return QuantizedWeight(self.ttype, self.shape, self.group_size, self.zero_mode, trim_words(words, k, bits),
                                crop(self.scales), crop(self.zeros), self.tensor_scale)
 
 
@@ -89,11 +77,11 @@ def to_lop3(weight: QuantizedWeight) -> Lop3Weight:
     n, k = weight.shape
     n_pad, k_pad = padded_shape(n, k)
     bits = weight.ttype.bits
-    per_word = codes_per_word(bits)
-    codes = torch.nn.functional.pad(weight.codes(), (0, k_pad - k, 0, n_pad - n))
-    mapped = codes.view(n_pad, -1, per_word)[..., word_order(bits).to(codes.device)].reshape(n_pad, k_pad)
+    words = trim_words(weight.qweight, k, bits)
+    words = torch.nn.functional.pad(words, (0, k_pad // codes_per_word(bits) - words.shape[1], 0, n_pad - n))
     columns = math.ceil(k_pad / layout_group(weight.group_size, k))
     pad = (lambda t: None if t is None else
            torch.nn.functional.pad(t, (0, columns - t.shape[1], 0, n_pad - n)).contiguous())
-    return Lop3Weight(Layout.LOP3, weight.ttype, weight.shape, weight.group_size, weight.zero_mode, pack(mapped, bits),
+    return Lop3Weight(Layout.LOP3, weight.ttype, weight.shape, weight.group_size, weight.zero_mode,
+                      map_words(words, bits),
                       pad(weight.scales), pad(weight.zeros), weight.tensor_scale)

@@ -6,7 +6,8 @@ import torch
 import bitkern
 from bitkern import ttype
 from bitkern.codegen import PackedWeight
-from bitkern.codegen.cuda.layout import Lop3Weight, padded_shape, to_lop3, word_order
+from bitkern.codegen.cuda.layout import Lop3Weight, padded_shape, to_lop3
+from bitkern.codegen.words import word_order
 
 
 @pytest.mark.parametrize("name, zero_mode", [("int4", None), ("uint4", "gptq"), ("uint4", "hqq"), ("uint2", "awq"),

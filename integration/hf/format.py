@@ -1,0 +1,104 @@
+"""The checkpoint format of bitkern models saved with transformers' `save_pretrained` (read back by
+`from_pretrained` after `import bitkern`, or by `bitkern.load_pretrained`).  This module needs no transformers.
+
+config.json, "quantization_config" (`BitkernConfig.to_dict()`):
+    quant_method "bitkern"; format "bitkern.hf/1"; source: the format of the checkpoint's tensors ("bitkern");
+    dtype, group_size, zero_mode, scale_dtype, compute_dtype: the settings of every converted nn.Linear;
+    overrides {pattern: {setting: value}}: other settings for the modules a pattern matches (the first
+    matching pattern wins); modules_to_not_convert: the modules left float (`BitkernConfig.converts` says
+    how names match).
+Per converted nn.Linear `m` with weight [N, K] (N = out_features, K = in_features), b bits per code, g its
+group size (K for per-channel), all in bitkern's portable layout (`bitkern.QuantizedWeight`):
+    m.weight               int32 [N, ceil(K / (32 // b))]: codes packed along K, little-endian, code i of a
+                           word in bits [i·b, (i+1)·b) (widths that do not divide 32 leave the top bits zero)
+    m.weight_scale         [N, K / g] in the scale dtype (float16, bfloat16, float32); uint8 codes of the block
+                           scale for block-scaled types (mxfp4, mxfp8: e8m0; nvfp4: e4m3)
+    m.weight_zero          [N, K / g]: uint8 zero points (zero_mode "gptq", "awq") or the scale dtype ("hqq");
+                           absent for zero_mode "none"
+    m.weight_tensor_scale  float32 []: nvfp4's per-tensor scale; absent otherwise
+    m.bias                 as nn.Linear stores it
+The weight is v(q)·s for zero_mode "none" (v: the type's value of code q; block types: s = block scale ×
+tensor scale) and (q − z)·s otherwise (`QuantizedWeight.dequantize`).  The codes are named `weight` and
+are not [N, K], so a transformers without bitkern registered fails loading them (a size mismatch) instead of
+leaving the layer's weight random.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ... import Linear, QuantizedWeight
+
+FORMAT = "bitkern.hf/1"
+# QuantizedWeight field -> tensor name in the checkpoint, relative to the module
+TENSOR_NAMES = {"qweight": "weight", "scales": "weight_scale", "zeros": "weight_zero",
+                "tensor_scale": "weight_tensor_scale"}
+SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "compute_dtype")
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """How one Linear is quantized: a bitkern type name, group size (None: the type's default, -1: per
+    channel), zero mode (None: the type's default), scale dtype and compute dtype (names of torch dtypes;
+    compute_dtype None: the input's)."""
+
+    dtype: str = "nf4"
+    group_size: int | None = None
+    zero_mode: str | None = None
+    scale_dtype: str = "float16"
+    compute_dtype: str | None = None
+
+    def layer(self, in_features: int, out_features: int, bias: bool = False) -> Linear:
+        """An empty bitkern.Linear with these settings on the meta device (ValueError naming the setting
+        that does not fit this shape)."""
+        return Linear(in_features, out_features, bias, self.dtype, self.group_size, self.zero_mode,
+                      self.compute_dtype, device="meta", scale_dtype=self.scale_dtype)
+
+
+def checkpoint_tensors(layer: Linear) -> dict[str, torch.Tensor]:
+    """A quantized Linear's weight as the checkpoint stores it, named relative to the module (no bias)."""
+    weight = layer.quantized_weight()
+    return {name: getattr(weight, field) for field, name in TENSOR_NAMES.items() if getattr(weight, field) is not None}
+
+
+def expected_tensors(settings: LayerSettings, in_features: int, out_features: int) -> dict[str, tuple]:
+    """{name: (shape, dtype)} of the tensors `checkpoint_tensors` gives for a Linear of this shape."""
+    return {name: (tuple(t.shape), t.dtype)
+            for name, t in checkpoint_tensors(settings.layer(in_features, out_features)).items()}
+
+
+def misfits(found: dict[str, tuple], settings: LayerSettings, in_features: int, out_features: int) -> list[str]:
+    """What keeps tensors of these {name: (shape, dtype)} from being a Linear of this shape and settings."""
+    expected = expected_tensors(settings, in_features, out_features)
+    problems = []
+    for name in sorted(set(expected) | set(found)):
+        if name not in found:
+            problems.append(f"{name} is missing")
+        elif name not in expected:
+            problems.append(f"{name} is not a tensor of a {settings.dtype} Linear")
+        elif tuple(found[name]) != expected[name]:
+            problems.append(f"{name} is {_describe(found[name])}, expected {_describe(expected[name])}")
+    return problems
+
+
+def linear_from_checkpoint(tensors: dict[str, torch.Tensor], settings: LayerSettings, in_features: int,
+                           out_features: int, bias: torch.Tensor | None = None) -> Linear:
+    """The bitkern.Linear that a checkpoint's tensors (named as `checkpoint_tensors` names them, on any
+    device) describe, for a Linear [out_features, in_features] quantized with `settings`: every pre-quantized
+    load goes through here.  ValueError naming each tensor whose name, shape or dtype does not fit."""
+    problems = misfits({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, settings, in_features,
+                       out_features)
+    if problems:
+        raise ValueError(f"the checkpoint's tensors do not fit a Linear({in_features}, {out_features}) quantized "
+                         f"with {settings}: {'; '.join(problems)}")
+    layout = settings.layer(in_features, out_features)
+    weight = QuantizedWeight(layout.weight_dtype, (out_features, in_features), layout.group_size, layout.zero_mode,
+                             *(tensors.get(name) for name in TENSOR_NAMES.values()))
+    return Linear.from_quantized(weight, bias, compute_dtype=settings.compute_dtype)
+
+
+def _describe(shape_and_dtype: tuple) -> str:
+    shape, dtype = shape_and_dtype
+    return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
