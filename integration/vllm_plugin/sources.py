@@ -21,6 +21,8 @@ from bitkern.ttype import QuantizedWeight
 from ..formats import FORMATS, FormatError, ImportedLinear, awq, bnb, convert_module, gptq, quantized_modules
 from ..formats.bitstream import block_codes, stream_length
 from ..formats.convert import quantization_settings
+from ..hf.config import BitkernConfig
+from ..hf.format import expected_tensors, linear_from_checkpoint
 
 # float scales are loaded as float32 (exact for every source dtype), then kept in the narrowest dtype that
 # holds every value exactly
@@ -105,8 +107,6 @@ class BitkernSource(QuantizedSource):
     SCALE = "weight_scale"  # every quantized module has one; float modules do not
 
     def __init__(self, quantization_config: dict):
-        from ..hf.config import BitkernConfig
-
         super().__init__()
         self.config = BitkernConfig.from_dict(quantization_config)
 
@@ -127,8 +127,6 @@ class BitkernSource(QuantizedSource):
         return settings[part.shards[0]]
 
     def stored_tensors(self, part: Partition) -> list[StoredTensor]:
-        from ..hf.format import expected_tensors
-
         settings = self.layer_settings(part)
         outputs = sum(part.outputs)
         try:
@@ -151,8 +149,6 @@ class BitkernSource(QuantizedSource):
         return tensors
 
     def linear(self, part: Partition, tensors: dict[str, torch.Tensor]) -> bitkern.Linear:
-        from ..hf.format import linear_from_checkpoint
-
         return linear_from_checkpoint(tensors, self.layer_settings(part), part.inputs, sum(part.outputs))
 
 

@@ -164,10 +164,11 @@ def test_bfloat16(run_vllm, tiny_llama, reference, tmp_path):
 
 def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
     """Bad settings and checkpoints of other methods are refused while the engine starts, naming the problem."""
-    gptq, bitkern_checkpoint = tmp_path / "gptq", tmp_path / "bitkern"
+    gptq, bitkern_checkpoint, unknown = tmp_path / "gptq", tmp_path / "bitkern", tmp_path / "unknown"
     for folder, quantization_config in ((gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128,
                                                 "desc_act": False, "sym": True}),
-                                        (bitkern_checkpoint, {"quant_method": "bitkern", "dtype": "int4"})):
+                                        (bitkern_checkpoint, {"quant_method": "bitkern", "dtype": "int4"}),
+                                        (unknown, {"quant_method": "bitkern", "dtype": "int4", "bits": 4})):
         shutil.copytree(tiny_llama, folder)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization_config)))
@@ -183,6 +184,8 @@ def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
         (engine(gptq, "float32", INT4), "checkpoint is already quantized with 'gptq'"),
         (dict(engine(bitkern_checkpoint, "float32", INT4), hf_overrides={}),
          "quant_method 'bitkern' but it holds no bitkern layers"),
+        (dict(engine(unknown, "float32", INT4), hf_overrides={}),
+         "the bitkern quantization_config has unknown keys ['bits']"),
     ]
     result, _ = run_vllm({"cases": [case for case, _ in cases]})
     for (_, message), outcome in zip(cases, result["outcomes"]):
