@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,6 +76,51 @@ def test_new_process_loads_a_stored_kernel(benchmark, record, tmp_path):
     record("cache", measure="new process: load a stored kernel (ms, after import bitkern)", value=best,
            detail=f"median {sorted(r['load_ms'] for r in runs)[2]:.1f} ms (after gc.collect()); compiler imported: "
                   f"{any(r['compiler_imported'] for r in runs)}")
+
+
+def test_loading_from_the_verified_bytes(benchmark, record, tmp_path):
+    """What loading a stored kernel from the bytes its checksum was checked on costs (read once, sha256, an
+    anonymous memory file, dlopen) against checking the file and then loading it by its path (two reads, and
+    a window between them in which the file can be swapped): the same int4 4096x4096 M=1 library, a fresh
+    copy per load (the dynamic loader reuses a library it has loaded from a path), interleaved rounds."""
+    import hashlib
+    import statistics
+
+    from bitkern.cache.private import load_library
+    from bitkern.cache.runtime import load_function
+
+    forget()
+    store = DiskStore(tmp_path / "cache")
+    kernel_for(Matmul("int4", "bfloat16"), 4096, 4096, 1, "tile16", store=store)
+    entry = Path(store.entries()[0]["directory"])
+    library = (entry / "kernel.so").read_bytes()
+    by_path, by_bytes, whole = [], [], []
+    for index in range(40):
+        copy = tmp_path / f"copy{index}.so"
+        copy.write_bytes(library)
+        start = time.perf_counter()
+        hashlib.sha256(copy.read_bytes()).hexdigest()
+        load_function(str(copy))
+        by_path.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        data = copy.read_bytes()
+        hashlib.sha256(data).hexdigest()
+        load_library(data)
+        by_bytes.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        store.load(_the_key(entry))
+        whole.append(time.perf_counter() - start)
+    benchmark.pedantic(lambda: None, rounds=1)
+    path_ms, bytes_ms = statistics.median(by_path) * 1e3, statistics.median(by_bytes) * 1e3
+    record("cache", measure="load a stored kernel from its verified bytes (ms)", value=bytes_ms,
+           detail=f"check then load by path {path_ms:.2f} ms, ratio {bytes_ms / path_ms:.2f}; a whole DiskStore.load "
+                  f"(manifest, constants, checks) {statistics.median(whole) * 1e3:.2f} ms; {len(library)} bytes")
+
+
+def _the_key(entry: Path):
+    from bitkern.cache import KernelKey
+
+    return KernelKey.from_dict(json.loads((entry / "manifest.json").read_text())["key"])
 
 
 def test_prebuild_llama3_8b(benchmark, record, tmp_path):

@@ -1,4 +1,4 @@
-"""Command line: `python -m bitkern demo | prebuild | cache ...`."""
+"""Command line: `python -m bitkern demo | prebuild | cache ... | gpu-kit`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import torch
 
 from . import cli_cache, demo
+from .gpukit import cli as cli_gpukit
 from .nn.storage import weight_dtypes
 
 _COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
@@ -31,6 +32,7 @@ def main(argv=None) -> int:
     run_demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     run_demo.add_argument("--seconds", type=float, default=0.5, help="time spent timing each model and size")
     cli_cache.add_commands(commands)
+    cli_gpukit.add_command(commands)
     args = parser.parse_args(argv)
     if hasattr(args, "run"):
         return args.run(args, parser)

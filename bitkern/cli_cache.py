@@ -6,6 +6,11 @@ import argparse
 import datetime
 
 
+IMPORT_WARNING = ("A bundle's kernels are native code that runs inside every process using this cache, as a "
+                  "wheel's code does once installed: import only bundles you trust. The bundle is checked whole "
+                  "(names, file types, sizes, manifests, checksums) before anything is written.")
+
+
 def add_commands(commands) -> None:
     """Register the prebuild and cache subcommands on an argparse subparsers object."""
     prebuild = commands.add_parser("prebuild", help="compile a model's kernels into the cache ahead of time")
@@ -27,11 +32,13 @@ def add_commands(commands) -> None:
     listing = actions.add_parser("ls", help="list the stored kernels")
     listing.add_argument("--all", action="store_true", help="include entries of other bitkern/TVM versions")
     actions.add_parser("verify", help="check every entry against its checksums")
-    actions.add_parser("clear", help="remove every entry")
+    actions.add_parser("clear", help="remove every entry (bitkern's version directories; nothing else)")
     export = actions.add_parser("export", help="write the entries into one bundle file")
     export.add_argument("file")
     export.add_argument("--target", default=None, help="only this target's kernels")
-    imported = actions.add_parser("import", help="add the entries of a bundle file")
+    imported = actions.add_parser("import", help="add the kernels of a bundle file; they are native code that "
+                                                 "will run in your processes: import only bundles you trust, as "
+                                                 "you would install a wheel", description=IMPORT_WARNING)
     imported.add_argument("file")
     cache.set_defaults(run=_cache)
 
@@ -84,7 +91,8 @@ def _cache(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"exported {store.export(args.file, args.target)} kernels to {args.file}")
     elif args.action == "import":
         try:
-            print(f"imported {store.import_(args.file)} kernels into {store.version_dir}")
+            print(f"imported {store.import_(args.file)} kernels into {store.version_dir} (native code that will "
+                  f"run in your processes: import only bundles you trust)")
         except (OSError, ValueError) as error:
             parser.error(str(error))
     return 0

@@ -55,7 +55,11 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache_dir(tmp_path_factory):
-    """A fresh disk cache for the session: kernels are compiled once per run (the cold path) and reused."""
+    """A fresh disk cache for the session: kernels are compiled once per run (the cold path) and reused.  Run by a
+    GPU kit ($BITKERN_KIT_DIR set), the tests use the kit's cache, which holds their prebuilt kernels."""
+    if os.environ.get("BITKERN_KIT_DIR"):
+        yield os.environ["BITKERN_CACHE_DIR"]
+        return
     path = tmp_path_factory.mktemp("bitkern-cache")
     previous = os.environ.get("BITKERN_CACHE_DIR")
     os.environ["BITKERN_CACHE_DIR"] = str(path)

@@ -34,3 +34,14 @@ def test_demo_rejects_bad_sizes():
     result = _run("demo", "--dim", "100", "--heads", "3")
     assert result.returncode == 2
     assert "heads=3 must divide dim=100" in result.stderr
+
+
+def test_gpu_kit_rejects_bad_arguments(tmp_path):
+    """Bad architectures and a directory already in use are refused before anything is built."""
+    unknown = _run("gpu-kit", "--arch", "sm_75", str(tmp_path / "kit"))
+    assert unknown.returncode == 2 and "arch='sm_75' is not supported; accepted:" in unknown.stderr
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "file").write_text("")
+    used = _run("gpu-kit", "--arch", "sm_90", str(tmp_path / "used"))
+    assert used.returncode == 2 and "is not an empty directory" in used.stderr
+    assert not (tmp_path / "kit").exists()

@@ -2,14 +2,15 @@
 target, versions): an in-process map over an on-disk store under $BITKERN_CACHE_DIR (else
 $XDG_CACHE_HOME/bitkern, else ~/.cache/bitkern).
 
-Entry points: `kernel_for(spec, n, k, m, layout, device)`; `dispatch.run(spec, x, weight, bias)`, which
-importing this package attaches to `bitkern.ops` (what calling a spec does); the store itself is `DiskStore`
-(ls, verify, clear, export and import of bundles).
+Entry points: `kernel_for(spec, n, k, m, layout, device)` (`pinned_kernel` for one template configuration);
+`dispatch.run(spec, x, weight, bias)`, which importing this package attaches to `bitkern.ops` (what calling a
+spec does); the store itself is `DiskStore` (ls, verify, clear, export and import of bundles).
 """
 
 from . import dispatch
 from .disk import DiskStore, cache_root
 from .key import KernelKey, versions
-from .lookup import forget, kernel_for, tuning_mode
+from .lookup import KernelNotFound, forget, kernel_for, pinned_kernel, tuning_mode
 
-__all__ = ["DiskStore", "KernelKey", "cache_root", "dispatch", "forget", "kernel_for", "tuning_mode", "versions"]
+__all__ = ["DiskStore", "KernelKey", "KernelNotFound", "cache_root", "dispatch", "forget", "kernel_for", "pinned_kernel",
+           "tuning_mode", "versions"]

@@ -9,31 +9,43 @@ hidden temporary directory and renamed into place, so a writer killed midway lea
 a file whose checksum does not match is reported, removed and rebuilt; entries of other bitkern versions,
 kernel-generating code (`key.code_fingerprint`), TVM or tvm-ffi versions live under another directory and
 are never read.
+
+Trust: the cache holds native code that runs in the process, so only this user may be able to write it.
+Directories are 0700 and files 0600 whatever the umask; a root or entry that another user owns or that
+group or others can write, and any symbolic link below the root, is refused with a warning (the kernel is
+then built in memory); each file is read once, and a library is loaded from the bytes its checksum was
+checked on (see `private`).  A cache that cannot be written, and a build lock held past `lock_timeout`,
+also leave the process building in memory, with one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
-import tarfile
+import stat
 import time
 import uuid
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
+from . import bundle
+from .entry import CONSTANTS, LIBRARY, MANIFEST, parse_manifest
 from .key import KernelKey, versions
+from .private import (Untrusted, check_directory, make_directories, make_private_directory, read_file,
+                      untrusted_reason, write_file)
 
 log = logging.getLogger("bitkern")
 
-MANIFEST = "manifest.json"
-LIBRARY = "kernel.so"
-CONSTANTS = "constants.safetensors"
-BUNDLE_MANIFEST = "bundle.json"
 STALE_SECONDS = 3600  # temporary directories older than this were left by a killed writer
+LOCK_TIMEOUT_SECONDS = 60.0  # a build lock held longer belongs to a stopped or hung builder
+VERSION_DIR = re.compile(r"bitkern-[^_/]+_code-[0-9a-f]{12}_tvm-[^_/]+_ffi-[^_/]+")
+_warned: set = set()
 
 
 def cache_root() -> Path:
@@ -45,19 +57,27 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "bitkern"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def default_lock_timeout() -> float:
+    """$BITKERN_LOCK_TIMEOUT (seconds, default 60): how long a process waits for another one building the
+    same kernel before it builds the kernel in memory itself."""
+    text = os.environ.get("BITKERN_LOCK_TIMEOUT")
+    if text is None:
+        return LOCK_TIMEOUT_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"BITKERN_LOCK_TIMEOUT={text!r} must be a positive number of seconds")
+    return seconds
 
 
 class DiskStore:
     """Compiled kernels under `root` (default `cache_root()`), scoped to the running versions."""
 
-    def __init__(self, root: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, lock_timeout: float | None = None):
         self.root = Path(root) if root is not None else cache_root()
+        self.lock_timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
 
     @property
     def version_dir(self) -> Path:
@@ -67,183 +87,345 @@ class DiskStore:
     def entry_dir(self, key: KernelKey) -> Path:
         return self.version_dir / key.target / key.digest
 
-    def lock(self, key: KernelKey) -> FileLock:
-        """A cross-process lock for building `key` (processes that need the same kernel build it once)."""
-        directory = self.version_dir / key.target
-        directory.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(directory / f"{key.digest}.lock"))
+    def lock_path(self, key: KernelKey) -> Path:
+        """The file whose lock a process holds while it builds `key`."""
+        return self.version_dir / key.target / f"{key.digest}.lock"
+
+    def problem(self) -> str | None:
+        """Why the store cannot be used at all (None: it can).  A missing root is created, mode 0700; an
+        existing one must be a directory of this user that group and others cannot write (the root itself
+        may be a symbolic link, e.g. ~/.cache on another disk; nothing below it is followed)."""
+        try:
+            status = os.stat(self.root)
+        except FileNotFoundError:
+            try:
+                make_private_directory(self.root)
+            except OSError as error:
+                return f"cannot be created ({error})"
+            return None
+        except OSError as error:
+            return f"cannot be read ({error})"
+        if not stat.S_ISDIR(status.st_mode):
+            return "is not a directory"
+        reason = untrusted_reason(status)
+        return None if reason is None else f"is not used: {reason}"
 
     # -- entries ----------------------------------------------------------------------------------------
     def load(self, key: KernelKey):
-        """The stored kernel for `key`, or None if there is none or it is damaged (then it is removed)."""
-        directory = self.entry_dir(key)
-        if not directory.is_dir():
+        """The stored kernel for `key`, or None if there is none, it is damaged (then it is removed), or it is
+        not trusted (then it is left alone, with a warning)."""
+        if self._refused():
             return None
+        directory = self.entry_dir(key)
         try:
-            manifest = self._checked_manifest(directory)
+            found = self._read_entry(directory)
+            if found is None:
+                return None
+            manifest, files = found
             if KernelKey.from_dict(manifest["key"]) != key:
                 raise ValueError("the manifest describes another kernel")
-            return _kernel_from(directory, manifest)
+            return _kernel_from(manifest, files)
+        except Untrusted as error:
+            _warn_once(("entry", str(directory)), "bitkern: cache entry %s is not used: %s; the kernel is built in "
+                       "memory (remove the entry, or make it yours and writable only by you)", directory, error)
+            return None
         except Exception as error:  # a damaged entry of any kind is rebuilt, never used
             log.warning("bitkern: cache entry %s is damaged (%s); removing it, the kernel will be rebuilt",
                         directory, error)
             shutil.rmtree(directory, ignore_errors=True)
             return None
 
-    def save(self, key: KernelKey, kernel) -> Path:
-        """Write `kernel` (compiled in this process) as the entry of `key`, atomically."""
-        from safetensors.torch import save_file
-
-        final = self.entry_dir(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        self._remove_stale(final.parent)
-        temporary = final.parent / f".{key.digest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        temporary.mkdir()
+    @contextlib.contextmanager
+    def building(self, key: KernelKey):
+        """Hold the cross-process lock for building `key` (processes that need the same kernel build it once)
+        and yield True; yield False, after one warning, where the store cannot be used or written or the lock
+        stays held past `lock_timeout` seconds (a stopped or hung builder): the caller builds in memory."""
+        lock = self._acquire(key)
         try:
-            if key.target.startswith("cuda-"):
-                kernel.save(str(temporary))  # cubin, PTX, the .cu source and the launch description
-            else:
-                kernel.module.export_library(str(temporary / LIBRARY))
-                if kernel.constants:
-                    save_file({f"c{i}": c.contiguous() for i, c in enumerate(kernel.constants)},
-                              str(temporary / CONSTANTS))
-            files = {path.name: _sha256(path) for path in sorted(temporary.iterdir())}
-            manifest = {"key": key.to_dict(), "versions": versions(), "template": kernel.template,
-                        "config": _config_dict(kernel), "m_range": list(kernel.m_range), "files": files,
-                        "created": time.time(), "record": _record_dict(kernel.record)}
-            with open(temporary / MANIFEST, "w") as file:
-                json.dump(manifest, file, indent=1)
-                file.flush()
-                os.fsync(file.fileno())
-            os.rename(temporary, final)
-        except OSError:
-            shutil.rmtree(temporary, ignore_errors=True)
-            if not final.is_dir():
-                raise
-        return final
+            yield lock is not None
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def save(self, key: KernelKey, kernel, copy_of: KernelKey | None = None) -> Path | None:
+        """Write `kernel` (compiled in this process) as the entry of `key`, atomically; None (after one
+        warning) where the store cannot be written.  `copy_of`: the entry `kernel` was loaded from (a prebuilt
+        candidate), whose files, read and checked against its checksums, are the new entry's."""
+        try:
+            return self._save(key, kernel, copy_of)
+        except (OSError, Untrusted) as error:
+            self._warn_unusable(f"cannot be written ({error})")
+            return None
+
+    def pinned(self, key: KernelKey) -> list:
+        """(key, kernel) of the stored kernels pinned to a configuration (`KernelKey.pinned`) for the kernel `key`
+        names, e.g. a kit's prebuilt tuning candidates: loaded (verified), ordered by their configurations' names."""
+        found = []
+        for entry in self.entries():
+            stored = entry.get("key")
+            if not isinstance(stored, dict) or not stored.get("pinned") or stored.get("target") != key.target:
+                continue
+            try:
+                other = KernelKey.from_dict(stored)
+            except (AttributeError, KeyError, TypeError, ValueError):  # a damaged manifest: load() reports it
+                continue
+            if other.tuned() == key.tuned():
+                kernel = self.load(other)
+                if kernel is not None:
+                    found.append((other, kernel))
+        return sorted(found, key=lambda item: item[0].pinned)
 
     def entries(self, all_versions: bool = False) -> list[dict]:
         """Manifests of the stored entries (with their directory), the running versions' only by default."""
         found = []
-        for base in (self.root.glob("bitkern-*") if all_versions else [self.version_dir]):
-            for manifest_path in sorted(base.glob(f"*/*/{MANIFEST}")):
-                if manifest_path.parent.name.startswith("."):  # a writer's unfinished directory
-                    continue
+        for base in (self._version_dirs() if all_versions else [self.version_dir]):
+            for directory in _entry_dirs(base):
                 try:
-                    manifest = json.loads(manifest_path.read_text())
-                except (OSError, ValueError) as error:
+                    manifest = json.loads(read_file(directory / MANIFEST))
+                    if not isinstance(manifest, dict):
+                        raise ValueError("the manifest is not a JSON object")
+                except (OSError, ValueError, Untrusted) as error:
                     manifest = {"error": str(error)}
-                found.append({**manifest, "directory": str(manifest_path.parent)})
+                found.append({**manifest, "directory": str(directory)})
         return found
 
     def verify(self) -> list[tuple[Path, str | None]]:
-        """Every entry of the running versions and what is wrong with it (None: nothing)."""
+        """Every entry of the running versions and what is wrong with it (None: nothing); the root alone where
+        the store cannot be used at all."""
+        problem = self.problem()
+        if problem:
+            return [(self.root, f"the kernel cache {problem}")]
         results = []
-        for target_dir in sorted(self.version_dir.glob("*")):
-            for directory in sorted(p for p in target_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-                try:
-                    self._checked_manifest(directory)
-                    results.append((directory, None))
-                except Exception as error:  # report every kind of damage
-                    results.append((directory, str(error)))
+        for directory in _entry_dirs(self.version_dir):
+            try:
+                self._read_entry(directory)
+                results.append((directory, None))
+            except Exception as error:  # report every kind of damage
+                results.append((directory, str(error)))
         return results
 
     def clear(self) -> int:
-        """Remove every entry of every version; returns how many kernels were removed."""
+        """Remove bitkern's version directories (every version's; nothing else under the root, such as a
+        user's own files); returns how many kernels were removed."""
         count = len(self.entries(all_versions=True))
-        for base in self.root.glob("bitkern-*"):
+        for base in self._version_dirs():
             shutil.rmtree(base, ignore_errors=True)
         return count
 
     # -- bundles ----------------------------------------------------------------------------------------
     def export(self, path: str | os.PathLike, target: str | None = None) -> int:
-        """Write the entries (of one target, or all) into one .tar.gz bundle with a manifest."""
-        entries = [e for e in self.entries() if "error" not in e and (target is None or e["key"]["target"] == target)]
-        bundle = {"versions": versions(), "entries": [
-            {"path": str(Path(e["directory"]).relative_to(self.version_dir)), "files": e["files"]} for e in entries]}
-        with tarfile.open(path, "w:gz") as archive:
-            data = json.dumps(bundle, indent=1).encode()
-            info = tarfile.TarInfo(BUNDLE_MANIFEST)
-            info.size = len(data)
-            archive.addfile(info, _bytes_io(data))
-            for entry in entries:
-                archive.add(entry["directory"], arcname=str(Path(entry["directory"]).relative_to(self.version_dir)))
-        return len(entries)
+        """Write the verified entries (of one target, or all) into one .tar.gz bundle with a manifest."""
+        found = []
+        for directory, problem in self.verify():
+            if problem is None and (target is None or directory.parent.name == target):
+                found.append(bundle.Entry(directory.parent.name, directory.name, self._read_entry(directory)[1]))
+        bundle.write(path, found)
+        return len(found)
 
     def import_(self, path: str | os.PathLike) -> int:
-        """Add the entries of a bundle (verified file by file); returns how many were added."""
-        with tarfile.open(path, "r:gz") as archive:
-            bundle = json.loads(archive.extractfile(BUNDLE_MANIFEST).read())
-            if bundle["versions"] != versions():
-                raise ValueError(f"bundle {path} was built with {bundle['versions']}; this process runs "
-                                 f"{versions()} and never uses kernels built with other versions")
-            added = 0
-            for entry in bundle["entries"]:
-                final = self.version_dir / entry["path"]
-                if final.is_dir():
+        """Add the entries of a bundle; returns how many were added.  A bundle holds native code that runs in
+        the processes that use this cache: import only bundles you trust, as you would install a wheel.  The
+        bundle is checked whole before anything is written (its structure, names, member types and sizes,
+        every manifest against the bundle, every checksum); a failed import leaves the store as it was."""
+        entries = bundle.read(path)
+        problem = self.problem()
+        if problem:
+            raise ValueError(f"the kernel cache {self.root} {problem}; set BITKERN_CACHE_DIR to a directory of yours")
+        added: list[Path] = []
+        try:
+            for entry in entries:
+                final = self.version_dir / entry.target / entry.digest
+                if check_directory(final):
                     continue
-                final.parent.mkdir(parents=True, exist_ok=True)
-                temporary = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-                temporary.mkdir()
-                for name, checksum in entry["files"].items():
-                    member = archive.extractfile(f"{entry['path']}/{name}")
-                    (temporary / name).write_bytes(member.read())
-                    if _sha256(temporary / name) != checksum:
-                        shutil.rmtree(temporary)
-                        raise ValueError(f"bundle {path}: {entry['path']}/{name} does not match its checksum")
-                (temporary / MANIFEST).write_bytes(archive.extractfile(f"{entry['path']}/{MANIFEST}").read())
-                os.rename(temporary, final)
-                added += 1
-        return added
+                self._commit(final, entry.files)
+                added.append(final)
+        except (OSError, Untrusted) as error:
+            for final in added:
+                shutil.rmtree(final, ignore_errors=True)
+            raise OSError(f"importing {path} into {self.version_dir} failed ({error}); nothing was added") from error
+        return len(added)
 
     # -- internals --------------------------------------------------------------------------------------
-    def _checked_manifest(self, directory: Path) -> dict:
-        manifest = json.loads((directory / MANIFEST).read_text())
-        if manifest["versions"] != versions():
-            raise ValueError(f"built with {manifest['versions']}, running {versions()}")
+    def _refused(self) -> bool:
+        problem = self.problem()
+        if problem:
+            self._warn_unusable(problem)
+        return problem is not None
+
+    def _warn_unusable(self, problem: str) -> None:
+        _warn_once(("root", str(self.root)), "bitkern: the kernel cache %s %s; kernels are built in memory for "
+                   "this process (set BITKERN_CACHE_DIR to a directory of yours that only you can write)",
+                   self.root, problem)
+
+    def _acquire(self, key: KernelKey) -> FileLock | None:
+        """The held build lock of `key`, or None (after one warning) where there is none to be had."""
+        if self._refused():
+            return None
+        path = self.lock_path(key)
+        try:
+            make_directories(self.root, path.parent)
+            if os.path.islink(path):
+                raise Untrusted(f"{path} is a symbolic link")
+            lock = FileLock(str(path), timeout=self.lock_timeout, mode=0o600)
+            lock.acquire()
+            return lock
+        except Timeout:
+            _warn_once(("lock", str(self.root)), "bitkern: the build lock %s has been held by another process for "
+                       "%.0f s (a stopped or hung build?); building the kernel in memory instead (set "
+                       "BITKERN_LOCK_TIMEOUT to wait longer)", path, self.lock_timeout)
+        except (OSError, Untrusted) as error:
+            self._warn_unusable(f"cannot be written ({error})")
+        return None
+
+    def _read_entry(self, directory: Path) -> tuple[dict, dict[str, bytes]] | None:
+        """(manifest, {file name: bytes}, the manifest's own included) of the entry in `directory`, each file
+        read once and checked against its checksum; None if there is no entry.  Untrusted where a path is not this user's
+        private file, ValueError where the entry is damaged."""
+        for path in (self.version_dir, directory.parent, directory):
+            if not check_directory(path):
+                return None
+        files = {MANIFEST: read_file(directory / MANIFEST)}
+        manifest = parse_manifest(files[MANIFEST], str(directory / MANIFEST))
         for name, checksum in manifest["files"].items():
-            if _sha256(directory / name) != checksum:
+            files[name] = read_file(directory / name)
+            if hashlib.sha256(files[name]).hexdigest() != checksum:
                 raise ValueError(f"{name} does not match its checksum")
-        return manifest
+        return manifest, files
 
-    @staticmethod
-    def _remove_stale(directory: Path) -> None:
-        for leftover in directory.glob(".*.tmp-*"):
-            try:
-                if time.time() - leftover.stat().st_mtime > STALE_SECONDS:
-                    shutil.rmtree(leftover, ignore_errors=True)
-            except OSError:
-                pass
+    def _save(self, key: KernelKey, kernel, copy_of: KernelKey | None = None) -> Path:
+        from safetensors.torch import save as save_tensors
+
+        final = self.entry_dir(key)
+        make_directories(self.root, final.parent)
+        _remove_stale(final.parent)
+        files: dict[str, bytes] = {}
+        if copy_of is not None:
+            found = self._read_entry(self.entry_dir(copy_of))
+            if found is None:
+                raise OSError(f"the entry {self.entry_dir(copy_of)} to copy is gone")
+            files = {name: data for name, data in found[1].items() if name != MANIFEST}
+        elif key.target.startswith("cuda-"):
+            files = kernel.files()  # cubin, PTX, the .cu source and the launch description
+        else:
+            files[LIBRARY] = _exported_library(kernel.module, final.parent)
+            if kernel.constants:
+                files[CONSTANTS] = save_tensors({f"c{i}": c.contiguous() for i, c in enumerate(kernel.constants)})
+        manifest = {"key": key.to_dict(), "versions": versions(), "template": kernel.template,
+                    "config": _config_dict(kernel), "m_range": list(kernel.m_range),
+                    "files": {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())},
+                    "created": time.time(), "record": _record_dict(kernel.record)}
+        self._commit(final, {**files, MANIFEST: json.dumps(manifest, indent=1).encode()})
+        return final
+
+    def _commit(self, final: Path, files: dict[str, bytes]) -> None:
+        """Write `files` into a hidden 0700 directory beside `final` and rename it into place; whatever is at
+        `final` already (another writer's entry, or one this process refused) stays."""
+        make_directories(self.root, final.parent)
+        if os.path.lexists(final):
+            return
+        temporary = _temporary_beside(final)
+        try:
+            for name, data in files.items():
+                write_file(temporary / name, data)
+            os.rename(temporary, final)
+        except OSError:
+            shutil.rmtree(temporary, ignore_errors=True)
+            if not check_directory(final):
+                raise
+
+    def _version_dirs(self) -> list[Path]:
+        """bitkern's version directories under the root (real directories of this user, named as bitkern
+        names them)."""
+        try:
+            children = sorted(self.root.iterdir())
+        except OSError:
+            return []
+        found = []
+        for child in children:
+            with contextlib.suppress(Untrusted):
+                if VERSION_DIR.fullmatch(child.name) and check_directory(child):
+                    found.append(child)
+        return found
 
 
-def _kernel_from(directory: Path, manifest: dict):
-    """Rebuild the callable kernel of an entry (runtime only: no TVM compiler, no nvcc)."""
+def _entry_dirs(base: Path) -> list[Path]:
+    """The entry directories under a version directory of this user (no symbolic links, no writers' hidden
+    ones)."""
+    with contextlib.suppress(Untrusted):
+        if check_directory(base):
+            return [entry for parent in _subdirectories(base) for entry in _subdirectories(parent)]
+    return []
+
+
+def _subdirectories(path: Path) -> list[Path]:
+    try:
+        children = sorted(path.iterdir())
+    except OSError:
+        return []
+    return [child for child in children if not child.name.startswith(".") and child.is_dir()
+            and not child.is_symlink()]
+
+
+def _temporary_beside(final: Path) -> Path:
+    temporary = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.mkdir(temporary, 0o700)
+    os.chmod(temporary, 0o700)
+    return temporary
+
+
+def _exported_library(module, directory: Path) -> bytes:
+    """The bytes of `module` exported as a shared library (TVM writes it to a path: a private temporary one)."""
+    temporary = _temporary_beside(directory / "export")
+    try:
+        module.export_library(str(temporary / LIBRARY))
+        return (temporary / LIBRARY).read_bytes()
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _remove_stale(directory: Path) -> None:
+    for leftover in directory.glob(".*.tmp-*"):
+        try:
+            status = os.lstat(leftover)
+            if stat.S_ISDIR(status.st_mode) and time.time() - status.st_mtime > STALE_SECONDS:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _warn_once(topic: tuple, message: str, *args) -> None:
+    if topic not in _warned:
+        _warned.add(topic)
+        log.warning(message, *args)
+
+
+def _kernel_from(manifest: dict, files: dict[str, bytes]):
+    """Rebuild the callable kernel of an entry from its verified files (runtime only: no TVM compiler, no
+    nvcc)."""
     key = KernelKey.from_dict(manifest["key"])
     if key.target.startswith("cuda-"):
-        from ..codegen.cuda import load_kernel
+        from ..codegen.cuda import kernel_from_files
 
-        kernel = load_kernel(str(directory))
-        kernel.record = manifest.get("record")
-        return kernel
-    return _cpu_kernel_from(directory, manifest, key)
-
-
-def _cpu_kernel_from(directory: Path, manifest: dict, key: KernelKey):
-    from ..codegen import template
-    from ..codegen.cpu.layout import aligned
-    from .runtime import load_function
-
-    constants = []
-    if (directory / CONSTANTS).exists():
-        from safetensors.torch import load_file
-
-        loaded = load_file(str(directory / CONSTANTS))
-        constants = [aligned(loaded[f"c{i}"]) for i in range(len(loaded))]  # file offsets are not aligned
-    function = load_function(str(directory / LIBRARY))
-    kernel = template(manifest["template"]).restore(key.spec, key.n, key.k, manifest["config"], key.layout,
-                                                    tuple(manifest["m_range"]), function, constants)
+        kernel = kernel_from_files(files)
+    else:
+        kernel = _cpu_kernel_from(manifest, files, key)
     kernel.record = manifest.get("record")
     return kernel
+
+
+def _cpu_kernel_from(manifest: dict, files: dict[str, bytes], key: KernelKey):
+    from ..codegen import template
+    from ..codegen.cpu.layout import aligned
+    from .private import load_library
+
+    constants = []
+    if CONSTANTS in files:
+        from safetensors.torch import load as load_tensors
+
+        loaded = load_tensors(files[CONSTANTS])
+        constants = [aligned(loaded[f"c{i}"]) for i in range(len(loaded))]  # file offsets are not aligned
+    return template(manifest["template"]).restore(key.spec, key.n, key.k, manifest["config"], key.layout,
+                                                  tuple(manifest["m_range"]), load_library(files[LIBRARY]), constants)
 
 
 def _config_dict(kernel) -> dict:
@@ -262,9 +444,3 @@ def _record_dict(record) -> dict | None:
             "notes": list(record.notes), "chosen": record.chosen,
             "trials": [{"template": t.template, "config": dataclasses.asdict(t.config),
                         "modeled_s": t.modeled_s, "measured_s": t.measured_s} for t in record.trials]}
-
-
-def _bytes_io(data: bytes):
-    import io
-
-    return io.BytesIO(data)

@@ -3,17 +3,23 @@
 `bitkern.ops` describes operators and checks their inputs; it executes nothing itself.  Importing this module
 attaches `run` to it (`bitkern.ops.execution.attach`), so `Matmul(...)(x, weight)` comes here: the inputs are
 checked (a few comparisons on the hot path, the full check otherwise), the kernel of (spec, N, K, M, layout,
-device) is found through `kernel_for`, and it runs on x's rows.
+device) is found through `kernel_for`, and it runs on x's rows.  Inside `rehearsal(device)` the same calls, with
+host tensors, run as on a GPU up to the driver (a GPU kit's dry run).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
-from ..codegen import PackedWeight
+from ..codegen import PackedWeight, layout_for, to_layout
 from ..ops import execution
 from ..ttype import torch_dtype
 from .lookup import kernel_for
+
+_rehearsal = contextvars.ContextVar("bitkern_rehearsal", default=None)  # (device, store, launches) inside rehearsal()
 
 
 def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -21,6 +27,9 @@ def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torc
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                         f"got {type(weight).__name__}")
+    rehearsing = _rehearsal.get()
+    if rehearsing is not None:
+        return _rehearse(spec, x, weight, bias, *rehearsing)
     quick = spec.fits(x, weight, bias)
     if not quick:
         spec.check_inputs(x, weight, bias)
@@ -30,6 +39,41 @@ def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torc
         return torch.empty(shape, dtype=torch_dtype(spec.output_dtype), device=x.device)
     kernel = kernel_for(kernel_spec, n, k, kernel_spec.rows(rows), weight.layout, None if quick else device_of(x))
     y = kernel(rows, weight, bias)
+    return y if y.shape == shape else y.reshape(shape)
+
+
+@contextlib.contextmanager
+def rehearsal(device, store=None):
+    """Inside, every call of a bitkern op (modules, torch.ops.bitkern, specs) with host tensors runs as it would on
+    a GPU of `device` (a CUDA architecture's description) up to the driver: the inputs checked, the kernel found
+    (in `store`, default the cache's; no TVM where it is there), the weight in the layout the kernel reads, the
+    arguments packed and each launch checked against the kernel's cubin (name, parameters, limits).  Nothing is
+    launched: y comes back allocated but unset.  Yields the list the launches (`compile.LaunchCall`) go to."""
+    if getattr(device, "kind", None) != "cuda":
+        raise ValueError(f"device must describe a CUDA architecture (bitkern.tuner.cuda_device), got {device!r}")
+    launches = []
+    token = _rehearsal.set((device, store, launches))
+    try:
+        yield launches
+    finally:
+        _rehearsal.reset(token)
+
+
+def _rehearse(spec, x, weight, bias, device, store, launches) -> torch.Tensor:
+    from ..codegen.cuda.launcher import check_launches
+
+    spec.check_inputs(x, weight, bias)
+    n, k = weight.shape
+    layout = layout_for(weight.ttype, device.kind)
+    if weight.layout != layout:
+        weight = to_layout(weight.to_portable(), layout)
+    kernel_spec, rows, shape = spec.gemm_input(x, n, k, gathered=False)
+    if rows.shape[0] == 0:
+        return torch.empty(shape, dtype=torch_dtype(spec.output_dtype), device=x.device)
+    kernel = kernel_for(kernel_spec, n, k, kernel_spec.rows(rows), layout, device, store)
+    y, calls = kernel.plan(rows, weight, bias)
+    check_launches(kernel.binary.cubin, calls, device.shared_bytes_per_block)
+    launches.extend(calls)
     return y if y.shape == shape else y.reshape(shape)
 
 

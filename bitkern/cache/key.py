@@ -15,15 +15,31 @@ from ..ops.matmul import Matmul
 
 
 CODE_PACKAGES = ("ops", "ttype", "codegen")  # what writes a kernel: its expression, decoders, templates
+# Written into a copy of the package that runs without TVM (`python -m bitkern gpu-kit`): the TVM and tvm-ffi
+# versions its kernels were built with, which such a process cannot read from installed packages.
+BUILT_WITH = Path(__file__).with_name("built_with.json")
+NOT_INSTALLED = "none"
 
 
 @functools.lru_cache(maxsize=None)
 def versions() -> dict[str, str]:
-    """The versions a compiled kernel depends on: an entry built under others is never used."""
+    """The versions a compiled kernel depends on: an entry built under others is never used.  Without TVM
+    installed, TVM's and tvm-ffi's are those of `BUILT_WITH` ("none" without it: such a process builds
+    nothing, and finds only kernels shipped with that file)."""
     from .. import __version__
 
     return {"bitkern": __version__, "code": code_fingerprint(Path(__file__).resolve().parent.parent),
-            "tvm": metadata.version("apache-tvm"), "tvm_ffi": metadata.version("apache-tvm-ffi")}
+            **_tvm_versions()}
+
+
+def _tvm_versions() -> dict[str, str]:
+    try:
+        return {"tvm": metadata.version("apache-tvm"), "tvm_ffi": metadata.version("apache-tvm-ffi")}
+    except metadata.PackageNotFoundError:
+        if BUILT_WITH.is_file():
+            recorded = json.loads(BUILT_WITH.read_text())
+            return {"tvm": str(recorded["tvm"]), "tvm_ffi": str(recorded["tvm_ffi"])}
+        return {"tvm": NOT_INSTALLED, "tvm_ffi": NOT_INSTALLED}
 
 
 def code_fingerprint(package_root: Path) -> str:
@@ -41,7 +57,9 @@ def code_fingerprint(package_root: Path) -> str:
 @dataclass(frozen=True)
 class KernelKey:
     """(op spec — a Matmul, or a Conv2d with its geometry —, N, K, M bucket, weight layout, target): what one
-    compiled kernel serves."""
+    compiled kernel serves.  `pinned` names a template configuration (`pinned_name`) for an entry that holds that
+    configuration's kernel rather than the tuner's choice: a prebuilt tuning candidate, or a kernel a test asks
+    for by its configuration."""
 
     spec: Matmul
     n: int
@@ -49,18 +67,37 @@ class KernelKey:
     bucket: tuple[int, int]
     layout: str
     target: str
+    pinned: str = ""
 
     def to_dict(self) -> dict:
-        return {"spec": dataclasses.asdict(self.spec), "n": self.n, "k": self.k, "bucket": list(self.bucket),
-                "layout": self.layout, "target": self.target}
+        fields = {"spec": dataclasses.asdict(self.spec), "n": self.n, "k": self.k, "bucket": list(self.bucket),
+                  "layout": self.layout, "target": self.target}
+        return {**fields, "pinned": self.pinned} if self.pinned else fields  # tuned entries keep their digests
 
     @classmethod
     def from_dict(cls, fields: dict) -> "KernelKey":
         return cls(spec_from_dict(fields["spec"]), fields["n"], fields["k"], tuple(fields["bucket"]), fields["layout"],
-                   fields["target"])
+                   fields["target"], fields.get("pinned", ""))
+
+    def tuned(self) -> "KernelKey":
+        """The key of the tuner's choice for the same kernel."""
+        return dataclasses.replace(self, pinned="")
+
+    def describe(self) -> str:
+        """The kernel in words, for messages."""
+        spec = self.spec
+        pinned = f", configuration {self.pinned}" if self.pinned else ""
+        return (f"{spec.weight_dtype} weights x {spec.activation_dtype} activations -> {spec.output_dtype} "
+                f"(group_size={spec.group_size}, zero_mode={spec.zero_mode}, bias={spec.bias}) for N={self.n}, "
+                f"K={self.k}, M={self.bucket[0]}..{self.bucket[1]}, layout {self.layout}, target {self.target}{pinned}")
 
     @property
     def digest(self) -> str:
         """A stable name for the key (and the versions it is scoped to)."""
         canonical = json.dumps({**self.to_dict(), "versions": versions()}, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def pinned_name(template: str, config) -> str:
+    """The `KernelKey.pinned` name of a template configuration: the template and the configuration's fields."""
+    return f"{template}:" + json.dumps(dataclasses.asdict(config), sort_keys=True, separators=(",", ":"))

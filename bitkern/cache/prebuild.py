@@ -3,15 +3,19 @@
 The distinct Linear shapes come from a Hugging Face config.json (hidden size, intermediate size, heads,
 key/value heads, head dim) or an explicit list; repeated layers share their shapes, so a 32-layer model
 costs what one layer costs (Welder's subgraph-signature cache).  Each shape is built for the M buckets of
-the rows the caller expects.
+the rows the caller expects.  Underneath, `prebuild_requests` builds any list of `Request`s (the tuner's choice,
+a pinned configuration, or the tuner's shortlist as candidates for tuning where the device is), in parallel
+worker processes.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -21,7 +25,7 @@ from ..ttype import get
 from ..tuner.buckets import m_bucket
 from ..tuner.device import device_for
 from .disk import DiskStore
-from .lookup import kernel_for
+from .lookup import kernel_for, pinned_kernel
 
 DEFAULT_ROWS = (1, 16, 128)
 
@@ -76,6 +80,23 @@ class PrebuildReport:
     built: int
     seconds: float
     target: str
+    failed: list = field(default_factory=list)  # (request, error) of kernels that did not build (keep_going)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One kernel to prebuild for `target` (see `device_for`): the tuner's choice for rows in `bucket`; pinned to
+    `template` with `config`; or, with `candidates` > 0, that many configurations of the tuner's shortlist stored
+    pinned, for the device to time (`lookup` keeps the fastest as the tuned entry)."""
+
+    spec: Matmul
+    n: int
+    k: int
+    bucket: tuple[int, int]
+    target: str
+    template: str | None = None
+    config: object = None
+    candidates: int = 0
 
 
 def prebuild(shapes: list[LinearShape], dtype: str = "int4", group_size: int = 128, target: str = "cpu",
@@ -85,22 +106,74 @@ def prebuild(shapes: list[LinearShape], dtype: str = "int4", group_size: int = 1
     from ..ttype.quantize import default_zero_mode
 
     ttype = get(dtype)
-    device = device_for(target)
-    if device.kind == "cuda":
+    if device_for(target).kind == "cuda":
         from ..codegen.cuda.layout import check_type
 
         check_type(ttype)
-    layout = layout_for(ttype, device.kind)
-    store = store or DiskStore()
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     group = ttype.block_size if ttype.block_size > 1 else group_size
-    buckets = sorted({m_bucket(m) for m in rows})
-    jobs = [(shape, bucket) for shape in shapes for bucket in buckets]
-    before = {entry["directory"] for entry in store.entries()}
-    start = time.perf_counter()
-    for shape, bucket in tqdm(jobs, desc=f"prebuild {dtype} for {target}", disable=not progress):
-        spec = Matmul(ttype.name, activation_dtype, group_size=group, zero_mode=zero_mode, scale_dtype=scale_dtype)
+    spec = Matmul(ttype.name, activation_dtype, group_size=group, zero_mode=zero_mode, scale_dtype=scale_dtype)
+    for shape in shapes:
         spec.check_shape(shape.out_features, shape.in_features)
-        kernel_for(spec, shape.out_features, shape.in_features, bucket[0], layout, device, store)
+    buckets = sorted({m_bucket(m) for m in rows})
+    requests = [Request(spec, shape.out_features, shape.in_features, bucket, target) for shape in shapes
+                for bucket in buckets]
+    return prebuild_requests(requests, store, progress=progress, description=f"prebuild {dtype} for {target}")
+
+
+def prebuild_requests(requests: list[Request], store: DiskStore | None = None, workers: int = 1,
+                      progress: bool = True, description: str = "prebuild", keep_going: bool = False) -> PrebuildReport:
+    """Compile (or find in the store) every requested kernel, in `workers` processes (TVM holds the interpreter
+    while it lowers; nvcc runs beside it).  A kernel that fails to build raises, or with `keep_going` is listed in
+    the report's `failed` and the others are built.  The report's target names the requests' targets."""
+    store = store or DiskStore()
+    problem = store.problem()
+    if problem:  # kernels would be built in memory only: nothing prebuilt
+        raise ValueError(f"the kernel cache {store.root} {problem}; prebuild stores kernels there (choose another "
+                         f"with --cache-dir or BITKERN_CACHE_DIR)")
+    start = time.perf_counter()
+    jobs = [job for request in requests for job in _jobs(request)]
+    before = {entry["directory"] for entry in store.entries()}
+    if workers > 1 and len(jobs) > 1:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked TVM or torch threads
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            done = pool.map(_build, jobs, [str(store.root)] * len(jobs), [keep_going] * len(jobs), chunksize=1)
+            errors = list(tqdm(done, total=len(jobs), desc=description, disable=not progress))
+    else:
+        errors = [_build(job, store, keep_going) for job in tqdm(jobs, desc=description, disable=not progress)]
     built = len({entry["directory"] for entry in store.entries()} - before)
-    return PrebuildReport(len(jobs), built, time.perf_counter() - start, target)
+    targets = ",".join(dict.fromkeys(request.target for request in requests))
+    failed = [(job, error) for job, error in zip(jobs, errors) if error is not None]
+    return PrebuildReport(len(jobs), built, time.perf_counter() - start, targets, failed)
+
+
+def _jobs(request: Request) -> list[Request]:
+    """The kernels a request stands for: itself, or its shortlist's configurations, pinned."""
+    if not request.candidates:
+        return [request]
+    from ..tuner import shortlist
+
+    device = device_for(request.target)
+    layout = layout_for(get(request.spec.weight_dtype), device.kind)
+    return [Request(request.spec, request.n, request.k, request.bucket, request.target, candidate.template,
+                    candidate.config)
+            for candidate in shortlist(request.spec, request.n, request.k, request.bucket, layout, device,
+                                       top_k=request.candidates)]
+
+
+def _build(job: Request, store, keep_going: bool = False) -> str | None:
+    """Find or build the kernel of a job (a request without candidates) in `store` (a DiskStore or its root); None,
+    or with `keep_going` the error that stopped the build."""
+    store = store if isinstance(store, DiskStore) else DiskStore(store)
+    device = device_for(job.target)
+    layout = layout_for(get(job.spec.weight_dtype), device.kind)
+    try:
+        if job.template is None:
+            kernel_for(job.spec, job.n, job.k, job.bucket[0], layout, device, store)
+        else:
+            pinned_kernel(job.spec, job.n, job.k, job.bucket, layout, device, job.template, job.config, store)
+    except Exception as error:  # any failure of the compiler stack is the job's: reported, the others go on
+        if not keep_going:
+            raise
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:500]
+    return None

@@ -48,10 +48,10 @@ class Conv2d(QuantizedModule):
         self._take_parameters(source)
 
     @classmethod
-    def _meta_layer(cls, module: nn.Conv2d, **settings) -> "Conv2d":
+    def _meta_layer(cls, module, **settings) -> "Conv2d":
         return cls(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
-                   module.dilation, module.groups, module.bias is not None, module.padding_mode, device="meta",
-                   **settings)
+                   module.dilation, getattr(module, "groups", 1), module.bias is not None,
+                   getattr(module, "padding_mode", "zeros"), device="meta", **settings)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor) and (x.dim() not in (3, 4) or x.shape[-3] != self.in_channels):

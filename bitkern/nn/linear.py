@@ -95,6 +95,18 @@ class Linear(QuantizedModule):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def state_tensors(self) -> tuple[str, ...]:
+        return (*super().state_tensors(), "input_order")
+
+    def check_weight_tensors(self, tensors: dict, layout, where: str = "") -> None:
+        """The weight's tensors as `QuantizedModule.check_weight_tensors` checks them, and an input_order, where
+        given, of shape [in_features] and an integer dtype (its values are checked when it is loaded)."""
+        order = tensors.get("input_order")
+        if order is not None and (tuple(order[0]) != (self.in_features,) or order[1] not in (torch.int32, torch.int64)):
+            raise ValueError(f"{where}input_order has shape {list(order[0])} and dtype {order[1]}; this Linear takes "
+                             f"a permutation of range({self.in_features}), int32 or int64 of shape [{self.in_features}]")
+        super().check_weight_tensors(tensors, layout, where)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> nn.Linear:
         """An nn.Linear holding the dequantized weight (in `dtype`) and this layer's bias."""
         module = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta", dtype=dtype)

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from .. import ttype
-from ..codegen import PackedWeight, layout_for, pack, to_layout
+from ..codegen import PackedWeight, layout_for, pack, packed_class, to_layout
 from ..codegen.cpu.layout import aligned
-from ..ttype import Layout, QuantizedWeight, StoredWeight, WeightFormat, dtype_name, packed_length, torch_dtype
+from ..ttype import Layout, QuantizedWeight, StoredWeight, WeightFormat, dtype_name
 from ..ttype.quantize import (DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
 from . import library
@@ -38,11 +38,16 @@ def weight_dtypes() -> list[str]:
 
 
 def check_weight_dtype(dtype) -> str:
-    """The name of a storable weight type; ValueError naming `dtype` and the accepted names otherwise."""
-    if isinstance(dtype, str) and dtype in weight_dtypes():
-        return dtype
-    if isinstance(dtype, ttype.TType) and dtype.name in weight_dtypes():
-        return dtype.name
+    """The name of a storable weight type, given by name, as a TType or as a torch dtype that names one (as
+    `bitkern.quantize` takes them: torch.int8 is "int8"); ValueError naming `dtype` and the accepted names
+    otherwise."""
+    if isinstance(dtype, (str, ttype.TType, torch.dtype)):
+        try:
+            name = ttype.get(dtype).name
+        except ValueError:
+            name = None
+        if name in weight_dtypes():
+            return name
     raise ValueError(f"dtype={dtype!r} is not supported for weights; accepted: {', '.join(weight_dtypes())}")
 
 
@@ -120,7 +125,7 @@ class QuantizedModule(nn.Module, abc.ABC):
         if tuple(weight.shape) != self.weight_shape:
             raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {self.weight_shape}")
         if weight.is_meta:
-            self._store(self._empty_portable(weight.device))
+            self._store(PackedWeight.empty(self.weight_format(Layout.ROWMAJOR), weight.device))
             return
         q = ttype.quantize(self._gemm_matrix(weight.detach()), self.weight_dtype, group_size=self.group_size,
                            zero_mode=self.zero_mode, scale_dtype=self.scale_dtype)
@@ -140,7 +145,8 @@ class QuantizedModule(nn.Module, abc.ABC):
     @classmethod
     @abc.abstractmethod
     def _meta_layer(cls, module: nn.Module, **settings) -> "QuantizedModule":
-        """An empty layer on the meta device with the geometry of the float `module` and these settings."""
+        """An empty layer on the meta device with the geometry of `module` (a float one, or a bitkern one of this
+        class) and these settings: what `from_float` fills, and what a checkpoint is checked and loaded into."""
 
     def _take_parameters(self, module: nn.Module) -> "QuantizedModule":
         """This layer with the float `module`'s weight quantized and its bias (or None) copied as it is."""
@@ -170,19 +176,6 @@ class QuantizedModule(nn.Module, abc.ABC):
         block = ttype.get(self.weight_dtype).block_size > 1
         return WeightFormat(self.weight_dtype, self.gemm_shape, self.group_size, self.zero_mode,
                             "uint8" if block else dtype_name(self.scale_dtype), layout)
-
-    def _empty_portable(self, device) -> PackedWeight:
-        """Uninitialised buffers in the portable layout (shapes as `bitkern.QuantizedWeight` documents)."""
-        weight_format = self.weight_format(Layout.ROWMAJOR)
-        weight_type = ttype.get(self.weight_dtype)
-        n, k = self.gemm_shape
-        groups = (n, k // self.group_size)
-        zero = weight_format.zero_dtype
-        return PackedWeight.from_format(
-            weight_format, torch.empty(n, packed_length(k, weight_type.bits), dtype=torch.int32, device=device),
-            torch.empty(groups, dtype=torch_dtype(weight_format.scale_dtype), device=device),
-            None if zero is None else torch.empty(groups, dtype=torch_dtype(zero), device=device),
-            torch.empty((), dtype=torch.float32, device=device) if weight_type.tensor_scale else None)
 
     def _apply(self, fn, recurse: bool = True):
         """Moves and casts apply to the buffers as they are; a move to another kind of device then re-lays
@@ -266,6 +259,51 @@ class QuantizedModule(nn.Module, abc.ABC):
     def get_extra_state(self) -> dict:
         return self.weight_settings()
 
+    def settings_arguments(self) -> dict:
+        """The weight settings as the constructor's and `from_float`'s keyword arguments."""
+        return {"dtype": self.weight_dtype, "group_size": self.group_size, "zero_mode": self.zero_mode,
+                "compute_dtype": self.compute_dtype, "scale_dtype": self.scale_dtype}
+
+    def state_tensors(self) -> tuple[str, ...]:
+        """Names of the tensors of this module's state that a checkpoint holds besides the bias: the weight's
+        buffers (and those a subclass adds)."""
+        return WEIGHT_BUFFERS
+
+    def check_weight_tensors(self, tensors: dict, layout, where: str = "") -> None:
+        """Raise ValueError naming the tensor unless `tensors` ({buffer name: (shape, dtype)} of the weight
+        buffers given) are exactly those of this module's weight format in `layout`: the shapes N, K, the group
+        size and the type's bits imply there, in their storage dtypes (float metadata also as its raw bits)."""
+        weight_format = self.weight_format(layout)
+        expected = packed_class(layout).empty(weight_format, "meta")
+        n, k = weight_format.shape
+        weight = (f"a [{n}, {k}] {self.weight_dtype} weight (group_size={self.group_size}, zero_mode={self.zero_mode}) "
+                  f"in layout {weight_format.layout.value!r}")
+        for name, want in zip(WEIGHT_BUFFERS, expected.tensors()):
+            have = tensors.get(name)
+            if want is None and have is not None:
+                raise ValueError(f"{where}{name} is given, but {weight} has none")
+            if want is not None and have is None:
+                raise ValueError(f"{where}{name} is missing; {weight} stores one of shape {list(want.shape)}")
+            if want is None:
+                continue
+            shape, dtype = tuple(have[0]), have[1]
+            if shape != tuple(want.shape):
+                raise ValueError(f"{where}{name} has shape {list(shape)}, but {weight} stores it as "
+                                 f"{list(want.shape)}")
+            accepted = (want.dtype, raw_bits(want).dtype)
+            if dtype not in accepted:
+                raise ValueError(f"{where}{name} has dtype {dtype}, but {weight} stores it as "
+                                 f"{' or '.join(str(d) for d in dict.fromkeys(accepted))}")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's load_state_dict, all or nothing: the state is first loaded into an empty twin of this module
+        (on the meta device: tensors are referenced, not copied), so a state that does not fit — other
+        settings, missing or unexpected tensors, shapes or dtypes that contradict the settings — raises
+        before any tensor of this module changes."""
+        twin = type(self)._meta_layer(self, **self.settings_arguments())
+        nn.Module.load_state_dict(twin, state_dict, strict, assign=True)
+        return super().load_state_dict(state_dict, strict, assign)
+
     def set_extra_state(self, state) -> None:
         self._check_settings(state)
 
@@ -289,14 +327,24 @@ class QuantizedModule(nn.Module, abc.ABC):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        """Check the settings before any tensor is copied, and bring the incoming weight to the layout the
-        kernels for this module's device read (a module on meta takes the incoming layout as it is)."""
-        for name in WEIGHT_BUFFERS:  # float metadata given as floats is taken as its bits, never converted
-            if isinstance(state_dict.get(prefix + name), torch.Tensor):
-                state_dict[prefix + name] = raw_bits(state_dict[prefix + name])
+        """Check the settings and every incoming weight tensor and the bias before any tensor changes, and
+        bring the incoming weight to the layout the kernels for this module's device read (a module on meta
+        takes the incoming layout as it is)."""
         state = state_dict.get(prefix + "_extra_state")
-        if state is not None and all(prefix + name in state_dict for name in ("qweight", "scales")):
+        if state is not None:
             self._check_settings(state)
+        given = {name: state_dict[prefix + name] for name in WEIGHT_BUFFERS
+                 if isinstance(state_dict.get(prefix + name), torch.Tensor)}
+        if given:
+            layout = self.layout if state is None else state["layout"]
+            self.check_weight_tensors({name: (t.shape, t.dtype) for name, t in given.items()}, layout, prefix)
+        bias = state_dict.get(prefix + "bias")
+        if self.bias is not None and isinstance(bias, torch.Tensor) and tuple(bias.shape) != (self.gemm_shape[0],):
+            raise ValueError(f"{prefix}bias has shape {list(bias.shape)}; this {type(self).__name__} has "
+                             f"{self.gemm_shape[0]} outputs")
+        for name in given:  # float metadata given as floats is taken as its bits, never converted
+            state_dict[prefix + name] = raw_bits(state_dict[prefix + name])
+        if state is not None and given:
             incoming = library.weight_of([state_dict.get(prefix + name) for name in WEIGHT_BUFFERS],
                                          self.weight_format(state["layout"]))
             target = kernel_layout(self.weight_dtype, self.qweight.device) or incoming.layout
@@ -308,7 +356,7 @@ class QuantizedModule(nn.Module, abc.ABC):
                     if tensor is not None:
                         state_dict[prefix + name] = tensor
             if target != self.layout:  # this module's buffers take the shapes of the incoming layout
-                self._store(_empty_like(incoming, self.qweight.device))
+                self._store(packed_class(target).empty(incoming.format, self.qweight.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         with torch.no_grad():  # assigned tensors (e.g. slices of a file) may sit anywhere; kernels need alignment
@@ -324,11 +372,6 @@ class QuantizedModule(nn.Module, abc.ABC):
                 f"weight={_size(self.nbytes)} (saves {_size(float32_bytes - self.nbytes)}, "
                 f"{1 - self.nbytes / float32_bytes:.0%} of float32)")
         return text + (f", compute_dtype={dtype_name(self.compute_dtype)}" if self.compute_dtype else "")
-
-
-def _empty_like(weight: PackedWeight, device) -> PackedWeight:
-    empty = (lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device))
-    return type(weight).from_format(weight.format, *(empty(t) for t in weight.tensors()))
 
 
 def _size(nbytes: int) -> str:

@@ -21,6 +21,7 @@ SCALE_DTYPES = ("float16", "bfloat16", "float32")
 OPERAND_LAYOUTS = ("nt",)  # the spec's `layout`: x [M, K] row-major times weight [N, K] transposed (nn.Linear's)
 _SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
                 "bias", "layout", "scale_dtype")
+BIAS_DTYPES = tuple(torch_dtype(name) for name in ("float32", "float16", "bfloat16"))  # added in float32: exact
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,8 @@ class Matmul:
                 and type(x) is torch.Tensor and x.dtype is activation and x.dim() >= 1 and x.shape[-1] == k
                 and x.is_cpu and weight.qweight.is_cpu
                 and (bias is None if not self.bias else
-                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu))
+                     type(bias) is torch.Tensor and tuple(bias.shape) == (n,) and bias.is_cpu
+                     and bias.dtype in BIAS_DTYPES))
 
     def gemm_input(self, x: torch.Tensor, n: int, k: int, gathered: bool = True) -> tuple:
         """(the spec whose kernel runs, its contiguous [M, K] rows, the shape of y) for a checked x (`gathered`:
@@ -151,6 +153,9 @@ class Matmul:
                 raise ValueError(f"bias must be a tensor of shape ({n},), got {got}")
             if bias.device != weight.device:
                 raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+            if bias.dtype not in BIAS_DTYPES:
+                raise TypeError(f"bias has dtype {bias.dtype}; the kernels add a float32, float16 or bfloat16 bias "
+                                f"(exactly, in float32) and cast none silently: convert it explicitly")
 
     def reference(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The reference result: `exact` cast to the output type."""

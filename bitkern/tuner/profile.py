@@ -41,7 +41,7 @@ def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
     pattern is a valid code, and timing does not depend on the values), bias."""
     generator = torch.Generator().manual_seed(0)
     where = "cpu" if device.kind == "cpu" else "cuda"
-    packed = _random_packed(spec, n, k, layout, generator).to(where)
+    packed = random_packed(spec, n, k, layout, generator).to(where)
     copies = [packed] + [_clone(packed) for _ in range(max(1, profile_bytes(device) // max(1, packed.nbytes)) - 1)]
     x = torch.randn(spec.input_shape(m, k), generator=generator)
     x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
@@ -56,7 +56,7 @@ def _tiny_weight(spec: Matmul, k: int):
                     zero_mode=spec.zero_mode, scale_dtype=getattr(torch, spec.scale_dtype))
 
 
-def _random_packed(spec: Matmul, n: int, k: int, layout: str, generator):
+def random_packed(spec: Matmul, n: int, k: int, layout: str, generator):
     """A packed weight of N rows with random codes, scales near 1 and valid zeros, its tensors shaped like those
     of a one-row weight in `layout` but for their rows."""
     ttype = get(spec.weight_dtype)

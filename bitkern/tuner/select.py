@@ -13,9 +13,10 @@ from ..codegen import template as template_named
 from ..ops.matmul import Matmul
 from .buckets import TUNED_M
 from .cost import estimate
+from .hints import device_hint
 from .profile import TIMERS, build_all, inputs, time_kernels
 from .record import Trial, TuningRecord
-from .space import enumerate_candidates, usable_templates
+from .space import Candidate, enumerate_candidates, usable_templates
 
 log = logging.getLogger("bitkern")
 
@@ -34,40 +35,107 @@ class Tuned:
 def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, device, top_k: int = TOP_K,
          profile: bool = True) -> Tuned:
     """Choose and compile the kernel for `spec` on a [N, K] weight in `layout`, rows in `bucket`."""
-    if not 1 <= top_k <= 8:
-        raise ValueError(f"top_k={top_k} is out of range; accepted: 1..8")
     start = time.perf_counter()
-    spec.check_shape(n, k)
-    hint, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
-    if not candidates:
-        raise ValueError(f"no kernel configuration builds {spec} for a [{n}, {k}] weight on {device.key}")
-    tuned_m = TUNED_M.get(bucket, bucket[0])
-    record = TuningRecord(spec, n, k, bucket, tuned_m, device.key, hint)
-    record.trials = [Trial(c.template, c.config, estimate(c.template, c.config, spec, n, k, tuned_m, device).seconds)
-                     for c in candidates]
-    record.notes += [f"{name} template not used: {reason}"
-                     for name, reason in usable_templates(spec, n, k, bucket, layout, device)[1].items()]
-    order = _ranked(record.trials)
-    present = is_present(device)
-    if profile and present:
+    record, candidates, order = _considered(spec, n, k, bucket, layout, device, top_k)
+    if profile and is_present(device):
         shortlist = _shortlist(record.trials, order, top_k)
         kernels = build_all([candidates[i] for i in shortlist], spec, n, k, layout, bucket, device)
-        x, copies, bias = inputs(spec, n, k, tuned_m, layout, device)
-        for i, kernel, seconds in zip(shortlist, kernels, time_kernels(kernels, x, copies, bias,
-                                                                       timer=TIMERS[device.kind])):
-            record.trials[i].measured_s = seconds
-            record.trials[i].build_s = getattr(kernel, "build_seconds", None)
-        fastest = min(record.trials[i].measured_s for i in shortlist)
-        ties = [i for i in shortlist if record.trials[i].measured_s <= fastest * (1 + TIE)]
-        record.chosen = min(ties, key=order.index)
-        record.profiled = True
-        kernel = kernels[shortlist.index(record.chosen)]
+        kernel = _fastest(record, shortlist, kernels, spec, n, k, layout, device)
     else:
         record.chosen = order[0]
-        record.notes.append("chosen by the cost model alone: the target device is not present"
-                            if not present else "chosen by the cost model alone (profiling off)")
+        record.notes.append(_model_note(device))
         kernel = build_all([candidates[order[0]]], spec, n, k, layout, bucket, device)[0]
         record.trials[order[0]].build_s = getattr(kernel, "build_seconds", None)
+    return _done(kernel, record, start)
+
+
+def shortlist(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, device,
+              top_k: int = TOP_K) -> list[Candidate]:
+    """The candidates `tune` builds and times for this kernel on `device` (best modeled first): what a kit
+    prebuilds for tuning on a device that cannot build."""
+    record, candidates, order = _considered(spec, n, k, bucket, layout, device, top_k)
+    return [candidates[i] for i in _shortlist(record.trials, order, top_k)]
+
+
+def choose(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, device, kernels: list,
+           profile: bool = True) -> Tuned:
+    """The fastest of compiled kernels for one spec and shape (e.g. prebuilt candidates) timed on the present
+    device, or the cost model's pick among them where the device is absent or profiling is off."""
+    start = time.perf_counter()
+    if not kernels:
+        raise ValueError("kernels must hold at least one compiled kernel to choose from")
+    record = _record(spec, n, k, bucket, device)
+    record.trials = [Trial(kernel.template, kernel.config,
+                           estimate(kernel.template, kernel.config, spec, n, k, record.tuned_m, device).seconds)
+                     for kernel in kernels]
+    record.notes.append(f"chosen among {len(kernels)} prebuilt candidates")
+    if profile and is_present(device):
+        kernel = _fastest(record, list(range(len(kernels))), kernels, spec, n, k, layout, device)
+    else:
+        record.chosen = _ranked(record.trials)[0]
+        record.notes.append(_model_note(device))
+        kernel = kernels[record.chosen]
+    return _done(kernel, record, start)
+
+
+def build_pinned(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, device, template: str,
+                 fields: dict) -> Tuned:
+    """The kernel of one configuration of `template` (`fields` as cache keys name it), built without tuning; its
+    record holds that one trial."""
+    start = time.perf_counter()
+    config = template_named(template).config_from_dict(fields)
+    record = _record(spec, n, k, bucket, device)
+    record.trials = [Trial(template, config, estimate(template, config, spec, n, k, record.tuned_m, device).seconds)]
+    record.notes.append("a pinned configuration, not tuned")
+    kernel = build_all([Candidate(template, config)], spec, n, k, layout, bucket, device)[0]
+    record.trials[0].build_s = getattr(kernel, "build_seconds", None)
+    return _done(kernel, record, start)
+
+
+def _record(spec: Matmul, n: int, k: int, bucket: tuple[int, int], device) -> TuningRecord:
+    spec.check_shape(n, k)
+    return TuningRecord(spec, n, k, bucket, TUNED_M.get(bucket, bucket[0]), device.key, device_hint(spec, k, device))
+
+
+def _considered(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, device, top_k: int):
+    """(a record listing every candidate with its modeled time, the candidates, their indices best modeled
+    first)."""
+    if not 1 <= top_k <= 8:
+        raise ValueError(f"top_k={top_k} is out of range; accepted: 1..8")
+    record = _record(spec, n, k, bucket, device)
+    _, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
+    if not candidates:
+        raise ValueError(f"no kernel configuration builds {spec} for a [{n}, {k}] weight on {device.key}")
+    record.trials = [Trial(c.template, c.config, estimate(c.template, c.config, spec, n, k, record.tuned_m,
+                                                          device).seconds) for c in candidates]
+    record.notes += [f"{name} template not used: {reason}"
+                     for name, reason in usable_templates(spec, n, k, bucket, layout, device)[1].items()]
+    return record, candidates, _ranked(record.trials)
+
+
+def _fastest(record: TuningRecord, indices: list[int], kernels: list, spec: Matmul, n: int, k: int, layout: str,
+             device):
+    """Time `kernels` (record.trials[indices]) on the device, note each one's time, choose the fastest (times
+    within TIE of it are ties, broken by the model) and return its kernel."""
+    x, copies, bias = inputs(spec, n, k, record.tuned_m, layout, device)
+    for i, kernel, seconds in zip(indices, kernels, time_kernels(kernels, x, copies, bias,
+                                                                 timer=TIMERS[device.kind])):
+        record.trials[i].measured_s = seconds
+        record.trials[i].build_s = getattr(kernel, "build_seconds", None)
+    fastest = min(record.trials[i].measured_s for i in indices)
+    ties = [i for i in indices if record.trials[i].measured_s <= fastest * (1 + TIE)]
+    order = _ranked(record.trials)
+    record.chosen = min(ties, key=order.index)
+    record.profiled = True
+    return kernels[indices.index(record.chosen)]
+
+
+def _model_note(device) -> str:
+    return ("chosen by the cost model alone: the target device is not present" if not is_present(device)
+            else "chosen by the cost model alone (profiling off)")
+
+
+def _done(kernel, record: TuningRecord, start: float) -> Tuned:
     record.seconds = time.perf_counter() - start
     log.info("bitkern: tuned %s", record.summary())
     log.debug("bitkern: tuning record\n%s", record)

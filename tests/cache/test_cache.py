@@ -219,7 +219,7 @@ def test_a_bundle_of_other_versions_is_refused(tmp_path, monkeypatch):
     kernel_for(SPEC, 64, 256, 1, "tile16", store=store)
     bundle = tmp_path / "kernels.tar.gz"
     store.export(bundle)
-    monkeypatch.setattr("bitkern.cache.disk.versions", lambda: {**versions(), "tvm": "9.9"})
+    monkeypatch.setattr("bitkern.cache.bundle.versions", lambda: {**versions(), "tvm": "9.9"})
     with pytest.raises(ValueError, match="never uses kernels built with other versions"):
         DiskStore(tmp_path / "two").import_(bundle)
 
@@ -303,3 +303,49 @@ def test_row_shortcut_serves_the_bucket_kernel_until_forget(tmp_path, monkeypatc
     forget()
     again = kernel_for(SPEC, 64, 256, 3, "tile16")
     assert again is not first and again.config == first.config
+
+
+def test_pinned_entries_are_candidates_timed_where_the_device_is(tmp_path, monkeypatch):
+    """Prebuilt candidates (entries pinned to configurations, as a GPU kit ships them) are what tuning times on the
+    device, with nothing built; the fastest is stored as the kernel's entry, its record naming every candidate."""
+    from bitkern.cache import pinned_kernel
+    from bitkern.tuner import m_bucket, shortlist
+
+    store, bucket = DiskStore(tmp_path), m_bucket(16)
+    candidates = shortlist(SPEC, 64, 256, bucket, "tile16", host_cpu(), top_k=3)
+    assert len(candidates) == 3
+    pinned = [pinned_kernel(SPEC, 64, 256, bucket, "tile16", host_cpu(), c.template, c.config, store)
+              for c in candidates]
+    assert [(k.template, k.config) for k in pinned] == [(c.template, c.config) for c in candidates]
+    assert len(store.entries()) == 3 and len(store.pinned(_key(m=16))) == 3
+    forget()
+
+    def no_building(*args, **kwargs):
+        raise AssertionError("a kernel was built")
+
+    monkeypatch.setattr("bitkern.tuner.select.build_all", no_building)
+    monkeypatch.setenv("BITKERN_TUNING", "profile")
+    kernel = kernel_for(SPEC, 64, 256, 16, "tile16", store=store)
+    record = kernel.record
+    assert record.profiled and "chosen among 3 prebuilt candidates" in record.notes
+    assert all(trial.measured_s > 0 for trial in record.trials)
+    assert (kernel.template, kernel.config) in [(c.template, c.config) for c in candidates]
+    assert store.load(_key(m=16)) is not None and len(store.entries()) == 4
+    _check_kernel(kernel)
+
+
+def test_prebuild_requests_in_worker_processes(tmp_path):
+    """Requests of every kind built by two worker processes: the tuner's choice, a pinned configuration and a
+    shortlist of candidates, each an entry of the store."""
+    from bitkern.cache.prebuild import Request, prebuild_requests
+    from bitkern.tuner import m_bucket, shortlist
+
+    store = DiskStore(tmp_path)
+    best = shortlist(SPEC, 64, 256, m_bucket(1), "tile16", host_cpu(), top_k=1)[0]
+    requests = [Request(SPEC, 64, 256, m_bucket(1), "cpu"), Request(SPEC, 96, 256, (1, 1), "cpu", best.template,
+                                                                    best.config),
+                Request(SPEC, 64, 256, m_bucket(16), "cpu", candidates=2)]
+    report = prebuild_requests(requests, store, workers=2, progress=False)
+    assert (report.kernels, report.built, report.target) == (4, 4, "cpu")
+    assert sorted(bool(entry["key"].get("pinned")) for entry in store.entries()) == [False, True, True, True]
+    assert len(store.pinned(_key(m=16))) == 2

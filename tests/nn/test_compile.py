@@ -100,9 +100,10 @@ def test_moves_to_meta_and_back_keep_the_weight_format():
 
 @pytest.mark.requires_cuda
 def test_cuda_move_runs_the_same_layer():
+    """The layer moved to CUDA computes what torch computes on its dequantized weight (float32 activations)."""
     layer, _ = _op_arguments()
     x = torch.randn(2, 128)
-    expected = layer(x)
+    expected = torch.nn.functional.linear(x, layer.dequantize_weight(), layer.bias)
     assert_matches(layer.to("cuda")(x.cuda()).cpu(), expected, 1e-5)
 
 
@@ -119,6 +120,18 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         assert_matches(captured, model(x), 1e-5)
         assert not torch.equal(captured, expected)
+
+
+@pytest.mark.requires_cuda
+def test_torch_compile_on_cuda_matches_eager():
+    """Inductor on CUDA (fullgraph): the bitkern ops inside the compiled graph run the same kernels as eager."""
+    model = _quantized_block(compute_dtype=torch.float16).cuda().half()
+    x = torch.randn(2, 6, DIM, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True)(x)
+    assert compiled.dtype == torch.float16
+    assert_matches(compiled, eager, 1e-2)
 
 
 def test_cuda_move_is_refused_clearly_where_torch_has_no_cuda():

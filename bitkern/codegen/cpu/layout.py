@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from ...ttype import (Layout, QuantizedWeight, StoredWeight, codes_per_word, effective_group_size, pack,
-                      packed_length, unpack)
+from ...ttype import (Layout, QuantizedWeight, StoredWeight, WeightFormat, codes_per_word, effective_group_size, get,
+                      pack, packed_length, torch_dtype, unpack)
 from ...ttype.weight import weight_format
 from ..words import WORD_MAPPED_BITS, map_codes, map_words, trim_words, unmap_codes, unmap_words
 
@@ -41,6 +41,33 @@ class PackedWeight(StoredWeight):
     @property
     def padded_k(self) -> int:
         return padded_k(self.shape[1], self.ttype.bits) if self.layout == Layout.TILE16 else self.shape[1]
+
+    @classmethod
+    def empty(cls, format: WeightFormat, device) -> "PackedWeight":
+        """A weight of `format` with uninitialised tensors on `device` (meta: shapes and dtypes only), in the shapes
+        its layout gives them and the format's storage dtypes: what a checkpoint's tensors are checked against
+        and loaded into."""
+        dtypes = ("int32", format.scale_dtype, format.zero_dtype, "float32")
+        return cls.from_format(format, *(None if shape is None else
+                                         torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+                                         for shape, dtype in zip(cls.tensor_shapes(format), dtypes)))
+
+    @staticmethod
+    def tensor_shapes(format: WeightFormat) -> tuple:
+        """The shapes of qweight, scales, zeros and tensor_scale (None where the format has none) of a weight of
+        `format` in its layout (rowmajor or tile16), as `to_layout` makes them."""
+        ttype = get(format.dtype)
+        n, k = format.shape
+        groups = k // effective_group_size(format.group_size, k)
+        if format.layout == Layout.ROWMAJOR:
+            codes, per_group = (n, packed_length(k, ttype.bits)), (n, groups)
+        elif format.layout == Layout.TILE16:
+            tiles = -(-n // AMX_TILE_ROWS)
+            codes = (tiles, padded_k(k, ttype.bits) // codes_per_word(ttype.bits), AMX_TILE_ROWS)
+            per_group = (tiles, groups, AMX_TILE_ROWS)
+        else:
+            raise ValueError(f"layout={format.layout.value!r} is not a CPU layout; accepted: ['tile16', 'rowmajor']")
+        return codes, per_group, None if format.zero_dtype is None else per_group, () if ttype.tensor_scale else None
 
     def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
         """qweight, scales, zeros and tensor_scale (as [1]) as the CPU kernels take them, 64-byte aligned;
@@ -120,6 +147,14 @@ def _tile_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return padded.reshape(rows // AMX_TILE_ROWS, AMX_TILE_ROWS, -1).permute(0, 2, 1).contiguous()
 
 
+def tile16_shift(k, bits: int):
+    """The bit offset of the code of reduction index k (an int or an index expression) inside its tile16
+    word: a word's even k's come first, then its odd k's."""
+    per_word = codes_per_word(bits)
+    within = k % per_word
+    return (within // 2 + (within % 2) * ((per_word + 1) // 2)) * bits
+
+
 class Tile16Storage:
     """The tile16 layout as a weight storage of the Matmul tensor expression (see `bitkern.ops.expr`)."""
 
@@ -127,25 +162,20 @@ class Tile16Storage:
         from tvm import te
 
         from ...ops.expr import scale_storage, zero_storage
-        from ...ttype import get
 
         self.bits = get(spec.weight_dtype).bits
         self.per_word = codes_per_word(self.bits)
-        group = effective_group_size(spec.group_size, k)
-        tiles, groups = math.ceil(n / AMX_TILE_ROWS), k // group
-        self.qweight = te.placeholder((tiles, padded_k(k, self.bits) // self.per_word, AMX_TILE_ROWS), "int32",
-                                      name="qweight")
-        self.scales = te.placeholder((tiles, groups, AMX_TILE_ROWS), scale_storage(spec), name="scales")
-        self.zeros = te.placeholder((tiles, groups, AMX_TILE_ROWS), zero_storage(spec), name="zeros") \
-            if spec.zero_mode != "none" else None
+        codes, per_group, zeros, _ = PackedWeight.tensor_shapes(
+            WeightFormat(spec.weight_dtype, (n, k), spec.group_size, spec.zero_mode, spec.scale_dtype, Layout.TILE16))
+        self.qweight = te.placeholder(codes, "int32", name="qweight")
+        self.scales = te.placeholder(per_group, scale_storage(spec), name="scales")
+        self.zeros = None if zeros is None else te.placeholder(zeros, zero_storage(spec), name="zeros")
 
     def code(self, i, j):
         from tvm import tirx
 
         word = self.qweight[i // AMX_TILE_ROWS, j // self.per_word, i % AMX_TILE_ROWS].astype("uint32")
-        within = j % self.per_word
-        position = within // 2 + (within % 2) * ((self.per_word + 1) // 2)  # even k's first, then odd k's
-        shift = (position * self.bits).astype("uint32")
+        shift = tile16_shift(j, self.bits).astype("uint32")
         return tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const((1 << self.bits) - 1, "uint32"))
 
     def scale(self, i, g):

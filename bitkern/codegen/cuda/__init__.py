@@ -10,7 +10,7 @@ from importlib import import_module
 
 from .gemm import GemmConfig
 from .gemv import GemvConfig
-from .kernel import CudaKernel, CudaTemplate, Resources, load_kernel
+from .kernel import CudaKernel, CudaTemplate, Resources, kernel_from_files, load_kernel
 from .layout import Lop3Weight, to_lop3
 
 TEMPLATES = [import_module(f"{__name__}.{name}").TEMPLATE for name in ("gemm", "gemv")]
@@ -22,4 +22,4 @@ def pack(weight) -> Lop3Weight:
 
 
 __all__ = ["CudaKernel", "CudaTemplate", "GemmConfig", "GemvConfig", "Lop3Weight", "Resources", "TEMPLATES",
-           "load_kernel", "pack"]
+           "kernel_from_files", "load_kernel", "pack"]

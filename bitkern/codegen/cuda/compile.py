@@ -46,6 +46,19 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class LaunchCall:
+    """One launch of a call, its extents evaluated and its arguments packed as (kind, value) pairs: kind
+    "pointer", "int32" or "float32" (what `launcher.Module.launch` takes)."""
+
+    name: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+    static_shared_bytes: int
+    arguments: list
+
+
+@dataclass(frozen=True)
 class Binary:
     """nvcc's output for one source: the cubin, the PTX and ptxas' resource report per kernel."""
 

@@ -33,6 +33,7 @@ log = logging.getLogger("bitkern")
 
 STATIC_SHARED_LIMIT = 48 * 1024
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")
+MIN_N = 16  # out_features below this fail to schedule (TIR fuse of a 1-wide axis, symbolic shared tiles)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ class GemmTemplate(CudaTemplate):
             check_type(ttype)
         except ValueError as error:
             return str(error)
+        if n < MIN_N:
+            return (f"out_features={n} (the TensorCore template needs N >= {MIN_N}: its schedule fails below one "
+                    f"mma tile of output columns; the GEMV template serves such layers at few rows)")
         activation = spec.activation_dtype
         if activation not in MMA_DTYPES:
             return f"activation_dtype={activation} (mma takes {list(MMA_DTYPES)})"

@@ -3,7 +3,8 @@ template's scheduled TIR with TVM and compiles the CUDA source with nvcc for the
 needed).
 
 A `CudaKernel` has the call convention of the CPU kernels, `kernel(x2d, packed_weight, bias) -> y`, launched
-through the driver API on torch's current stream with the tensors' device pointers (no copies).  `CudaKernel.source` keeps the .cu,
+through the driver API on torch's current stream with the tensors' device pointers (no copies); `plan` is the
+same call up to the driver (its launches, arguments packed).  `CudaKernel.source` keeps the .cu,
 `binary.ptx` the PTX, `binary.registers` ptxas' register counts.  `save` / `load_kernel` move a built
 kernel to a machine with only a driver (no TVM, no nvcc: this module imports neither).
 """
@@ -22,7 +23,7 @@ import torch
 from ...ops.matmul import Matmul
 from ...ttype import Layout, get, torch_dtype
 from ..template import Template
-from .compile import Binary, Launch, check_arch, evaluate, lower, nvcc
+from .compile import Binary, Launch, LaunchCall, check_arch, evaluate, lower, nvcc
 from .expr import MAX_ROWS
 from .layout import Lop3Weight
 
@@ -49,14 +50,22 @@ class CudaKernel:
 
     def __call__(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y[M, N] for a contiguous CUDA x[M, K] (inputs validated by the caller, as for the CPU kernels)."""
-        m = x.shape[0]
-        if not 1 <= m <= MAX_ROWS:
-            raise ValueError(f"x has {m} rows; a CUDA kernel serves 1 to {MAX_ROWS}")
-        if not isinstance(weight, Lop3Weight):
-            raise TypeError(f"weight must be packed in the 'lop3' layout (bitkern.codegen.cuda.pack), "
-                            f"got {type(weight).__name__} layout {getattr(weight, 'layout', None)!r}")
-        device = x.device
-        self._check_device(device)
+        self._check_call(x, weight)
+        self._check_device(x.device)
+        y, calls = self.plan(x, weight, bias)
+        module = self._module(x.device)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        for call in calls:
+            module.launch(call.name, call.grid, call.block, call.shared_bytes, stream, call.arguments,
+                          call.static_shared_bytes)
+        return y
+
+    def plan(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None = None):
+        """(y, [LaunchCall]): the output allocated on x's device and the launches that compute it, arguments
+        packed; everything a call does but the driver calls (a dry run checks them against the cubin with host
+        tensors, `launcher.check_launches`)."""
+        self._check_call(x, weight)
+        m, device = x.shape[0], x.device
         y = torch.empty(m, self.n, dtype=torch_dtype(self.spec.output_dtype), device=device)
         tensors = {"x": x, "qweight": weight.qweight, "scales": weight.scales, "y": y}
         if weight.zeros is not None:
@@ -72,32 +81,38 @@ class CudaKernel:
             if not tensor.is_contiguous() or tensor.data_ptr() % _ALIGNMENT:
                 raise ValueError(f"{name} must be contiguous and {_ALIGNMENT}-byte aligned for the kernel's vector "
                                  f"loads; pass {name}.contiguous() or a copy (.clone())")
-        module = self._module(device)
-        stream = torch.cuda.current_stream(device).cuda_stream
+        calls = []
         for launch in self.launches:
-            arguments = []
-            for name in launch.params:
-                if name == "M":
-                    arguments.append(("int32", m))
-                else:
-                    arguments.append(("pointer", tensors[name].data_ptr()))
-            grid = [evaluate(g, m) for g in launch.grid]
-            block = [evaluate(b, m) for b in launch.block]
-            module.launch(launch.name, grid, block, launch.shared_bytes, stream, arguments,
-                          launch.static_shared_bytes)
-        return y
+            arguments = [("int32", m) if name == "M" else ("pointer", tensors[name].data_ptr())
+                         for name in launch.params]
+            calls.append(LaunchCall(launch.name, tuple(evaluate(g, m) for g in launch.grid),
+                                    tuple(evaluate(b, m) for b in launch.block), launch.shared_bytes,
+                                    launch.static_shared_bytes, arguments))
+        return y, calls
 
-    def save(self, directory: str) -> None:
-        """Write kernel.cubin, kernel.ptx, kernel.cu and kernel.json: what `load_kernel` needs."""
-        os.makedirs(directory, exist_ok=True)
+    def files(self) -> dict[str, bytes]:
+        """kernel.cubin, kernel.ptx, kernel.cu and kernel.json: what `kernel_from_files` needs."""
         description = {"spec": dataclasses.asdict(self.spec), "n": self.n, "k": self.k, "template": self.template,
                        "config": dataclasses.asdict(self.config), "arch": self.arch, "m_range": list(self.m_range),
                        "launches": [launch.to_json() for launch in self.launches],
                        "registers": self.binary.registers, "spills": self.binary.spills}
-        for name, content, mode in (("kernel.cubin", self.binary.cubin, "wb"), ("kernel.ptx", self.binary.ptx, "w"),
-                                    ("kernel.cu", self.source, "w"), ("kernel.json", json.dumps(description), "w")):
-            with open(os.path.join(directory, name), mode) as handle:
+        return {"kernel.cubin": self.binary.cubin, "kernel.ptx": self.binary.ptx.encode(),
+                "kernel.cu": self.source.encode(), "kernel.json": json.dumps(description).encode()}
+
+    def save(self, directory: str) -> None:
+        """Write `files()` into `directory`: what `load_kernel` needs."""
+        os.makedirs(directory, exist_ok=True)
+        for name, content in self.files().items():
+            with open(os.path.join(directory, name), "wb") as handle:
                 handle.write(content)
+
+    @staticmethod
+    def _check_call(x: torch.Tensor, weight) -> None:
+        if not 1 <= x.shape[0] <= MAX_ROWS:
+            raise ValueError(f"x has {x.shape[0]} rows; a CUDA kernel serves 1 to {MAX_ROWS}")
+        if not isinstance(weight, Lop3Weight):
+            raise TypeError(f"weight must be packed in the 'lop3' layout (bitkern.codegen.cuda.pack), "
+                            f"got {type(weight).__name__} layout {getattr(weight, 'layout', None)!r}")
 
     def _check_device(self, device: torch.device) -> None:
         if device.type != "cuda":
@@ -119,20 +134,24 @@ class CudaKernel:
 
 def load_kernel(directory: str) -> CudaKernel:
     """A kernel written by `CudaKernel.save`."""
-    with open(os.path.join(directory, "kernel.json")) as handle:
-        description = json.load(handle)
-    with open(os.path.join(directory, "kernel.cubin"), "rb") as handle:
-        cubin = handle.read()
-    with open(os.path.join(directory, "kernel.ptx")) as handle:
-        ptx = handle.read()
-    with open(os.path.join(directory, "kernel.cu")) as handle:
-        source = handle.read()
+    files = {}
+    for name in ("kernel.json", "kernel.cubin", "kernel.ptx", "kernel.cu"):
+        with open(os.path.join(directory, name), "rb") as handle:
+            files[name] = handle.read()
+    return kernel_from_files(files)
+
+
+def kernel_from_files(files: dict[str, bytes]) -> CudaKernel:
+    """A kernel from the contents of the files `CudaKernel.files` gives (e.g. as the kernel cache read and
+    verified them)."""
+    description = json.loads(files["kernel.json"])
+    cubin, ptx, source = files["kernel.cubin"], files["kernel.ptx"].decode(), files["kernel.cu"].decode()
     template = description["template"]
     from . import TEMPLATES
 
     templates = {t.name: t for t in TEMPLATES}
     if template not in templates:
-        raise ValueError(f"{directory} holds a kernel of template {template!r}; accepted: {list(templates)}")
+        raise ValueError(f"kernel.json describes a kernel of template {template!r}; accepted: {list(templates)}")
     config = templates[template].config_from_dict(description["config"])
     binary = Binary(description["arch"], cubin, ptx, description["registers"], description["spills"])
     return CudaKernel(Matmul(**description["spec"]), description["n"], description["k"], template, config,

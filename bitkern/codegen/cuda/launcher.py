@@ -2,14 +2,18 @@
 
 Modules are loaded once per (cubin, device) into the device's primary context (the one torch uses);
 kernels are launched with `cuLaunchKernel` on the stream the caller passes (torch's current stream), so
-they order with other torch work and can be captured in CUDA graphs.
+they order with other torch work and can be captured in CUDA graphs.  `check_launches` is the dry run of a
+launch: the kernel's name, its parameters' offsets and sizes (read from the cubin's ELF sections) and the launch
+limits, checked without a driver.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
+from dataclasses import dataclass
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _ARGUMENT_TYPES = {"pointer": ctypes.c_void_p, "int32": ctypes.c_int32, "float32": ctypes.c_float}
@@ -108,3 +112,87 @@ def module(cubin: bytes, device_index: int) -> Module:
             if loaded is None:
                 loaded = _modules[key] = Module(cubin, device_index)
     return loaded
+
+
+# -- dry runs: a launch checked against the cubin, no driver -------------------------------------------------------
+_ARGUMENT_BYTES = {"pointer": 8, "int32": 4, "float32": 4}
+_KPARAM_INFO = 0x17  # EIATTR_KPARAM_INFO in a kernel's .nv.info section: one record per parameter
+_CBANK_PARAM_SIZE = 0x19  # EIATTR_CBANK_PARAM_SIZE: the parameters' bytes
+_SVAL = 0x04  # attribute format with a payload of the size its header gives
+_GRID_LIMITS = (2**31 - 1, 65535, 65535)
+_BLOCK_LIMITS = (1024, 1024, 64)
+_MAX_THREADS = 1024
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """A kernel's parameters as its cubin declares them: (offset, size) in the order of the signature, and their
+    bytes in all."""
+
+    layout: tuple
+    total_bytes: int
+
+
+def cubin_kernels(cubin: bytes) -> dict[str, Parameters]:
+    """{kernel name: its Parameters} read from a cubin's ELF sections (.text.<name>, .nv.info.<name>)."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    section_offset, = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, section_offset + i * entry_size) for i in range(count)]
+    names_at = sections[names_index][4]
+
+    def name_of(section) -> str:
+        end = cubin.index(b"\0", names_at + section[0])
+        return cubin[names_at + section[0]:end].decode()
+
+    named = {name_of(section): cubin[section[4]:section[4] + section[5]] for section in sections}
+    kernels = {}
+    for name in (n[len(".text."):] for n in named if n.startswith(".text.")):
+        info = named.get(f".nv.info.{name}", b"")
+        parameters, total, at = {}, None, 0
+        while at + 4 <= len(info):
+            form, attribute, value = struct.unpack_from("<BBH", info, at)
+            payload = info[at + 4:at + 4 + value] if form == _SVAL else b""
+            if attribute == _KPARAM_INFO:
+                _, ordinal, offset, flags = struct.unpack_from("<IHHI", payload)
+                parameters[ordinal] = (offset, (flags >> 18) & 0x3FFF)
+            elif attribute == _CBANK_PARAM_SIZE:
+                total = value
+            at += 4 + len(payload)
+        kernels[name] = Parameters(tuple(parameters[i] for i in sorted(parameters)), total or 0)
+    return kernels
+
+
+def packed_layout(arguments) -> tuple:
+    """(offset, size) of each (kind, value) argument as cuLaunchKernel passes them (each at its natural
+    alignment)."""
+    layout, offset = [], 0
+    for kind, _ in arguments:
+        size = _ARGUMENT_BYTES[kind]
+        offset = -(-offset // size) * size
+        layout.append((offset, size))
+        offset += size
+    return tuple(layout)
+
+
+def check_launches(cubin: bytes, calls, shared_limit: int) -> None:
+    """Raise ValueError unless every launch (a `compile.LaunchCall`) names a kernel of `cubin`, packs arguments of
+    the offsets and sizes its parameters have, and fits the launch limits (`shared_limit`: bytes of shared
+    memory a block may have on the device)."""
+    kernels = cubin_kernels(cubin)
+    for call in calls:
+        where = f"launch of {call.name}"
+        if call.name not in kernels:
+            raise ValueError(f"{where}: the cubin has no such kernel (it has {sorted(kernels)})")
+        declared, packed = kernels[call.name].layout, packed_layout(call.arguments)
+        if declared != packed:
+            raise ValueError(f"{where}: arguments packed as {packed}, the kernel's parameters are {declared}")
+        if any(not 1 <= extent <= limit for extent, limit in zip(call.grid, _GRID_LIMITS)):
+            raise ValueError(f"{where}: grid {call.grid} outside 1..{_GRID_LIMITS}")
+        threads = call.block[0] * call.block[1] * call.block[2]
+        if any(not 1 <= extent <= limit for extent, limit in zip(call.block, _BLOCK_LIMITS)) or threads > _MAX_THREADS:
+            raise ValueError(f"{where}: block {call.block} outside 1..{_BLOCK_LIMITS}, {_MAX_THREADS} threads")
+        if call.shared_bytes + call.static_shared_bytes > shared_limit:
+            raise ValueError(f"{where}: {call.shared_bytes + call.static_shared_bytes} bytes of shared memory > "
+                             f"{shared_limit}")

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ...ttype import Layout, QuantizedWeight, codes_per_word, packed_length
+from ...ttype import Layout, QuantizedWeight, WeightFormat, codes_per_word, get, pack, packed_length
 from ..cpu.layout import PackedWeight
 from ..words import map_words, trim_words, unmap_words
 
@@ -56,6 +56,19 @@ class Lop3Weight(PackedWeight):
     @property
     def layout_group(self) -> int:
         return layout_group(self.group_size, self.shape[1])
+
+    @staticmethod
+    def tensor_shapes(format: WeightFormat) -> tuple:
+        """The shapes of qweight, scales, zeros and tensor_scale (None where the format has none) of a weight of
+        `format` in this layout, as `to_lop3` makes them."""
+        if format.layout != Layout.LOP3:
+            raise ValueError(f"layout={format.layout.value!r} is not the CUDA layout {Layout.LOP3.value!r}")
+        ttype = get(format.dtype)
+        check_type(ttype)
+        n_pad, k_pad = padded_shape(*format.shape)
+        per_group = (n_pad, math.ceil(k_pad / layout_group(format.group_size, format.shape[1])))
+        return ((n_pad, packed_length(k_pad, ttype.bits)), per_group, None if format.zero_dtype is None else per_group,
+                () if ttype.tensor_scale else None)
 
     def to_portable(self) -> QuantizedWeight:
         """The same weight in the portable layout, bit for bit."""

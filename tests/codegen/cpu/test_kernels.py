@@ -128,7 +128,7 @@ def test_matrix_and_generic_templates_agree(template):
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.generic import GenericConfig
 
-    spec, q, x, _ = matmul_case("nf4", 64, 256, 7, "float32")
+    spec, q, x, _ = matmul_case("fp4_e2m1", 64, 256, 7, "float32")  # table-decoded, exact in bf16 (nf4 is not: generic)
     packed = pack(q)
     matrix_kernel = kernel_for(spec, 64, 256, 7, packed.layout, matrix_device(template))
     assert matrix_kernel.template == template
@@ -149,7 +149,7 @@ def _spread(candidates):
 
 @pytest.mark.parametrize("template", MATRIX_TEMPLATES)
 @pytest.mark.parametrize("name, activation, zero_mode, group, m, bucket", [
-    ("int4", "bfloat16", None, 128, 3, (1, 4)), ("nf4", "float32", None, 64, 11, (5, 16)),
+    ("int4", "bfloat16", None, 128, 3, (1, 4)), ("fp4_e2m1", "float32", None, 64, 11, (5, 16)),
     ("int8", "bfloat16", None, 128, 3, (1, 4)), ("uint8", "bfloat16", "hqq", 64, 40, (17, 128)),
     ("uint2", "float16", "gptq", 128, 40, (17, 128)), ("int1", "bfloat16", None, -1, 130, (129, 1 << 30)),
     ("uint8", "float16", "awq", 64, 7, (5, 16)), ("int8", "float32", None, -1, 40, (17, 128))])
@@ -184,7 +184,7 @@ def test_every_kind_of_tuner_candidate_computes_the_reference(name, activation, 
                                              decode="lut", chunk_prologue=True)),
     ("nvfp4", "bfloat16", None, 16, 3, dict(n_tiles=2, rows=1, stage_steps=2, decode="lut")),
     ("int4", "bfloat16", None, 128, 3, dict(n_tiles=3, rows=2, stage_steps=2, direct=True)),  # bodies for 2, then 1
-    ("nf4", "float32", None, 64, 4, dict(n_tiles=2, rows=4, stage_steps=1, decode="lut", direct=True)),
+    ("fp4_e2m1", "float32", None, 64, 4, dict(n_tiles=2, rows=4, stage_steps=1, decode="lut", direct=True)),
     ("uint8", "bfloat16", "awq", -1, 1, dict(n_tiles=1, rows=1, stage_steps=4, direct=True)),
     ("int1", "bfloat16", None, 128, 2, dict(n_tiles=1, rows=2, stage_steps=2, direct=True)),  # 4 and 8 splits
     ("int8", "float16", None, 64, 9, dict(n_tiles=3, rows=4, stage_steps=2, decode="convert")),

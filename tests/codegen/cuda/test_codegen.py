@@ -281,3 +281,17 @@ def test_bfloat16_intrinsics_are_the_float16_ones_with_the_type_substituted():
             assert mismatch is None or str(mismatch[0]).endswith("value.args[5].ty.element_type.dtype"), mismatch
             text = bf16_func.script()
             assert "bfloat16" in text and '"float16"' not in text and '"fp16"' not in text
+
+
+@pytest.mark.parametrize("n", [1, 8, 15])
+def test_gemm_template_refuses_fewer_than_16_output_columns_and_the_kit_leaves_them_out(n):
+    """The TensorCore template's schedule fails below one mma tile of N (found by the GPU kit's edge shapes):
+    it says so before any build, and the kit's matrix keeps only cases their template serves."""
+    from bitkern.gpukit.matrix import correctness_cases
+
+    spec = Matmul("int4", "float16", group_size=-1)
+    reason = template_named("gemm").unsupported(spec, n, 64, cuda_device("sm_90"))
+    assert reason is not None and f"out_features={n}" in reason and "GEMV" in reason
+    assert template_named("gemm").unsupported(spec, 16, 64, cuda_device("sm_90")) is None
+    kept = [case for case in correctness_cases() if case.supported_on("sm_90")]
+    assert kept and not any(case.template == "gemm" and case.n < 16 for case in kept)

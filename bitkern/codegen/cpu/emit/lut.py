@@ -17,6 +17,7 @@ from ....ops.matmul import Matmul
 from ....ttype import codes_per_word, effective_group_size, get
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..lut import MAX_ROWS, NIBBLES_PER_WORD, LutConfig
+from . import nonfinite
 from .groups import GroupArguments, to_output
 from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch, prefetch_ahead, prim_func, ramp, splat, u32
 
@@ -120,11 +121,11 @@ class _Builder:
                 T.buffer_store(acc, splat(0.0, "float32"), [ramp(0)])
                 with T.serial(0, -(-span // LANES)) as chunk:
                     vector = self._x_vector(row, g * self.kgroup + chunk * LANES, g * self.kgroup + span)
-                    T.buffer_store(acc, load(acc, ramp(0)) + vector, [ramp(0)])
+                    T.buffer_store(acc, load(acc, ramp(0)) + nonfinite.finite_part(vector)[0], [ramp(0)])
                 T.buffer_store(self.xs, horizontal_sum(load(acc, ramp(0))), [row, g])
 
     def _widened_x(self):
-        """x as float32 [M, K_pad], zero past K."""
+        """x as float32 [M, K_pad], zero past K; non-finite x count as 0 and flag their row (see `nonfinite`)."""
         x = T.alloc_buffer((self.m, self.k_pad), "float32", align=64)
         vectors = self.k_pad // LANES
         with T.serial(0, self.m * vectors) as task:
@@ -134,6 +135,8 @@ class _Builder:
                                     splat(0.0, "float32"))
             else:
                 value = tirx.Shuffle([self._x(row, k0 + i) for i in range(LANES)], list(range(LANES)))
+            value, flags = nonfinite.finite_part(value)
+            nonfinite.note(self.nonfinite, row, k0 == 0, flags)
             T.buffer_store(x, value, [row, ramp(k0)])
         return x
 
@@ -159,6 +162,7 @@ class _Builder:
             first, end = tirx.floordiv(chunk * blocks, chunks), tirx.floordiv((chunk + 1) * blocks, chunks)
             self.tables = T.alloc_buffer((self.m, self.positions, LANES), "float32")
             self.xs = T.alloc_buffer((self.m, self.groups), "float32")
+            self.nonfinite = T.alloc_buffer((self.m, LANES), "uint32")  # rows with ±Inf or NaN in x
             self._prologue([tirx.min(first * self.cfg.n_tiles + c, self.n_tiles - 1) for c in range(self.cfg.n_tiles)])
             with T.serial(first, end) as block:
                 for rows in range(self.rows[0], self.rows[1] + 1):
@@ -189,6 +193,10 @@ class _Builder:
                     if zeros is not None:
                         total = total - zeros[c] * tirx.Broadcast(load(self.xs, row, g), LANES)
                     T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scales[c], [row, c, ramp(0)])
+        for row in range(rows):  # the terms of non-finite x the prologue left out
+            nonfinite.add_terms(yacc, row, tiles, self.nonfinite, row, self.k, self._x,
+                                lambda tile, j: nonfinite.weight_lanes(self.spec, self.k, self.qweight,
+                                                                       self.group_args, tile, j))
         for c in range(n_tiles):
             with T.If(block * n_tiles + c < self.n_tiles):
                 with T.Then():

@@ -31,6 +31,7 @@ from ....ttype import effective_group_size, get
 from ....ttype.types import INT, UINT
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..matrix import PLANES, nibbles, step_depth
+from . import nonfinite
 from .groups import GroupArguments, to_output
 from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, lanes, load, prefetch_ahead,
                   prim_func, ramp, splat, u32)
@@ -171,6 +172,7 @@ class Tile16Builder(abc.ABC):
             self.xd = None  # XD[row, group] = Σ x·shortfall over the group's k's
             if self.offset_shortfall is not None:
                 self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
+            self.nonfinite = T.alloc_buffer((rows, LANES), "uint32")  # rows with ±Inf or NaN in x
             if not self.cfg.chunk_prologue:
                 self._prologue(rows)
             self._main(rows)
@@ -261,6 +263,16 @@ class Tile16Builder(abc.ABC):
             even, odd = (load(staged, tirx.Ramp(chunk * 32 + p, 2, LANES)) for p in (0, 1))
             self._store_planes(row, chunk, even, odd)
 
+    def _x_value(self, row, j):
+        """X[row, j] of the GEMM as float32: x[row, j], or for a convolution the pixel its tap reads (0 outside
+        the image)."""
+        g = self.spec.geometry
+        if g is None:
+            return self._as_float(load(self.x, row, j))
+        where, inside = tap_source(g, row, tirx.floordiv(j, g.in_channels))
+        return tirx.if_then_else(inside, self._as_float(load(self.x, *where, tirx.floormod(j, g.in_channels))),
+                                 tirx.const(0.0, "float32"))
+
     def _as_float(self, value):
         """Loaded x values as float32."""
         if self.spec.activation_dtype == "bfloat16":
@@ -269,7 +281,10 @@ class Tile16Builder(abc.ABC):
 
     def _store_planes(self, row, chunk, even, odd) -> None:
         """A[plane, row, 16·chunk + i] = bf16 pair of plane `plane` of x[2i], x[2i+1]; XS sums their total (and
-        XD, weighted by the offset shortfall of their k pair)."""
+        XD, weighted by the offset shortfall of their k pair).  Non-finite x count as 0 here and flag the row
+        (see `nonfinite`)."""
+        (even, even_flags), (odd, odd_flags) = nonfinite.finite_part(even), nonfinite.finite_part(odd)
+        nonfinite.note(self.nonfinite, row, chunk == 0, tirx.bitwise_or(even_flags, odd_flags))
         total_even = total_odd = None
         for plane in range(self.s.planes):
             bits_even, bits_odd = bf16_bits(even), bf16_bits(odd)
@@ -428,6 +443,10 @@ class Tile16Builder(abc.ABC):
     def _store_output(self, yacc, tiles, owned, row0, chunk_rows) -> None:
         s = self.s
         rows_here = self.m if self.cfg.small_m else tirx.max(tirx.min(chunk_rows, self.m - row0), 0)
+        with T.serial(0, rows_here) as r:  # the terms of non-finite x the prologue left out
+            nonfinite.add_terms(yacc, r, tiles, self.nonfinite, row0 + r, s.k, self._x_value,
+                                lambda tile, j: nonfinite.weight_lanes(self.spec, s.k, self.qweight, self.group_args,
+                                                                       tile, j))
         with T.serial(0, rows_here) as r:
             for c, tile_index in enumerate(tiles):
                 column = tile_index * LANES

@@ -1,0 +1,214 @@
+"""The CUDA kernels a GPU kit carries: every kernel the GPU tests and the GPU benchmark ask for, per architecture.
+
+Three kinds, each a prebuild `Request` (`bitkern.cache.prebuild`):
+- pinned: the correctness matrix (`correctness_cases`), each case one template configuration (the GEMM and the
+  GEMV on every weight type x activation type x zero mode, output types, split-K, the plain-TIR decode, fuzzed
+  shapes fixed by a seed, edge shapes): tests/codegen/cuda/test_gpu.py runs each case;
+- tuned: the kernels the GPU tests reach through torch ops and modules (`DISPATCH`: tests/cache/test_dispatch_gpu.py,
+  tests/nn/test_compile.py), the tuner's choice built by its model;
+- candidates: the benchmark's Llama-3-8B/70B layer shapes (`BENCH_SHAPES` x `BENCH_ROWS` for int4 g128, nf4 / int8
+  / int2 at M=1), each shipped as the tuner's shortlist, so that the device times them and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.prebuild import Request
+from ..ops.matmul import Matmul
+from ..ttype import get, torch_dtype
+from ..tuner.buckets import m_bucket
+
+ANY_ROWS = (1, 1 << 30)  # the rows a correctness kernel serves (M is symbolic in every CUDA kernel)
+TUNING_CANDIDATES = 4  # configurations per benchmark kernel, timed on the device
+
+BENCH_SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192))  # (N, K): Llama-3 8B/70B
+BENCH_ROWS = (1, 16, 64, 256, 4096)
+BENCH_TYPE = "int4"
+BENCH_M1_TYPES = ("nf4", "int8", "int2")
+BENCH_GROUP = 128
+BENCH_ACTIVATION = "float16"
+
+# (weight, group_size, zero_mode, activation, output, bias, N, K, M): the tuned kernels the GPU tests reach through
+# torch ops and modules; keep in step with tests/cache/test_dispatch_gpu.py and the CUDA tests of tests/nn/test_compile.py
+DISPATCH = (
+    *((name, 128, zero, activation, "float32", False, 256, 512, m)  # test_matmul_on_cuda_tensors
+      for name, zero, activation in (("int4", "none", "float16"), ("nf4", "none", "bfloat16"),
+                                     ("uint4", "gptq", "float16")) for m in (1, 33)),
+    ("int4", 128, "none", "float16", "float32", True, 256, 512, 4),  # test_linear_moved_to_cuda_relays_its_weight
+    ("uint4", 32, "gptq", "float32", "float32", True, 48, 128, 2),  # test_cuda_move_runs_the_same_layer
+    *(("int4", 64, "none", activation, activation, False, n, k, m)  # the TransformerBlock(128, 4, 256) tests
+      for activation, m in (("float32", 4), ("float16", 12)) for n, k in ((128, 128), (256, 128), (128, 256))),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One correctness case: template `template` on a random [N, K] `weight` matrix and M rows (inputs from `seed`)."""
+
+    group: str
+    template: str
+    weight: str
+    n: int
+    k: int
+    m: int
+    activation: str
+    zero_mode: str = "none"
+    group_size: int = 128
+    bias: bool = True
+    seed: int = 0
+    output: str | None = None
+    prefer: object = None  # a configuration tried before the template's list
+
+    def __str__(self) -> str:
+        return (f"{self.group}-{self.template}-{self.weight}-{self.zero_mode}-{self.activation}-"
+                f"{self.n}x{self.k}x{self.m}-g{self.group_size}" + (f"-{self.output}" if self.output else "") +
+                (f"-s{self.seed}" if self.seed else "") + ("" if self.prefer is None else f"-{_short(self.prefer)}"))
+
+    def supported_on(self, arch: str) -> bool:
+        """Whether the case's template serves its spec and shape on `arch` (as the template itself says)."""
+        from ..codegen.cuda import TEMPLATES
+
+        template = next(template for template in TEMPLATES if template.name == self.template)
+        return template.spec_unsupported(self.spec(), self.n, self.k, arch) is None
+
+    def inputs(self):
+        """(spec, quantized weight, x, bias) on the host, the same on every machine."""
+        generator = torch.Generator().manual_seed(self.seed)
+        block = get(self.weight).block_size > 1
+        scale = torch.bfloat16 if self.activation == "bfloat16" else torch.float16
+        from ..ttype import quantize
+
+        q = quantize(torch.randn(self.n, self.k, generator=generator), self.weight,
+                     group_size=None if block else self.group_size, zero_mode=self.zero_mode, scale_dtype=scale)
+        options = {"accumulate_dtype": "int32"} if self.activation == "int8" else {}
+        spec = Matmul.for_weight(q, self.activation, bias=self.bias, output_dtype=self.output, **options)
+        x = torch.randn(self.m, self.k, generator=generator)
+        x = x.mul(20).round().clamp(-127, 127).to(torch.int8) if self.activation == "int8" else \
+            x.to(torch_dtype(self.activation))
+        b = torch.randn(self.n, generator=generator) if self.bias else None
+        return spec, q, x, b
+
+    def config(self, spec: Matmul, arch: str):
+        """The first configuration of the template that builds the case (LOP3 decode first, the plain-TIR one for
+        group sizes it cannot serve), or None."""
+        from ..codegen import template
+
+        chosen = template(self.template)
+        configs = ([self.prefer] if self.prefer else []) + list(_CONFIGS[self.template]())
+        for config in configs + [dataclasses.replace(c, decode="tir") for c in configs]:
+            if chosen.reason(spec, self.n, self.k, config, arch) is None:
+                return config
+        return None
+
+    def spec(self) -> Matmul:
+        return _spec(self)
+
+    def request(self, arch: str) -> Request | None:
+        spec = self.spec()
+        config = self.config(spec, arch)
+        return None if config is None else Request(spec, self.n, self.k, ANY_ROWS, arch, self.template, config)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(case: Case) -> Matmul:
+    return case.inputs()[0]
+
+
+def _gemm_configs():
+    from ..codegen.cuda import GemmConfig
+
+    return (GemmConfig(), GemmConfig(block_k=64), GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32),
+            GemmConfig(block_m=16, warp_m=16, block_n=32, warp_n=16, block_k=64, stages=2),
+            GemmConfig(block_m=16, warp_m=16, block_n=16, warp_n=16, block_k=128, stages=2))
+
+
+def _gemv_configs():
+    from ..codegen.cuda import GemvConfig
+
+    return (GemvConfig(), GemvConfig(rows=4, k_threads=16, words=2), GemvConfig(k_threads=8, words=1),
+            GemvConfig(k_threads=4, words=1, warps=2), GemvConfig(k_threads=1, words=1, warps=1))
+
+
+_CONFIGS = {"gemm": _gemm_configs, "gemv": _gemv_configs}
+
+
+def _short(config) -> str:
+    return "-".join(f"{name}{value}" for name, value in dataclasses.asdict(config).items())
+
+
+FLOAT_WEIGHTS = (*((name, "none") for name in ("int4", "int2", "int1", "int8", "nf4", "fp4_e2m1", "float8_e4m3",
+                                               "float8_e5m2", "mxfp4", "mxfp8", "nvfp4")),
+                 *((name, zero) for name in ("uint4", "uint2", "uint1", "uint8") for zero in ("gptq", "awq", "hqq")))
+INT8_WEIGHTS = (("int4", "none"), ("uint4", "gptq"), ("uint4", "awq"), ("int2", "none"), ("uint2", "gptq"),
+                ("int1", "none"), ("int8", "none"))
+EDGE_SHAPES = ((1, 8, 1), (17, 40, 3), (16, 128, 65), (130, 136, 129))  # (N, K, M): smallest and ragged
+FUZZ_SEED, FUZZ_CASES = 2026, 12
+
+
+def correctness_cases() -> list[Case]:
+    """Every correctness case of the GPU tests, in a fixed order."""
+    from ..codegen.cuda import GemvConfig
+
+    cases = [Case("types", template, name, 256, 512, m, activation, zero)
+             for template, m in (("gemm", 67), ("gemv", 3)) for activation in ("float16", "bfloat16")
+             for name, zero in FLOAT_WEIGHTS]
+    cases += [Case("int8", template, name, 256, 512, m, "int8", zero, group_size=-1, output="float16")
+              for template, m in (("gemm", 40), ("gemv", 2)) for name, zero in INT8_WEIGHTS]
+    cases += [Case("fp8", "gemm", name, 256, 512, 33, "float8_e4m3", group_size=-1, output="bfloat16")
+              for name in ("fp4_e2m1", "int4", "uint4", "float8_e4m3")]
+    cases += [Case("tir", template, "int1", 128, 256, 5, "float16", group_size=16) for template in ("gemm", "gemv")]
+    cases += [Case("f32", "gemv", "uint4", 128, 512, 3, "float32", "gptq", output="float32")]
+    cases += [Case("splitk", "gemv", "uint4", 512, 4096, m, "float16", "gptq",
+                   prefer=GemvConfig(rows=rows, split_k=4, k_threads=8)) for rows, m in ((1, 1), (2, 5), (4, 4))]
+    cases += [Case("outputs", template, "int4", 128, 256, 9, "float16", output=output)
+              for template in ("gemm", "gemv") for output in ("float32", "float16", "bfloat16")]
+    fuzz = random.Random(FUZZ_SEED)
+    for _ in range(FUZZ_CASES):
+        name = fuzz.choice(("int4", "uint4", "nf4", "int2", "fp4_e2m1"))
+        n, k, m = fuzz.randint(1, 200), 8 * fuzz.randint(1, 40), fuzz.randint(1, 150)  # any K that words fill
+        template, seed = fuzz.choice(("gemm", "gemv")), fuzz.randint(0, 1000)
+        cases.append(Case("fuzz", template, name, n, k, m, "float16", "gptq" if name == "uint4" else "none",
+                          group_size=-1, bias=seed % 2 == 0, seed=seed))
+    cases += [Case("edge", template, "int4", n, k, m, "float16", group_size=-1)
+              for template in ("gemm", "gemv") for n, k, m in EDGE_SHAPES]
+    return cases
+
+
+def bench_specs() -> list[tuple[Matmul, tuple[int, ...]]]:
+    """(spec, rows) of the benchmark: int4 g128 at every M, the other types at M=1 (float16 activations and
+    output, float16 scales)."""
+    def spec(name):
+        return Matmul(name, BENCH_ACTIVATION, group_size=BENCH_GROUP, zero_mode="none", scale_dtype="float16")
+
+    return [(spec(BENCH_TYPE), BENCH_ROWS)] + [(spec(name), (1,)) for name in BENCH_M1_TYPES]
+
+
+def dispatch_specs() -> list[tuple[Matmul, int, int, int]]:
+    """(spec, N, K, M) of `DISPATCH`."""
+    return [(Matmul(name, activation, group_size=group, zero_mode=zero, bias=bias, output_dtype=output,
+                    scale_dtype="float16"), n, k, m)
+            for name, group, zero, activation, output, bias, n, k, m in DISPATCH]
+
+
+def requests(arch: str, smoke: bool = False) -> list[Request]:
+    """Every kernel the kit ships for `arch` (`smoke`: a few, one of each kind, for a dry check in CI)."""
+    cases = [case for case in correctness_cases() if case.supported_on(arch)]
+    pinned = [request for request in (case.request(arch) for case in (cases[:1] + cases[-1:] if smoke else cases))
+              if request is not None]
+    tuned = [Request(spec, n, k, m_bucket(m), arch) for spec, n, k, m in dispatch_specs()[:1 if smoke else None]]
+    benchmark = []
+    for spec, rows in bench_specs()[:1 if smoke else None]:
+        for n, k in BENCH_SHAPES[:1 if smoke else None]:
+            for bucket in dict.fromkeys(m_bucket(m) for m in rows[:1 if smoke else None]):
+                benchmark.append(Request(spec, n, k, bucket, arch, candidates=2 if smoke else TUNING_CANDIDATES))
+    return _distinct(pinned) + _distinct(tuned) + benchmark
+
+
+def _distinct(items: list) -> list:
+    return list(dict.fromkeys(items))

@@ -1,0 +1,177 @@
+"""The GPU kit, built and checked here without a GPU: a smoke kit (a few kernels) built by the command line; its dry
+run with TVM installed (and never imported) and in a Python without TVM; `import bitkern` and kernel lookups where
+TVM is missing (a clear error naming the kernel); a saved model's calls rehearsed up to the driver call there."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import bitkern
+from bitkern.cache import DiskStore
+from bitkern.cache.dispatch import rehearsal
+from bitkern.gpukit.build import SIZE_BUDGET
+from bitkern.tuner import cuda_device
+
+pytestmark = pytest.mark.requires_nvcc
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+TVM_NAMES = ("tvm", "tvm_ffi", "apache_tvm")  # TVM's packages and distributions (dist-info directories)
+
+
+@pytest.fixture(scope="module")
+def smoke_kit(tmp_path_factory) -> Path:
+    """A kit of a few kernels for sm_90, built by `python -m bitkern gpu-kit` (no gemlite wheel)."""
+    out = tmp_path_factory.mktemp("gpukit") / "kit"
+    result = subprocess.run([sys.executable, "-m", "bitkern", "gpu-kit", "--arch", "sm_90", "--smoke", "--gemlite",
+                             "none", str(out)], capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gpu-kit:" in result.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def python_without_tvm(tmp_path_factory) -> str:
+    """A virtual environment holding every package of this Python but TVM's: there `import tvm` fails and no TVM
+    distribution is installed (as on a GPU machine with only torch)."""
+    root = tmp_path_factory.mktemp("no-tvm") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    python = root / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.lower().startswith(TVM_NAMES) and not (site / entry.name).exists():
+            (site / entry.name).symlink_to(entry)
+    probe = subprocess.run([str(python), "-c", "import torch, importlib.util, importlib.metadata as m\n"
+                            "assert importlib.util.find_spec('tvm') is None\ntry:\n m.version('apache-tvm')\n"
+                            " raise SystemExit('apache-tvm is installed')\nexcept m.PackageNotFoundError:\n pass"],
+                           capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    return str(python)
+
+
+def _run(command, pythonpath, cache=None, timeout=600):
+    """Run `command` with only `pythonpath` before the Python's own packages (from the filesystem root, so that
+    `python -c` does not put this checkout first)."""
+    environment = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    environment.pop("BITKERN_KIT_DIR", None)
+    if cache is not None:
+        environment["BITKERN_CACHE_DIR"] = str(cache)
+    return subprocess.run([str(part) for part in command], capture_output=True, text=True, env=environment,
+                          timeout=timeout, cwd="/")
+
+
+def test_smoke_kit_holds_what_it_lists(smoke_kit):
+    kit = json.loads((smoke_kit / "kit.json").read_text())
+    assert kit["archs"] == ["sm_90"] and kit["profile"] == "smoke"
+    assert sorted({item["kind"] for item in kit["kernels"]}) == ["candidates", "pinned", "tuned"]
+    assert all(item["candidates"] >= 2 for item in kit["kernels"] if item["kind"] == "candidates")
+    for name in ("run", "kernels.tar.gz", "decode-sm_90.cubin", "bitkern/cache/built_with.json", *kit["tests"],
+                 kit["benchmark"]):
+        assert (smoke_kit / name).is_file(), name
+    assert os.access(smoke_kit / "run", os.X_OK)
+    assert not (smoke_kit / "bitkern" / "integration").exists()
+    assert sum(path.stat().st_size for path in smoke_kit.rglob("*") if path.is_file()) < SIZE_BUDGET
+
+
+def test_dry_run_finds_every_kernel_and_imports_no_tvm(smoke_kit):
+    """The dry run in this Python, where TVM is installed: every kernel comes from the bundle, and no TVM module
+    is ever imported."""
+    script = ("import sys\nsys.path.insert(0, sys.argv[1])\nfrom bitkern.gpukit.run import main\n"
+              "status = main(sys.argv[1], ['--dry-run'])\n"
+              "assert 'tvm' not in sys.modules and 'tvm_ffi' not in sys.modules, sorted(sys.modules)\n"
+              "assert sys.modules['bitkern'].__file__.startswith(sys.argv[1])\nsys.exit(status)")
+    result = _run([sys.executable, "-c", script, smoke_kit], smoke_kit)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    kit = json.loads((smoke_kit / "kit.json").read_text())
+    listed = sum(item.get("candidates", 1) for item in kit["kernels"])
+    assert f"dry run: {listed} kernels found" in result.stdout and "dry run: OK" in result.stdout
+
+
+def test_dry_run_in_a_python_without_tvm(smoke_kit, python_without_tvm):
+    result = _run([python_without_tvm, smoke_kit / "run", "--dry-run"], "")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "dry run: OK" in result.stdout
+
+
+def test_dry_run_names_a_kernel_the_bundle_lacks(smoke_kit, tmp_path, python_without_tvm):
+    kit_dir = tmp_path / "kit"
+    shutil.copytree(smoke_kit, kit_dir, symlinks=True)
+    kit = json.loads((kit_dir / "kit.json").read_text())
+    pinned = next(item for item in kit["kernels"] if item["kind"] == "pinned")
+    kit["kernels"].append({"kind": "pinned", "key": {**pinned["key"], "n": pinned["key"]["n"] + 16}})
+    (kit_dir / "kit.json").write_text(json.dumps(kit))
+    result = _run([python_without_tvm, kit_dir / "run", "--dry-run"], "")
+    assert result.returncode == 1
+    assert f"N={pinned['key']['n'] + 16}, K={pinned['key']['k']}" in result.stdout
+    assert "not in the kit's bundle" in result.stdout and "dry run: FAILED" in result.stdout
+
+
+def test_import_without_tvm_and_missing_kernels_are_named(python_without_tvm, tmp_path):
+    """Without TVM, `import bitkern` works; a kernel the cache lacks (CUDA, or a CPU layer's) is a KernelNotFound
+    naming it and what is missing, raised before anything imports TVM."""
+    script = """
+import sys, torch, bitkern
+from bitkern.cache import KernelNotFound, kernel_for
+from bitkern.ops import Matmul
+from bitkern.tuner import cuda_device
+try:
+    kernel_for(Matmul("int4", "float16"), 4096, 4096, 1, "lop3", cuda_device("sm_90"))
+    raise SystemExit("no error for a missing CUDA kernel")
+except KernelNotFound as error:
+    print("CUDA:", error)
+layer = bitkern.Linear(64, 32, dtype="int4", group_size=32)
+try:
+    layer(torch.randn(2, 64))
+    raise SystemExit("no error for a missing CPU kernel")
+except KernelNotFound as error:
+    print("CPU:", error)
+assert not [name for name in sys.modules if name.split(".")[0] in ("tvm", "tvm_ffi")], sorted(sys.modules)
+"""
+    result = _run([python_without_tvm, "-c", script], REPOSITORY, cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cuda, cpu = result.stdout.strip().splitlines()
+    assert "int4 weights x float16 activations" in cuda and "N=4096, K=4096, M=1..1" in cuda
+    assert "target cuda-sm_90" in cuda and "TVM (apache-tvm) not found" in cuda
+    assert "N=32, K=64" in cpu and "target cpu-" in cpu and "TVM (apache-tvm) not found" in cpu
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64, bias=False))
+
+
+def test_saved_model_runs_up_to_the_driver_call_without_tvm(smoke_kit, python_without_tvm, tmp_path):
+    """A model quantized and saved here, its CUDA kernels prebuilt (by rehearsing its call for sm_90), loads in a
+    Python without TVM and runs on the kernel cache up to the driver call: lookups, arguments, cubin checks."""
+    torch.manual_seed(0)
+    model = bitkern.quantize_model(_model(), "int4", group_size=64, compute_dtype=torch.float16)
+    bitkern.save(model, tmp_path / "model.safetensors")
+    cache = tmp_path / "cache"
+    with rehearsal(cuda_device("sm_90"), DiskStore(cache)) as launches:  # builds the kernels it does not find
+        model(torch.randn(3, 256))
+    assert len(launches) == 2
+    script = f"""
+import sys, torch, bitkern
+from torch import nn
+from bitkern.cache.dispatch import rehearsal
+from bitkern.tuner import cuda_device
+model = bitkern.load(nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64, bias=False)),
+                     {str(tmp_path / "model.safetensors")!r})
+assert bitkern.__file__.startswith({str(smoke_kit)!r}), bitkern.__file__
+assert isinstance(model[0], bitkern.Linear) and model[0].weight_dtype == "int4"
+with rehearsal(cuda_device("sm_90")) as launches:
+    y = model(torch.randn(3, 256))
+assert y.shape == (3, 64) and y.dtype == torch.float32, (y.shape, y.dtype)
+print(len(launches), sorted({{call.name for call in launches}}))
+assert not [name for name in sys.modules if name.split(".")[0] in ("tvm", "tvm_ffi")], sorted(sys.modules)
+"""
+    result = _run([python_without_tvm, "-c", script], smoke_kit, cache=cache)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.startswith("2 ")
