@@ -4,11 +4,11 @@ heads, random weights, bfloat16) served by vLLM as it is and with `quantization=
 Output tokens per second with 1 and 8 requests in flight (each request: a 32-token prompt, 64 generated tokens,
 greedy, EOS ignored), in vLLM's default (compiled) mode.  Every engine runs in a fresh process, once with the
 default environment and once with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP workers sleep instead of spinning
-between ops, so they do not take the cores from bitkern's kernels); the engines take turns for ROUNDS rounds and
-each figure is the median over rounds, each ratio the median of its per-round ratios.
+between ops, so they do not take the cores from bitkern's kernels); the engines take turns for ROUNDS rounds
+(`--rounds N`) and each figure is the median over rounds, each ratio the median of its per-round ratios.
 
 Run with the python of a vLLM environment that has bitkern installed (README, "vLLM"):
-    python benchmarks/vllm_throughput.py        (table: benchmarks/results/vllm_throughput.md)
+    python benchmarks/vllm_throughput.py [--rounds N]       (table: benchmarks/results/vllm_throughput.md)
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def serve(model: str, settings: dict) -> dict:
     return rates
 
 
-def measure(model_dir: Path) -> dict:
+def measure(model_dir: Path, rounds: int) -> dict:
     """{(environment, model): [{concurrency: tokens/s} per round]}, the engines taking turns."""
     runs = {(env, name): [] for env in ENVIRONMENTS for name in MODELS}
-    for round_ in range(ROUNDS):
+    for round_ in range(rounds):
         for env, variables in ENVIRONMENTS.items():
             for name, settings in MODELS.items():
                 with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
@@ -104,11 +104,13 @@ def main() -> None:
         model, settings, result = sys.argv[2:5]
         Path(result).write_text(json.dumps(serve(model, json.loads(settings))))
         return
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else ROUNDS
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         make_model(Path(folder))
-        runs = measure(Path(folder))
-    text = (f"vLLM offline throughput (benchmarks/vllm_throughput.py), {os.cpu_count()} cores, load at the end: "
-            f"{os.getloadavg()[0]:.1f}\n\n{table(runs)}")
+        runs = measure(Path(folder), rounds)
+    text = (f"vLLM offline throughput (benchmarks/vllm_throughput.py, {rounds} rounds), {os.cpu_count()} cores, "
+            f"load average at the start {load:.1f}, at the end {os.getloadavg()[0]:.1f}\n\n{table(runs)}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "vllm_throughput.md").write_text(text)
     print(text)

@@ -1,5 +1,10 @@
 """The quantization method "bitkern" as vLLM sees it: a QuantizationConfig that gives every linear layer
-bitkern's linear method.
+bitkern's linear method: quantize a float checkpoint on load (`Settings`), load a bitkern checkpoint
+(save_pretrained of a model quantized with bitkern.BitkernConfig) as stored, or serve a GPTQ, AWQ or
+bitsandbytes 4-bit checkpoint converted on load into bitkern layers (`sources.py`).
+
+Serving a GPTQ, AWQ or bitsandbytes checkpoint on bitkern's kernels is the user's choice, `quantization="bitkern"`
+(`--quantization bitkern`); without it vLLM serves the checkpoint with its own method.
 
 vLLM pickles this config into its engine and worker processes, so the class lives at module level.
 """
@@ -12,11 +17,14 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.transformers_utils.config import get_safetensors_params_metadata
 
 from bitkern.nn.library import FLOAT_DTYPES
 
+from .checkpoint_method import CheckpointLinearMethod
 from .linear_method import BitkernLinearMethod
 from .settings import Settings
+from .sources import QuantizedSource, checkpoint_modules, checkpoint_source
 
 METHOD = "bitkern"
 SETTINGS_OVERRIDE = "quantization_config_dict_json"  # vLLM's hf_overrides key for a config not in the checkpoint
@@ -25,13 +33,17 @@ MIN_CUDA_CAPABILITY = 80
 
 
 class BitkernVllmConfig(QuantizationConfig):
-    """Quantize a float checkpoint's linear layers on load with bitkern (`settings`)."""
+    """Quantize a float checkpoint's linear layers on load with bitkern (`settings`), or serve a quantized
+    checkpoint (`source`: bitkern, GPTQ, AWQ, bitsandbytes) on bitkern's kernels."""
 
-    def __init__(self, settings: Settings | None = None):
+    def __init__(self, settings: Settings | None = None, source: QuantizedSource | None = None):
         super().__init__()
         self.settings = settings or Settings()
+        self.source = source
 
     def __repr__(self) -> str:
+        if self.source is not None:
+            return f"BitkernVllmConfig(checkpoint={self.source.method})"
         return f"BitkernVllmConfig({self.settings.describe()})"
 
     def get_name(self) -> str:
@@ -55,31 +67,68 @@ class BitkernVllmConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BitkernVllmConfig":
-        """The checkpoint's own quantization_config, i.e. a checkpoint saved already quantized by bitkern."""
-        raise ValueError(
-            f"this checkpoint is already quantized with bitkern ({config}); vLLM cannot load pre-quantized bitkern "
-            f"checkpoints yet. Serve the float checkpoint with quantization='bitkern' instead (it is quantized on load)")
+        """The checkpoint's own quantization_config: a bitkern checkpoint (quant_method "bitkern"), or a GPTQ,
+        AWQ or bitsandbytes one served on bitkern's kernels."""
+        return cls(source=checkpoint_source(config))
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
-        """Called by vLLM for a checkpoint that is already quantized: refuse quantization='bitkern' on a
-        checkpoint of another method with a message that says why (bitkern checkpoints need no override)."""
+        """Called by vLLM for a checkpoint that is already quantized: with quantization='bitkern', serve a GPTQ,
+        AWQ or bitsandbytes checkpoint on bitkern's kernels (its settings are checked here, at engine start);
+        refuse other methods, and quantize-on-load settings, with a message that says why.  A bitkern
+        checkpoint needs no override (vLLM reads its quant_method)."""
         method = hf_quant_cfg.get("quant_method")
-        if user_quant != METHOD or method == METHOD:
+        if user_quant != METHOD:
             return None
         if hf_config is not None and hasattr(hf_config, SETTINGS_OVERRIDE):
             raise ValueError(f"bitkern settings were given in hf_overrides[{SETTINGS_OVERRIDE!r}], but this "
-                             f"checkpoint is already quantized with {method!r}; bitkern quantizes float "
-                             f"checkpoints on load")
-        raise ValueError(f"quantization='bitkern' was given for a checkpoint quantized with {method!r}; bitkern "
-                         f"serves float checkpoints (quantized on load). Leave out quantization= to serve it with "
-                         f"vLLM's own {method!r} kernels")
+                             f"checkpoint is already quantized with {method!r}; bitkern quantizes float checkpoints "
+                             f"on load and serves quantized ones as stored: leave the settings out")
+        if method == METHOD:
+            return None
+        checkpoint_source(hf_quant_cfg)
+        return METHOD
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        """Read which modules a quantized checkpoint holds quantized from its safetensors headers (no tensors
+        are read); a checkpoint without them fails here, at engine start."""
+        if self.source is not None:
+            self.source.read_checkpoint(get_safetensors_params_metadata(model_name, revision=revision))
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.source is not None:
+            self.source.rename(hf_to_vllm_mapper.apply_list)
+
+    def get_checkpoint_weight_mapper(self):
+        """The checkpoint's tensors as the layers' parameters: GPTQ's g_idx kept (vLLM drops it by default,
+        act-order layers need it), bitsandbytes' weight.absmax & co. renamed (a parameter name has no dots)."""
+        renames = None if self.source is None else self.source.checkpoint_renames()
+        if renames is None:
+            return super().get_checkpoint_weight_mapper()
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return WeightsMapper(orig_to_new_suffix=renames)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None  # embeddings and the LM head stay float, as in bitkern.quantize_model(skip=["lm_head"])
+        if self.source is not None:
+            return self._checkpoint_method(prefix)
         if is_layer_skipped(prefix, list(self.settings.modules_to_not_convert), self.packed_modules_mapping,
                             match_mode="suffix"):
             return UnquantizedLinearMethod()
         return BitkernLinearMethod(self.settings)
+
+    def _checkpoint_method(self, prefix: str) -> QuantizeMethodBase:
+        """The method of a layer of a quantized checkpoint: bitkern's if the checkpoint holds its modules
+        quantized, vLLM's float one if it holds them float."""
+        shards = checkpoint_modules(prefix, self.packed_modules_mapping)
+        quantized = [shard in self.source.quantized for shard in shards]
+        if not any(quantized):
+            return UnquantizedLinearMethod()
+        if not all(quantized):
+            raise ValueError(f"{prefix}: the checkpoint holds {[s for s, q in zip(shards, quantized) if q]} "
+                             f"quantized but {[s for s, q in zip(shards, quantized) if not q]} float; vLLM stacks "
+                             f"them in one layer")
+        return CheckpointLinearMethod(self.source, shards)

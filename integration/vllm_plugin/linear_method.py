@@ -27,8 +27,16 @@ from .settings import Settings
 QUANTIZED = "bitkern_linear"  # the layer's attribute holding its bitkern.Linear once the weights are loaded
 
 
+class BitkernLayerMethod(LinearMethodBase):
+    """A linear method whose layer holds its bitkern.Linear (attribute QUANTIZED) once the weights are loaded."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = getattr(layer, QUANTIZED)(x)
+        return y if bias is None else y + bias
+
+
 @register_weight_loader_v2_supported_method
-class BitkernLinearMethod(LinearMethodBase):
+class BitkernLinearMethod(BitkernLayerMethod):
     """Float weights on the meta device while loading (vLLM's layerwise online processing materializes one layer
     at a time), quantized as soon as a layer's weights are all loaded: the float model is never held whole."""
 
@@ -54,10 +62,6 @@ class BitkernLinearMethod(LinearMethodBase):
             return
         setattr(layer, QUANTIZED, quantized_linear(layer.weight.data, self.settings))
         del layer.weight
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = getattr(layer, QUANTIZED)(x)
-        return y if bias is None else y + bias
 
 
 def check_partition(settings: Settings, name: str, input_size_per_partition: int, input_size: int) -> None:

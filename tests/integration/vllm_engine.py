@@ -5,7 +5,8 @@ writes what the tests compare to a JSON file.
 
 REQUEST holds "engine" (keyword arguments of vllm.LLM), "prompts" (token id lists), "max_tokens", "result" (the
 JSON file to write: greedy "tokens" per prompt) and optionally "weights" (a folder: every bitkern layer's
-dequantized weight is saved there, one file per tensor-parallel rank).  With "cases" (a list of "engine" keyword
+dequantized weight is saved there, one file per tensor-parallel rank) and "ignore_eos" (generate max_tokens
+tokens whatever they are).  With "cases" (a list of "engine" keyword
 sets) instead, it starts each and records the error it raises, or "started".
 """
 
@@ -31,7 +32,8 @@ def generate(request):
 
     llm = LLM(**request["engine"])
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in request["prompts"]],
-                           SamplingParams(max_tokens=request["max_tokens"], temperature=0, detokenize=False))
+                           SamplingParams(max_tokens=request["max_tokens"], temperature=0, detokenize=False,
+                                          ignore_eos=request.get("ignore_eos", False)))
     if request.get("weights"):
         llm.apply_model(functools.partial(save_weights, request["weights"]))
     return {"tokens": [list(output.outputs[0].token_ids) for output in outputs]}
