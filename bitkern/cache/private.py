@@ -39,7 +39,7 @@ def check_directory(path: Path) -> bool:
     there; Untrusted for anything else (a symbolic link is never followed)."""
     try:
         status = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (NotADirectoryError: a parent is a file)
         return False
     if stat.S_ISLNK(status.st_mode):
         raise Untrusted(f"{path} is a symbolic link")
