@@ -34,6 +34,9 @@ def test_pass_folds_activation_and_residual_into_the_kernels(monkeypatch):
 
     monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", [*torch._inductor.config.
                                                                                 post_grad_custom_post_pass, record])
+    # the relu fold's modeled gain (~1.02 here) sits at the margin and moves with the measured bandwidth: fuse
+    # everything, so that the test checks the rewrite, not the machine (the next test checks rejections)
+    monkeypatch.setattr(cost, "MIN_GAIN", 0.0)
     model = Block()
     x = torch.randn(4, 64)
     with torch.no_grad():
