@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,8 @@ def python_without_tvm(tmp_path_factory) -> str:
     python = root / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+    packages = [Path(path) for path in sys.path if path.endswith("site-packages") and Path(path).is_dir()]
+    for entry in (entry for directory in packages for entry in directory.iterdir()):  # a venv's, then the system's
         if not entry.name.lower().startswith(TVM_NAMES) and not (site / entry.name).exists():
             (site / entry.name).symlink_to(entry)
     probe = subprocess.run([str(python), "-c", "import torch, importlib.util, importlib.metadata as m\n"
