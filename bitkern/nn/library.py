@@ -212,7 +212,9 @@ def _linear_epilogue_backward(ctx, grad):
     """Through f: z = x̂·Wᵀ + b is recomputed by the plain kernel and f differentiated by torch
     (`ops.matmul.epilogue_reference`), then dx̂ = dz · dequant(W), dbias = Σ dz; the residual gets dy; through
     a norm prologue, torch differentiates x̂ (`ops.matmul.norm_reference`) for x and the norm's weight and bias."""
-    x_needs, _, _, bias_needs, _, _, residual_needs, _, norm_weight_needs, norm_bias_needs, _ = ctx.needs_input_grad
+    # the call's arguments, where trailing defaults may have been left out (the gradients match them)
+    needs = (*ctx.needs_input_grad, *[False] * (11 - len(ctx.needs_input_grad)))
+    x_needs, _, _, bias_needs, _, _, residual_needs, _, norm_weight_needs, norm_bias_needs, _ = needs
     norm, norm_weight, norm_bias, eps = ctx.norm
     through_norm = x_needs or norm_weight_needs or norm_bias_needs
     grad_z = grad_x = grad_norm_weight = grad_norm_bias = None
@@ -235,8 +237,9 @@ def _linear_epilogue_backward(ctx, grad):
                     grad_x, grad_norm_weight = grads[:2]
                     grad_norm_bias = grads[2] if norm_bias is not None else None
     grad_residual = grad.to(ctx.output_dtype) if residual_needs else None
-    return (grad_x if x_needs else None, None, None, _bias_grad(ctx, grad_z, bias_needs), None, None, grad_residual,
-            None, grad_norm_weight if norm_weight_needs else None, grad_norm_bias if norm_bias_needs else None, None)
+    grads = (grad_x if x_needs else None, None, None, _bias_grad(ctx, grad_z, bias_needs), None, None, grad_residual,
+             None, grad_norm_weight if norm_weight_needs else None, grad_norm_bias if norm_bias_needs else None, None)
+    return grads[:len(ctx.needs_input_grad)]
 
 
 linear_epilogue.register_autograd(_linear_epilogue_backward, setup_context=_linear_epilogue_setup)
