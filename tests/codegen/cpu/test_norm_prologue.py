@@ -161,3 +161,17 @@ def test_templates_without_a_norm_prologue_say_so():
     spec = Matmul("int4", "bfloat16", norm="rmsnorm")
     assert "norm='rmsnorm'" in lut.TEMPLATE.unsupported_epilogue(spec)
     assert dot.TEMPLATE.unsupported_epilogue(spec) is None and generic.TEMPLATE.unsupported_epilogue(spec) is None
+
+
+def test_profiled_tuning_times_kernels_with_their_norm_and_residual():
+    """Timing candidates calls them with the residual and norm vectors their signatures take."""
+    from bitkern.tuner import tune
+
+    qweight = bitkern.quantize(torch.randn(32, 128), "int4", group_size=64)
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="bfloat16", residual=True, norm="layernorm")
+    tuned = tune(spec, 32, 128, (2, 16), "tile16", host_cpu(), profile=True)
+    assert tuned.record.profiled and sum(t.measured_s is not None for t in tuned.record.trials) >= 2
+    x, residual = torch.randn(3, 128).bfloat16(), torch.randn(3, 32).bfloat16()
+    y = tuned.kernel(x, pack(qweight), None, residual, norm=(torch.ones(128), torch.zeros(128)))
+    reference = spec.reference(x, qweight, None, residual, torch.ones(128), torch.zeros(128))
+    assert torch.allclose(y.float(), reference.float(), rtol=2e-2, atol=2e-2 * float(reference.abs().max()))
