@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn import Linear
+from ..nn import Linear, library
 from .stack import stacked_layer
 
 
@@ -50,14 +50,17 @@ def fused_call(layer: Linear, x: torch.Tensor, epilogue: str = "none", residual:
         raise ValueError(f"x has shape {tuple(x.shape)}; this layer takes [..., {layer.in_features}]")
     weight, weight_format = layer.op_weight()
     compute = layer.compute_dtype or x.dtype
-    if norm is None:
-        return torch.ops.bitkern.linear_epilogue(x.to(compute), weight, weight_format, layer.bias, x.dtype,
-                                                 epilogue, residual)
-    if x.dtype != compute:
+    if norm is not None and x.dtype != compute:
         raise ValueError(f"x is {x.dtype} but the layer computes in {compute}: a folded norm takes x in the "
                          f"layer's compute dtype")
-    return torch.ops.bitkern.linear_epilogue(x, weight, weight_format, layer.bias, x.dtype, epilogue, residual,
-                                             **norm.arguments())
+    arguments = (x.to(compute), weight_format, layer.bias, x.dtype, epilogue, residual)
+    norm_arguments = {} if norm is None else norm.arguments()
+    others = (residual, norm_arguments.get("norm_weight"), norm_arguments.get("norm_bias"))
+    if library.eager(x, layer.bias) and not (torch.is_grad_enabled() and
+                                             any(t is not None and t.requires_grad for t in others)):
+        # nothing for autograd or a compiler to see: the op's body on the weight object, without the dispatcher
+        return library.run_linear_epilogue(arguments[0], layer.packed_weight(), *arguments[1:], **norm_arguments)
+    return torch.ops.bitkern.linear_epilogue(arguments[0], weight, *arguments[1:], **norm_arguments)
 
 
 class EpilogueLinear(nn.Module):

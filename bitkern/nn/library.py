@@ -124,9 +124,19 @@ def linear_epilogue(x: Tensor, weight: list[Optional[Tensor]], weight_format: st
     is shaped like y, in `output_dtype`; x̂ = x, or x normalized per row by the norm prologue `norm` ("rmsnorm":
     Hugging Face's LlamaRMSNorm, "torch_rmsnorm", "layernorm") with norm_weight [K] (and norm_bias [K] for
     "layernorm") and norm_eps."""
+    return run_linear_epilogue(x, _weight(weight, weight_format), weight_format, bias, output_dtype, epilogue,
+                               residual, norm, norm_weight, norm_bias, norm_eps)
+
+
+def run_linear_epilogue(x: Tensor, weight: PackedWeight, weight_format: str, bias: Optional[Tensor],
+                        output_dtype: torch.dtype, epilogue: str, residual: Optional[Tensor], norm: str = "none",
+                        norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
+                        norm_eps: float = 1e-6) -> Tensor:
+    """The linear_epilogue op's computation on a weight object (what fused modules run in eager inference, as
+    `run_linear` for Linear)."""
     spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None,
                    norm, norm_eps)
-    return spec(x, _weight(weight, weight_format), bias, residual, norm_weight, norm_bias)
+    return spec(x, weight, bias, residual, norm_weight, norm_bias)
 
 
 @linear_epilogue.register_fake

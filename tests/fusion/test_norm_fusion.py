@@ -93,8 +93,9 @@ def test_fused_decoder_layer_matches_the_unfused(dtype, tokens, stacked, monkeyp
     assert isinstance(layer.self_attn.q_proj, EpilogueLinear) != stacked
     norms = _norm_calls(layer_of(fused), hidden)
     assert norms.count("rmsnorm") == (2 if stacked else 5)  # qkv + gate/up, or q, k, v, gate, up
-    with torch.no_grad():
-        _assert_close(layer_of(fused)(hidden), reference, 2e-2)
+    with torch.no_grad():  # norm-only: the same sums over the same x̂ (measured: equal); the SwiGLU epilogue
+        # rounds silu(gate)·up once where the unfused MLP rounds gate, silu, up and the product (measured 5e-3)
+        _assert_close(layer_of(fused)(hidden), reference, 1e-2 if stacked else 2e-3)
 
 
 def test_fused_tiny_llama_gives_the_same_logits_eager_and_compiled_fullgraph(monkeypatch):
@@ -171,6 +172,9 @@ def test_unsupported_norms_and_shapes_are_reported_not_fused():
     before = [type(m) for m in model]
     bitkern.fuse(model)
     assert [type(m) for m in model] == before
+    assert explain(model, patterns=("qkv", "act")).groups == []  # norm groups only where asked for
+    with pytest.raises(ValueError, match="'norms' is not a fusion pattern; accepted"):
+        bitkern.fuse(model, patterns=("norms",))
 
 
 def test_a_float32_model_computing_in_bfloat16_is_not_folded():
