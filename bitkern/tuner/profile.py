@@ -50,6 +50,15 @@ def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
     return x.to(where), copies, None if bias is None else bias.to(where)
 
 
+def residual_input(spec: Matmul, x: torch.Tensor, n: int):
+    """The residual a kernel of a residual spec takes beside `x` (an `inputs` x): [its rows, out_features] in the
+    output type on x's device; None for other specs."""
+    if not spec.residual:
+        return None
+    return torch.randn(spec.rows(x), spec.out_features(n), generator=torch.Generator().manual_seed(1)).to(
+        dtype=torch_dtype(spec.output_dtype), device=x.device)
+
+
 def _tiny_weight(spec: Matmul, k: int):
     block = get(spec.weight_dtype).block_size > 1
     return quantize(torch.ones(1, k), spec.weight_dtype, group_size=None if block else spec.group_size,
@@ -97,19 +106,21 @@ def cuda_event_seconds(call) -> float:
 TIMERS = {"cpu": wall_seconds, "cuda": cuda_event_seconds}
 
 
-def time_kernels(kernels, x, copies, bias, budget_s: float = 0.15, timer=wall_seconds) -> list[float]:
+def time_kernels(kernels, x, copies, bias, budget_s: float = 0.15, timer=wall_seconds, residual=None) -> list[float]:
     """Median seconds per call of each kernel (within about `budget_s` each), rotating through the weight
-    copies.  The kernels take turns call by call, so that drift in the machine's speed (other processes,
-    clocks) hits them all alike: timed one after another, candidates within ~5% were ranked by the drift."""
+    copies (`residual`: the tensor residual specs add, `residual_input`).  The kernels take turns call by call,
+    so that drift in the machine's speed (other processes, clocks) hits them all alike: timed one after another,
+    candidates within ~5% were ranked by the drift."""
+    operands = (bias,) if residual is None else (bias, residual)
     for kernel in kernels:
         for weight in copies[:2]:
-            kernel(x, weight, bias)
-    once = max(sum(timer(lambda: kernel(x, copies[0], bias)) for kernel in kernels) / len(kernels), 1e-7)
+            kernel(x, weight, *operands)
+    once = max(sum(timer(lambda: kernel(x, copies[0], *operands)) for kernel in kernels) / len(kernels), 1e-7)
     samples = [[] for _ in kernels]
     for i in range(max(5, min(200, int(budget_s / once)))):
         for j, kernel in enumerate(kernels):
             weight = copies[(i * len(kernels) + j) % len(copies)]
-            samples[j].append(timer(lambda: kernel(x, weight, bias)))
+            samples[j].append(timer(lambda: kernel(x, weight, *operands)))
     return [statistics.median(column) for column in samples]
 
 
