@@ -31,8 +31,8 @@ def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                         f"got {type(weight).__name__}")
     rehearsing = _rehearsal.get()
-    if rehearsing is not None:  # CUDA kernels: no template of theirs takes an epilogue, hence no residual
-        return _rehearse(spec, x, weight, bias, *rehearsing)
+    if rehearsing is not None:
+        return _rehearse(spec, x, weight, bias, residual, *rehearsing)
     quick = spec.fits(x, weight, bias, residual, norm_weight, norm_bias)
     if not quick:
         spec.check_inputs(x, weight, bias, residual, norm_weight, norm_bias)
@@ -67,10 +67,10 @@ def rehearsal(device, store=None):
         _rehearsal.reset(token)
 
 
-def _rehearse(spec, x, weight, bias, device, store, launches) -> torch.Tensor:
+def _rehearse(spec, x, weight, bias, residual, device, store, launches) -> torch.Tensor:
     from ..codegen.cuda.launcher import check_launches
 
-    spec.check_inputs(x, weight, bias)
+    spec.check_inputs(x, weight, bias, residual)
     n, k = weight.shape
     layout = layout_for(weight.ttype, device.kind)
     if weight.layout != layout:
@@ -79,7 +79,7 @@ def _rehearse(spec, x, weight, bias, device, store, launches) -> torch.Tensor:
     if rows.shape[0] == 0:
         return torch.empty(shape, dtype=torch_dtype(spec.output_dtype), device=x.device)
     kernel = kernel_for(kernel_spec, n, k, kernel_spec.rows(rows), layout, device, store)
-    y, calls = kernel.plan(rows, weight, bias)
+    y, calls = kernel.plan(rows, weight, bias, None if residual is None else residual.reshape(rows.shape[0], -1))
     check_launches(kernel.binary.cubin, calls, device.shared_bytes_per_block)
     launches.extend(calls)
     return y if y.shape == shape else y.reshape(shape)

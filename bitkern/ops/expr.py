@@ -3,8 +3,9 @@
     W[n, k] = (decode_ttype(code[n, k]) - zero[n, g]) · scale[n, g]        (float32, g = k // group)
     Y[m, n] = cast_out( f(Σ_k acc(X̂[m, k]) · acc(W[n, k]) + bias[n]) (+ residual[m, n]) )
 
-f is the spec's epilogue (`apply_epilogue`; SwiGLU pairs the gate and up rows of a stacked W); X̂ is X, or for
-a spec with a norm prologue X normalized per row (`apply_norm`, float32 statistics `norm_prologue`).
+f is the spec's epilogue (`apply_epilogue`; SwiGLU pairs the gate and up rows of a stacked W), in the output
+stage the CUDA templates' expression shares (`output_stage`); X̂ is X, or for a spec with a norm prologue X
+normalized per row (`apply_norm`, float32 statistics `norm_prologue`).
 
 The decode is the weight type's own TVM builder (`TType.tvm_decode`).  X is the [M, K] input, or for a
 `Conv2d` spec the implicit-GEMM gather from the NHWC image (zero outside it, see `bitkern.ops.conv`).
@@ -74,7 +75,6 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
     storage = storage or PortableStorage(spec, n, k)
     group = effective_group_size(spec.group_size, k)
     groups = k // group
-    from tvm import tirx
 
     m, x, x_at = activation(spec, k)
     inputs = [x, storage.qweight, storage.scales] + ([storage.zeros] if storage.zeros is not None else [])
@@ -118,25 +118,41 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
         reduce_all = te.reduce_axis((0, k), name="k")
         accumulated = te.compute((m, n), lambda r, i: te.sum(x_at(r, reduce_all).astype(acc) * weight[i, reduce_all],
                                                              axis=reduce_all), name="acc")
-    out_dtype = tvm_dtype(spec.output_dtype)
-    residual = te.placeholder((m, spec.out_features(n)), out_dtype, name="residual") if spec.residual else None
-    inputs += [residual] if residual is not None else []
 
     def z(r, i):  # x·Wᵀ + b in float32
         value = accumulated[r, i].astype("float32")
         return value + bias[i] if bias is not None else value
 
-    def y(r, j):
-        if spec.epilogue == "swiglu":
-            gate = tirx.floordiv(j, SWIGLU_BLOCK) * 2 * SWIGLU_BLOCK + tirx.floormod(j, SWIGLU_BLOCK)
+    return MatmulExpr(m, inputs, output_stage(spec, m, n, z, inputs))
+
+
+def output_stage(spec: Matmul, m, n: int, z, inputs: list, tiled: bool = False):
+    """y [M, out_features] = cast_out(f(z) (+ residual)) for the float32 sums z(r, i) (bias added) of N weight
+    rows, f the spec's epilogue (SwiGLU: silu of gate row 32·(j // 16) + j % 16 times the up row 16 below it,
+    `swiglu_rows`); appends the residual placeholder (residual specs) to `inputs`.  The CPU expression and the
+    CUDA templates' (`codegen.cuda.expr`) share it.  tiled (SwiGLU): y and the residual as [M, out_features / 16,
+    16], the same memory, so that y's reads of z are affine in y's own indices (the CUDA GEMM places y where a
+    block of z is computed)."""
+    from tvm import te, tirx
+
+    out_dtype = tvm_dtype(spec.output_dtype)
+    out_n = spec.out_features(n)
+    swiglu = spec.epilogue == "swiglu"
+    shape = (m, out_n // SWIGLU_BLOCK, SWIGLU_BLOCK) if swiglu and tiled else (m, out_n)
+    residual = te.placeholder(shape, out_dtype, name="residual") if spec.residual else None
+    inputs += [residual] if residual is not None else []
+
+    def y(r, *j):
+        if swiglu:
+            block, lane = j if len(j) == 2 else (tirx.floordiv(j[0], SWIGLU_BLOCK), tirx.floormod(j[0], SWIGLU_BLOCK))
+            gate = block * 2 * SWIGLU_BLOCK + lane
             value = apply_epilogue("silu", z(r, gate)) * z(r, gate + SWIGLU_BLOCK)
         else:
-            value = apply_epilogue(spec.epilogue, z(r, j))
-        value = value + residual[r, j].astype("float32") if residual is not None else value
+            value = apply_epilogue(spec.epilogue, z(r, *j))
+        value = value + residual[(r, *j)].astype("float32") if residual is not None else value
         return value.astype(out_dtype)
 
-    output = te.compute((m, spec.out_features(n)), y, name="y")
-    return MatmulExpr(m, inputs, output)
+    return te.compute(shape, y, name="y")
 
 
 _ERF_P = 0.3275911

@@ -34,7 +34,7 @@ from ....ttype.types import INT, UINT
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..matrix import PLANES, nibbles, step_depth
 from . import nonfinite
-from .groups import GroupArguments, from_output, to_output
+from .groups import GroupArguments, biased, write_output
 from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, lanes, load, prefetch_ahead,
                   prim_func, ramp, splat, u32)
 
@@ -522,20 +522,14 @@ class Tile16Builder(abc.ABC):
 
     def _store_swiglu(self, yacc, r, c, row0, column) -> None:
         """One 16-column tile of silu(gate) · up from the gate tile c and the up tile c + 1 (column: the gate's)."""
-        gate, up = (self._biased(load(yacc, r, c + i, ramp(0)), ramp(column + i * LANES)) for i in (0, 1))
-        self._write(apply_epilogue("silu", gate) * up, row0 + r, ramp(tirx.floordiv(column, 2)))
+        gate, up = (biased(load(yacc, r, c + i, ramp(0)), self.bias, ramp(column + i * LANES)) for i in (0, 1))
+        write_output(self.spec, self.y, self.residual, apply_epilogue("silu", gate) * up, row0 + r,
+                     ramp(tirx.floordiv(column, 2)))
 
     def _store(self, value, row, columns) -> None:
         """y[row, columns] = f(value + bias) (+ residual): the output stage of an elementwise epilogue."""
-        self._write(apply_epilogue(self.spec.epilogue, self._biased(value, columns)), row, columns)
-
-    def _biased(self, value, columns):
-        return value + load(self.bias, columns) if self.bias is not None else value
-
-    def _write(self, value, row, columns) -> None:
-        if self.residual is not None:
-            value = value + from_output(load(self.residual, row, columns), self.spec.output_dtype)
-        T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row, columns])
+        value = apply_epilogue(self.spec.epilogue, biased(value, self.bias, columns))
+        write_output(self.spec, self.y, self.residual, value, row, columns)
 
 
 def _like(scalar, value):
