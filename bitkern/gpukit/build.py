@@ -136,10 +136,10 @@ def _listed(request: Request, store: DiskStore) -> dict:
 
 
 def _copy_package(repo: Path, out: Path) -> None:
-    """bitkern's package as it is here (no caches, no integration: the kit runs CUDA
-    kernels only), with the TVM versions its kernels were built with; its code fingerprint must be unchanged."""
-    shutil.copytree(repo / "bitkern", out / "bitkern", symlinks=True,
-                    ignore=shutil.ignore_patterns("__pycache__", "integration"))
+    """bitkern's package as it is installed (no caches; integration, a link in the checkout, copied in its place),
+    with the TVM versions its kernels were built with; its code fingerprint must be unchanged."""
+    shutil.copytree(repo / "bitkern", out / "bitkern", ignore=shutil.ignore_patterns("__pycache__", "integration"))
+    shutil.copytree(repo / "integration", out / "bitkern" / "integration", ignore=shutil.ignore_patterns("__pycache__"))
     (out / "bitkern" / "cache" / BUILT_WITH.name).write_text(
         json.dumps({"tvm": versions()["tvm"], "tvm_ffi": versions()["tvm_ffi"]}))
     if code_fingerprint(out / "bitkern") != versions()["code"]:
