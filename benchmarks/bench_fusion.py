@@ -66,6 +66,57 @@ def kernel_calls(call) -> str:
     return f"{Count.calls} ({Count.normed} with a norm)"
 
 
+def glue_share(layer: torch.nn.Module, call, calls: int = 20) -> dict:
+    """Share of the decoder layer's time spent in the torch ops of its norms, activation (and gating multiply) and
+    residual adds, by torch.profiler over `calls` calls: each module's forward runs inside a record_function
+    naming its role, and every outermost aten op is charged to the role of the module it runs in (ops directly
+    in the layer's forward are its residual adds, those directly in the MLP's its gating multiply)."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    def role(module) -> str:
+        name = type(module).__name__
+        if name.endswith(("RMSNorm", "LayerNorm", "FoldedNorm")):
+            return "norm"
+        if module is layer:
+            return "residual"
+        if name.endswith(("MLP", "Activation")) or isinstance(module, (torch.nn.SiLU, torch.nn.GELU, torch.nn.ReLU)):
+            return "activation"
+        return "other"
+
+    ranges, handles = [], []
+    for module in layer.modules():
+        label = f"role:{role(module)}"
+        handles.append(module.register_forward_pre_hook(
+            lambda m, a, label=label: ranges.append(record_function(label).__enter__())))
+        handles.append(module.register_forward_hook(lambda m, a, y: ranges.pop().__exit__(None, None, None)))
+    try:
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as trace:
+            for _ in range(calls):
+                call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    spent = {"norm": 0.0, "activation": 0.0, "residual": 0.0, "other": 0.0}
+    total = 0.0
+    for event in trace.events():
+        if event.name == "role:residual" and not _inside(event, "role:"):
+            total += event.cpu_time_total
+        if event.name.startswith("aten::") and not _inside(event, "aten::"):
+            owner = _inside(event, "role:")
+            if owner:
+                spent[owner.name.removeprefix("role:")] += event.cpu_time_total
+    return {name: round(value / total, 4) for name, value in spent.items() if name != "other"}
+
+
+def _inside(event, prefix: str):
+    """The nearest enclosing profiler event whose name starts with `prefix` (None: there is none)."""
+    parent = event.cpu_parent
+    while parent is not None and not parent.name.startswith(prefix):
+        parent = parent.cpu_parent
+    return parent
+
+
 def interleaved(calls: dict, rounds: int) -> dict:
     """{name: [seconds per round]}, the calls taking turns each round after two warm-up calls each."""
     times = {name: [] for name in calls}
@@ -106,6 +157,7 @@ def main() -> None:
         layers = {name: layer_call(model, tokens) for name, model in variants.items()}
         wholes = {name: (lambda model=model: model(ids, use_cache=False)) for name, model in variants.items()}
         calls = {name: kernel_calls(call) for name, call in layers.items()}
+        shares = {name: glue_share(model.model.layers[0], layers[name]) for name, model in variants.items()}
         runs = [("layer", "eager", layers), ("model", "eager", wholes)]
         if arguments.compiled:  # the fused model compiles with bitkern's post-grad pass, the unfused without
             fusion_pass = FusionPass()
@@ -121,6 +173,8 @@ def main() -> None:
                    **{f"{name}_ms_per_token": 1e3 * statistics.median(times[name]) / tokens for name in variants},
                    "speedup": statistics.median(ratios), "norm_gain": statistics.median(norm_ratios),
                    "kernel_calls_per_layer": calls}
+            if scope == "layer" and mode == "eager":
+                row["norm_activation_residual_share"] = shares
             results.append(row)
             print(json.dumps(row), flush=True)
             if mode == "compiled":
