@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn import Linear
+from ..nn import Linear, library
 from .stack import stacked_layer
 
 
@@ -31,10 +31,14 @@ class EpilogueLinear(nn.Module):
         layer = self.layer
         if x.shape[-1] != layer.in_features:
             raise ValueError(f"x has shape {tuple(x.shape)}; this layer takes [..., {layer.in_features}]")
-        weight, weight_format = layer.op_weight()
         compute = layer.compute_dtype or x.dtype
-        return torch.ops.bitkern.linear_epilogue(x.to(compute), weight, weight_format, layer.bias, x.dtype,
-                                                 self.epilogue, residual)
+        rows = x if x.dtype is compute else x.to(compute)
+        if library.eager(rows, layer.bias, residual):  # inference in eager mode: the op's body, no dispatcher
+            return library.run_linear(rows, layer.packed_weight(), layer.op_weight()[1], layer.bias, x.dtype,
+                                      self.epilogue, residual)
+        weight, weight_format = layer.op_weight()
+        return torch.ops.bitkern.linear_epilogue(rows, weight, weight_format, layer.bias, x.dtype, self.epilogue,
+                                                 residual)
 
     def extra_repr(self) -> str:
         return f"epilogue={self.epilogue!r}, out_features={self.out_features}"

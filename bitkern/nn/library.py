@@ -13,9 +13,10 @@ tensors in `StoredWeight.TENSORS` order (qweight, scales, zeros, tensor_scale; N
 float metadata as raw bits, same-width integers, so module-wide casts never round it), and `weight_format`, its
 `WeightFormat` as a string.  `op_arguments` and `weight_of` are the one place that converts between the two.
 
-A module called for inference in eager mode skips the dispatcher (`eager`): it runs `run_linear`, the op's own
-body, on the weight object it keeps, as the op would have done minus ~10-20 µs of dispatch and argument
-conversion per call (measured at M=1 on Zen 4), which a decode step pays for every layer.
+A module called for inference in eager mode skips the dispatcher (`eager`): it runs `run_linear`, the ops' own
+body, on the weight object it keeps (bitkern.Linear, and the fused layers of `bitkern.fusion`), as the op would
+have done minus ~10-20 µs of dispatch and argument conversion per call (measured at M=1 on Zen 4), which a decode
+step pays for every layer.
 """
 
 from __future__ import annotations
@@ -83,19 +84,25 @@ def _weight(weight: list, weight_format: str) -> PackedWeight:
     return weight_of(weight, WeightFormat.decode(weight_format))
 
 
-def eager(x: Tensor, bias: Tensor | None) -> bool:
+def eager(x: Tensor, bias: Tensor | None, residual: Tensor | None = None) -> bool:
     """Whether a module's call may run its op's body directly: plain tensors in eager mode with nothing to record
     for autograd, and nothing that must see the op (torch.compile, export, the JIT tracer, a dispatch mode or a
     tensor subclass)."""
-    return (type(x) is Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))
+    return (type(x) is Tensor and (residual is None or type(residual) is Tensor)
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)
+                                                  or (residual is not None and residual.requires_grad)))
             and not torch._C._len_torch_dispatch_stack())
 
 
 def run_linear(x: Tensor, weight: PackedWeight, weight_format: str, bias: Optional[Tensor],
-               output_dtype: torch.dtype) -> Tensor:
-    """The linear op's computation on a weight object (its `weight_format` string as the op takes it)."""
-    return spec_of(weight_format, x.dtype, output_dtype, bias is not None)(x, weight, bias)
+               output_dtype: torch.dtype, epilogue: str = "none", residual: Optional[Tensor] = None) -> Tensor:
+    """The linear ops' computation (`linear`; `linear_epilogue` with an epilogue or a residual) on a weight object
+    (its `weight_format` string as the ops take it)."""
+    if epilogue == "none" and residual is None:
+        return spec_of(weight_format, x.dtype, output_dtype, bias is not None)(x, weight, bias)
+    spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None)
+    return spec(x, weight, bias, residual)
 
 
 @torch.library.custom_op("bitkern::linear", mutates_args=())
@@ -117,8 +124,7 @@ def linear_epilogue(x: Tensor, weight: list[Optional[Tensor]], weight_format: st
     """y = f(x · dequant(W)ᵀ (+ bias)) (+ residual) in one kernel: f a `bitkern.ops.Matmul` epilogue ("relu",
     "silu", "gelu", or "swiglu" over a stacked gate/up weight, giving half its rows as columns); the residual
     is shaped like y, in `output_dtype`."""
-    spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None)
-    return spec(x, _weight(weight, weight_format), bias, residual)
+    return run_linear(x, _weight(weight, weight_format), weight_format, bias, output_dtype, epilogue, residual)
 
 
 @linear_epilogue.register_fake
