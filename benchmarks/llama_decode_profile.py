@@ -3,8 +3,9 @@ bitkern's layers, through `model.generate`: the diagnosis behind "generation at 
 
 Sections (each printed as a table; all in one process, default environment, medians; the load is printed):
 1. steps: ms per decode step of greedy `generate` (stopping-criteria clock), of a bare loop of forwards on a
-   DynamicCache (the same work without generate's), with a static cache, and with torch.compile of the forward on
-   the static cache (--compile; compile time printed).
+   DynamicCache (the same work without generate's), with a static cache, with the other attention implementation
+   (sdpa or bitkern_decode) on the static cache, and with torch.compile of the forward on the static cache
+   (--compile; compile time printed).
 2. modules (2 and 3 decode as benchmarks/llama_cpp.py's generate does: GENERATE_OPTIONS, a static cache): the
    step split by forward hooks into self times per module kind (bitkern Linears, lm_head, attention
    core = rope + cache update + SDPA + reshapes, RMSNorm, SwiGLU elementwise, residual adds, model glue, generate's
@@ -73,6 +74,20 @@ def step_table(model, prompt, steps: int, rounds: int, compile_forward: bool) ->
                                                                cache_implementation="static"),
             "bare forwards, static cache": lambda: forward_steps(
                 model, prompt, steps, StaticCache(config=model.config, max_cache_len=length))}
+    loaded = model.config._attn_implementation
+    other = "bitkern_decode" if loaded == "sdpa" else "sdpa"
+
+    def other_attention():
+        from bitkern.integration.hf.attention import register
+
+        register()
+        model.set_attn_implementation(other)
+        try:
+            return generation_steps(model, prompt, steps + 1, clock=CLOCK, cache_implementation="static")
+        finally:
+            model.set_attn_implementation(loaded)
+
+    ways[f"generate, static cache, attention {other} (else {loaded})"] = other_attention
     compiled = {}
     if compile_forward:
         eager = model.forward
