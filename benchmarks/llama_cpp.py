@@ -252,12 +252,11 @@ def generated_per_cpu_second(bin_dir: Path, gguf: Path, repetitions: int) -> flo
 
 
 # -- bitkern through transformers: one model per process ----------------------------------------------------------
-def load_model(model_dir, name: str, fused: bool = True, attention: str = "sdpa"):
+def load_model(model_dir, name: str, fused: bool = True):
     """The saved model in bf16 with bitkern's quantization `name` of BITKERN applied and, when `fused`, the fusions
     the cost model prices as wins for one row (`bitkern.fuse` without example inputs: q/k/v as one GEMM, gate/up
-    with the SwiGLU epilogue; decided by the model, not by timings a crowded machine would sway), its attention
-    run by transformers' `attention` implementation ("bitkern_decode": bitkern's decode attention); kernels not
-    yet prepared."""
+    with the SwiGLU epilogue; decided by the model, not by timings a crowded machine would sway); kernels not yet
+    prepared."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -269,12 +268,6 @@ def load_model(model_dir, name: str, fused: bool = True, attention: str = "sdpa"
         bitkern.quantize_model(model, dtype, group_size=group, compute_dtype=torch.bfloat16, output_layer=output_layer)
         if fused:
             bitkern.fuse(model)
-    if attention == "bitkern_decode":
-        from bitkern.integration.hf.attention import use_decode_attention
-
-        use_decode_attention(model)
-    elif attention != "sdpa":
-        raise ValueError(f"attention={attention!r}: 'sdpa' or 'bitkern_decode'")
     return model
 
 

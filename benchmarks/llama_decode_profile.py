@@ -3,22 +3,20 @@ bitkern's layers, through `model.generate`: the diagnosis behind "generation at 
 
 Sections (each printed as a table; all in one process, default environment, medians; the load is printed):
 1. steps: ms per decode step of greedy `generate` (stopping-criteria clock), of a bare loop of forwards on a
-   DynamicCache (the same work without generate's), with a static cache, with the other attention implementation
-   (sdpa or bitkern_decode) on the static cache, and with torch.compile of the forward on the static cache
-   (--compile; compile time printed).
+   DynamicCache (the same work without generate's), with a static cache, and with torch.compile of the forward on
+   the static cache (--compile; compile time printed).
 2. modules (2 and 3 decode as benchmarks/llama_cpp.py's generate does: GENERATE_OPTIONS, a static cache): the
    step split by forward hooks into self times per module kind (bitkern Linears, lm_head, attention
    core = rope + cache update + SDPA + reshapes, RMSNorm, SwiGLU elementwise, residual adds, model glue, generate's
    own work), and the hooks' own cost (steps with and without hooks).
 3. ops: torch.profiler over decode steps: ops called from Python per step (top-level aten/bitkern ops), by name.
-4. call costs in isolation: µs of one small torch op from Python, of one layer's attention of a decode step
-   (transformers' sdpa and eager functions, bitkern's decode attention), and a bitkern Linear at M=1 on a hot, tiny
+4. call costs in isolation: µs of one small torch op from Python, and a bitkern Linear at M=1 on a hot, tiny
    weight peeled layer by layer (module -> custom op -> spec -> kernel object -> compiled function).
 5. kernels alone: each layer shape and the lm_head at M=1 with weights rotating through DRAM, against their bytes:
    GB/s and fraction of the DRAM read bandwidth measured in the same run (conftest's streaming probes).
 
 Run: python benchmarks/llama_decode_profile.py [--dtype "bitkern int4 g128"] [--steps 32] [--rounds 5] [--compile]
-[--cpu-time] [--unfused] [--attention bitkern_decode] (the model is the one benchmarks/llama_cpp.py saves, made here when missing, and loaded as
+[--cpu-time] [--unfused] (the model is the one benchmarks/llama_cpp.py saves, made here when missing, and loaded as
 its benchmark does: quantized, then `bitkern.fuse`d unless --unfused)
 """
 
@@ -74,20 +72,6 @@ def step_table(model, prompt, steps: int, rounds: int, compile_forward: bool) ->
                                                                cache_implementation="static"),
             "bare forwards, static cache": lambda: forward_steps(
                 model, prompt, steps, StaticCache(config=model.config, max_cache_len=length))}
-    loaded = model.config._attn_implementation
-    other = "bitkern_decode" if loaded == "sdpa" else "sdpa"
-
-    def other_attention():
-        from bitkern.integration.hf.attention import register
-
-        register()
-        model.set_attn_implementation(other)
-        try:
-            return generation_steps(model, prompt, steps + 1, clock=CLOCK, cache_implementation="static")
-        finally:
-            model.set_attn_implementation(loaded)
-
-    ways[f"generate, static cache, attention {other} (else {loaded})"] = other_attention
     compiled = {}
     if compile_forward:
         eager = model.forward
@@ -136,7 +120,7 @@ def kind_of(name: str, module) -> str:
              "LlamaModel": "model glue (embedding, rotary cos/sin, mask, cache)",
              "Embedding": "model glue (embedding, rotary cos/sin, mask, cache)",
              "LlamaRotaryEmbedding": "model glue (embedding, rotary cos/sin, mask, cache)",
-             "LlamaForCausalLM": "CausalLM glue (logits slice, output)"}
+             "LlamaForCausalLM": "CausalLM glue (logits slice, output)", "FoldedNorm": "RMSNorm"}
     return kinds.get(type(module).__name__, type(module).__name__)
 
 
@@ -171,7 +155,8 @@ def module_table(model, prompt, steps: int, rounds: int) -> None:
 
     plain, hooked, per_round = [], [], []
     for _ in range(rounds):
-        plain.append(statistics.median(generation_steps(model, prompt, steps + 1, clock=CLOCK, **GENERATE_OPTIONS)))
+        plain.append(statistics.median(generation_steps(model, prompt, steps + 1, clock=CLOCK,
+                                                        **GENERATE_OPTIONS)))
         forwards.clear()
         hooked.append(statistics.median(hooked_steps()))
         decode = forwards[1:]  # the first forward is the prompt's
@@ -205,32 +190,8 @@ def op_table(model, prompt, steps: int) -> None:
             ["op", "calls per forward", "inclusive ms per forward"], rows)
 
 
-def _attention_calls(length: int) -> dict:
-    """One layer's attention of a decode step over a static cache of `length` positions (the model's heads), through
-    transformers' "sdpa" and "eager" functions and bitkern's decode attention."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    from bitkern.integration.hf.attention import decode_attention
-
-    heads, kv_heads = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
-    dim = CONFIG["hidden_size"] // heads
-    module = torch.nn.Module().eval()
-    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
-    query = torch.randn(1, 1, heads, dim, dtype=torch.bfloat16).transpose(1, 2)
-    key, value = (torch.randn(1, kv_heads, length, dim, dtype=torch.bfloat16) for _ in range(2))
-    mask = torch.arange(length)[None, None, None] < length // 2  # the static cache half filled
-    additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, torch.finfo(torch.bfloat16).min)
-    return {f"attention, static cache of {length}: {name}": (lambda f=f, m=m: f(module, query, key, value, m,
-                                                                                  scaling=dim ** -0.5))
-            for name, f, m in (("transformers sdpa", sdpa_attention_forward, mask),
-                               ("transformers eager", eager_attention_forward, additive),
-                               ("bitkern decode_attention", decode_attention, mask))}
-
-
-def call_costs(rounds: int, length: int) -> None:
-    """µs per call of a small torch op, of one layer's attention in a decode step, and of a bitkern Linear at M=1
-    on a tiny hot weight, layer by layer."""
+def call_costs(rounds: int) -> None:
+    """µs per call of a small torch op, and of a bitkern Linear at M=1 on a tiny hot weight, layer by layer."""
     import bitkern
     from bitkern.cache import kernel_for
     from bitkern.codegen.cpu.layout import aligned
@@ -244,7 +205,6 @@ def call_costs(rounds: int, length: int) -> None:
     kernel = kernel_for(spec, 64, 256, 1, weight.layout, None)
     y = torch.empty(1, 64, dtype=torch.bfloat16)
     raw = (aligned(x), *weight.kernel_arguments(), *kernel.constants, y)
-    attention = _attention_calls(length)
     calls = {"torch: a + b ([1, 1, 2048] bf16)": lambda: a + b,
              "torch: F.silu(a) * b": lambda: torch.nn.functional.silu(a) * b,
              "bitkern.Linear module call": lambda: layer(x),
@@ -252,10 +212,10 @@ def call_costs(rounds: int, length: int) -> None:
                                                                           torch.bfloat16),
              "Matmul spec call (packed weight given)": lambda: spec(x, weight),
              "kernel object call": lambda: kernel(x, weight),
-             "compiled function (tvm-ffi call)": lambda: kernel.function(*raw), **attention}
+             "compiled function (tvm-ffi call)": lambda: kernel.function(*raw)}
     with torch.inference_mode():
         medians = interleaved(calls, rounds=rounds, clock=CLOCK)
-    section("4. call costs in isolation (µs per call; Linears: hot tiny weight, the kernel's own work ~0)",
+    section("4. call costs in isolation (µs per call, hot tiny weight: the kernel's own work ~0)",
             ["call", "µs"], [(name, statistics.median(values) * 1e6) for name, values in medians.items()])
 
 
@@ -308,8 +268,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the forward")
     parser.add_argument("--unfused", action="store_true", help="the model without bitkern.fuse (as before it)")
-    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "bitkern_decode"],
-                        help="the model's attention implementation in transformers")
     parser.add_argument("--cpu-time", action="store_true",
                         help="1 thread, CPU seconds (time.process_time) instead of wall seconds: robust to a "
                              "crowded CPU")
@@ -320,19 +278,19 @@ def main() -> None:
         CLOCK = time.process_time
         torch.set_num_threads(1)
     print(f"# decode profile ({'CPU seconds' if args.cpu_time else 'wall seconds'}): {args.dtype}"
-          f"{', unfused' if args.unfused else ', bitkern.fuse'}, attention {args.attention}, {args.steps} steps "
+          f"{', unfused' if args.unfused else ', bitkern.fuse'}, {args.steps} steps "
           f"after {PROMPT} tokens, {torch.get_num_threads()} "
           f"threads, load average at start {os.getloadavg()}; command: python {' '.join(sys.argv)}")
-    model = load_model(make_model(args.cache_dir.expanduser() / "model"), args.dtype, fused=not args.unfused,
-                       attention=args.attention)
+    model = load_model(make_model(args.cache_dir.expanduser() / "model"), args.dtype, fused=not args.unfused)
     prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
     probes = read_probes()
     with torch.inference_mode():
-        generation_steps(model, prompt, args.steps + 1, **GENERATE_OPTIONS)  # prepares the kernels (tuned, built or loaded)
+        # prepares the kernels (tuned, built or loaded)
+        generation_steps(model, prompt, args.steps + 1, **GENERATE_OPTIONS)
         step_table(model, prompt, args.steps, args.rounds, args.compile)
         module_table(model, prompt, args.steps, args.rounds)
         op_table(model, prompt, args.steps)
-    call_costs(args.rounds, PROMPT + args.steps + 1)
+    call_costs(args.rounds)
     kernel_table(model, args.rounds, probes)
     print(f"\nload average at the end {os.getloadavg()}")
 
