@@ -252,8 +252,11 @@ def generated_per_cpu_second(bin_dir: Path, gguf: Path, repetitions: int) -> flo
 
 
 # -- bitkern through transformers: one model per process ----------------------------------------------------------
-def load_model(model_dir, name: str):
-    """The saved model in bf16 with bitkern's quantization `name` of BITKERN applied (kernels not yet prepared)."""
+def load_model(model_dir, name: str, fused: bool = True):
+    """The saved model in bf16 with bitkern's quantization `name` of BITKERN applied and, when `fused`, the fusions
+    the cost model prices as wins for one row (`bitkern.fuse` without example inputs: q/k/v as one GEMM, gate/up
+    with the SwiGLU epilogue; decided by the model, not by timings a crowded machine would sway); kernels not yet
+    prepared."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -263,6 +266,8 @@ def load_model(model_dir, name: str):
 
         dtype, group, output_layer = BITKERN[name]
         bitkern.quantize_model(model, dtype, group_size=group, compute_dtype=torch.bfloat16, output_layer=output_layer)
+        if fused:
+            bitkern.fuse(model)
     return model
 
 

@@ -5,7 +5,8 @@ Sections (each printed as a table; all in one process, default environment, medi
 1. steps: ms per decode step of greedy `generate` (stopping-criteria clock), of a bare loop of forwards on a
    DynamicCache (the same work without generate's), with a static cache, and with torch.compile of the forward on
    the static cache (--compile; compile time printed).
-2. modules: the step split by forward hooks into self times per module kind (bitkern Linears, lm_head, attention
+2. modules (2 and 3 decode as benchmarks/llama_cpp.py's generate does: GENERATE_OPTIONS, a static cache): the
+   step split by forward hooks into self times per module kind (bitkern Linears, lm_head, attention
    core = rope + cache update + SDPA + reshapes, RMSNorm, SwiGLU elementwise, residual adds, model glue, generate's
    own work), and the hooks' own cost (steps with and without hooks).
 3. ops: torch.profiler over decode steps: ops called from Python per step (top-level aten/bitkern ops), by name.
@@ -15,7 +16,8 @@ Sections (each printed as a table; all in one process, default environment, medi
    GB/s and fraction of the DRAM read bandwidth measured in the same run (conftest's streaming probes).
 
 Run: python benchmarks/llama_decode_profile.py [--dtype "bitkern int4 g128"] [--steps 32] [--rounds 5] [--compile]
-(the model is the one benchmarks/llama_cpp.py saves; made here when missing)
+[--cpu-time] [--unfused] (the model is the one benchmarks/llama_cpp.py saves, made here when missing, and loaded as
+its benchmark does: quantized, then `bitkern.fuse`d unless --unfused)
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from conftest import interleaved, read_probes, rotation
-from llama_cpp import BITKERN, CONFIG, generation_steps, load_model, make_model
+from llama_cpp import BITKERN, CONFIG, GENERATE_OPTIONS, generation_steps, load_model, make_model
 
 PROMPT = 8
+# bitkern.fuse's modules whose self time is a fused kernel call or its slicing (counted with the Linears)
+FUSED_LINEARS = ("EpilogueLinear", "SharedInputLinears", "StackedOutput")
 CLOCK = time.perf_counter  # --cpu-time: time.process_time at 1 thread
 
 
@@ -107,15 +111,16 @@ def kind_of(name: str, module) -> str:
     if name == "lm_head":
         return f"lm_head (bitkern {module.weight_dtype})" if isinstance(module, QuantizedModule) else \
             "lm_head (torch bf16 GEMV)"
-    if isinstance(module, QuantizedModule):
+    if isinstance(module, QuantizedModule) or type(module).__name__ in FUSED_LINEARS:
         return "bitkern Linears of the layers"
     kinds = {"LlamaAttention": "attention core (rope, KV cache update, SDPA, reshapes)", "LlamaRMSNorm": "RMSNorm",
              "LlamaMLP": "SwiGLU elementwise (SiLU, product)", "SiLUActivation": "SwiGLU elementwise (SiLU, product)",
-             "SiLU": "SwiGLU elementwise (SiLU, product)", "LlamaDecoderLayer": "residual adds, layer glue",
+             "SiLU": "SwiGLU elementwise (SiLU, product)", "SwiGLUMLP": "SwiGLU elementwise (SiLU, product)",
+             "LlamaDecoderLayer": "residual adds, layer glue",
              "LlamaModel": "model glue (embedding, rotary cos/sin, mask, cache)",
              "Embedding": "model glue (embedding, rotary cos/sin, mask, cache)",
              "LlamaRotaryEmbedding": "model glue (embedding, rotary cos/sin, mask, cache)",
-             "LlamaForCausalLM": "CausalLM glue (logits slice, output)"}
+             "LlamaForCausalLM": "CausalLM glue (logits slice, output)", "FoldedNorm": "RMSNorm"}
     return kinds.get(type(module).__name__, type(module).__name__)
 
 
@@ -143,14 +148,15 @@ def module_table(model, prompt, steps: int, rounds: int) -> None:
         handles = [h for module in names for h in (module.register_forward_pre_hook(before),
                                                    module.register_forward_hook(after))]
         try:
-            return generation_steps(model, prompt, steps + 1, clock=CLOCK)
+            return generation_steps(model, prompt, steps + 1, clock=CLOCK, **GENERATE_OPTIONS)
         finally:
             for handle in handles:
                 handle.remove()
 
     plain, hooked, per_round = [], [], []
     for _ in range(rounds):
-        plain.append(statistics.median(generation_steps(model, prompt, steps + 1, clock=CLOCK)))
+        plain.append(statistics.median(generation_steps(model, prompt, steps + 1, clock=CLOCK,
+                                                        **GENERATE_OPTIONS)))
         forwards.clear()
         hooked.append(statistics.median(hooked_steps()))
         decode = forwards[1:]  # the first forward is the prompt's
@@ -169,9 +175,9 @@ def op_table(model, prompt, steps: int) -> None:
     """Ops called from Python per decode step (torch.profiler: top-level events), their count and self time."""
     from torch.profiler import ProfilerActivity, profile
 
-    generation_steps(model, prompt, 4)
+    generation_steps(model, prompt, 4, **GENERATE_OPTIONS)
     with profile(activities=[ProfilerActivity.CPU]) as trace:
-        generation_steps(model, prompt, steps + 1)
+        generation_steps(model, prompt, steps + 1, **GENERATE_OPTIONS)
     top = [e for e in trace.events() if e.cpu_parent is None]
     count, total = Counter(e.name for e in top), defaultdict(float)
     for event in top:
@@ -218,8 +224,12 @@ def kernel_table(model, rounds: int, probes) -> None:
     interleaved with the DRAM probes: ms, bytes, GB/s, and GB/s over the probes' in the same rounds."""
     import bitkern
 
+    from bitkern.fusion.modules import EpilogueLinear
+
     layer = model.model.layers[0]
-    candidates = {name: module for name, module in layer.named_modules() if hasattr(module, "weight_dtype")}
+    fused = {name + ".layer": name for name, module in layer.named_modules() if isinstance(module, EpilogueLinear)}
+    candidates = {fused.get(name, name): layer.get_submodule(fused.get(name, name))
+                  for name, module in layer.named_modules() if hasattr(module, "weight_dtype")}
     head = model.lm_head
     dense = torch.nn.Linear(head.in_features, head.out_features, bias=False, dtype=torch.bfloat16)
     if hasattr(head, "weight_dtype"):
@@ -235,16 +245,17 @@ def kernel_table(model, rounds: int, probes) -> None:
     rows = []
     with torch.inference_mode():
         for name, module in candidates.items():
-            size = module.nbytes if hasattr(module, "nbytes") else module.weight.numel() * module.weight.element_size()
+            stored = getattr(module, "layer", module)  # a fused layer (EpilogueLinear): its stacked weight
+            size = stored.nbytes if hasattr(stored, "nbytes") else stored.weight.numel() * stored.weight.element_size()
             copies = rotation(lambda module=module: copy.deepcopy(module), size)
-            x = torch.randn(1, 1, module.in_features, dtype=torch.bfloat16)
+            x = torch.randn(1, 1, stored.in_features, dtype=torch.bfloat16)
             medians = interleaved({"kernel": lambda: copies()(x), **probe_calls}, rounds=rounds, clock=CLOCK)
             del copies
             probe = [min(values) for values in zip(*(medians[p] for p in probe_calls))]  # the faster probe per round
             fraction = statistics.median(probe_s * size / (kernel_s * probe_bytes)
                                          for kernel_s, probe_s in zip(medians["kernel"], probe))
             seconds = statistics.median(medians["kernel"])
-            rows.append((name, f"{module.out_features}x{module.in_features}", seconds * 1e3, size / 1e6,
+            rows.append((name, f"{stored.out_features}x{stored.in_features}", seconds * 1e3, size / 1e6,
                          size / seconds / 1e9, probe_bytes / statistics.median(probe) / 1e9, fraction))
     section("5. kernels alone at M=1, weights from DRAM (per-round ratio to the DRAM probes)",
             ["layer", "N x K", "ms", "MB", "GB/s", "probe GB/s", "fraction of DRAM"], rows)
@@ -256,6 +267,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the forward")
+    parser.add_argument("--unfused", action="store_true", help="the model without bitkern.fuse (as before it)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="1 thread, CPU seconds (time.process_time) instead of wall seconds: robust to a "
                              "crowded CPU")
@@ -265,14 +277,16 @@ def main() -> None:
         global CLOCK
         CLOCK = time.process_time
         torch.set_num_threads(1)
-    print(f"# decode profile ({'CPU seconds' if args.cpu_time else 'wall seconds'}): {args.dtype}, {args.steps} steps "
+    print(f"# decode profile ({'CPU seconds' if args.cpu_time else 'wall seconds'}): {args.dtype}"
+          f"{', unfused' if args.unfused else ', bitkern.fuse'}, {args.steps} steps "
           f"after {PROMPT} tokens, {torch.get_num_threads()} "
           f"threads, load average at start {os.getloadavg()}; command: python {' '.join(sys.argv)}")
-    model = load_model(make_model(args.cache_dir.expanduser() / "model"), args.dtype)
+    model = load_model(make_model(args.cache_dir.expanduser() / "model"), args.dtype, fused=not args.unfused)
     prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
     probes = read_probes()
     with torch.inference_mode():
-        generation_steps(model, prompt, args.steps + 1)  # prepares the kernels (tuned, built or loaded)
+        # prepares the kernels (tuned, built or loaded)
+        generation_steps(model, prompt, args.steps + 1, **GENERATE_OPTIONS)
         step_table(model, prompt, args.steps, args.rounds, args.compile)
         module_table(model, prompt, args.steps, args.rounds)
         op_table(model, prompt, args.steps)

@@ -148,3 +148,40 @@ def test_fused_mlp_compiles_fullgraph():
     compiled = torch.compile(mlp, fullgraph=True)
     with torch.no_grad():
         assert torch.allclose(compiled(x), mlp(x))
+
+
+def test_a_fused_llama_generates_the_greedy_tokens_of_the_unfused_one(monkeypatch):
+    """The benchmark's way (benchmarks/llama_cpp.py): a bf16 Llama quantized to int4, then fused, through `generate`
+    with a static cache gives the greedy tokens of the unfused model through torch.library's ops (the path before
+    fusion and the eager calls); the fused layers' eager calls give the logits of their op exactly."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Dispatched(TorchDispatchMode):  # changes nothing: inside it every bitkern call goes through its op
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():  # a spread of logits like a trained model's, so that greedy picks are not near-ties
+        model.lm_head.weight.mul_(8)
+    unfused = bitkern.quantize_model(model, "int4", compute_dtype=torch.bfloat16)
+    fused = copy.deepcopy(unfused)
+    monkeypatch.setattr(plan.Decision, "fuse", property(lambda self: True))  # whatever the cost model says here
+    bitkern.fuse(fused)
+    assert isinstance(fused.model.layers[0].mlp, SwiGLUMLP)
+    assert isinstance(fused.model.layers[0].self_attn.q_proj, StackedOutput)
+    prompt = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(1))
+
+    def greedy(llama):
+        return llama.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=24,
+                              eos_token_id=None, pad_token_id=2, cache_implementation="static")
+
+    with Dispatched():
+        expected = greedy(unfused)
+        dispatched_logits = fused(prompt).logits
+    assert torch.equal(greedy(fused), expected)
+    with torch.inference_mode():
+        assert torch.equal(fused(prompt).logits, dispatched_logits)
