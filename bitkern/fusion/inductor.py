@@ -18,25 +18,30 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..ops.matmul import SWIGLU_BLOCK
+from . import cost
 from .cost import Call, Variant, decide
 
 aten = torch.ops.aten
 _ACTIVATIONS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.gelu.default: "gelu"}
 _ADD = aten.add.Tensor
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_CONVERT = torch.ops.prims.convert_element_type.default
 
 
 class FusionPass(CustomGraphPass):
     """Rewrites `bitkern::linear -> add(·, residual)`, `bitkern::linear -> relu/silu/gelu` (the linear's only
     user) and `bitkern::linear -> unstack_swiglu -> silu(gate) · up` into one `bitkern::linear_epilogue` call where
     the cost model fuses; `decisions` lists what it decided (pattern, rows, modeled gain, fused) for each
-    signature of the last graphs it ran on (rows: the counts it was decided at; gain: the smallest)."""
+    signature of the last graphs it ran on (rows: the counts it was decided at; gain: the smallest).  always: fuse
+    every match whatever the cost model says (its gain is still recorded)."""
 
-    def __init__(self):
+    def __init__(self, always: bool = False):
         self.decisions = []
+        self.always = always
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         priced = {}  # repeated layers: one decision per signature
+        position = {node: index for index, node in enumerate(graph.nodes)}
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not torch.ops.bitkern.linear.default:
                 continue
@@ -59,7 +64,7 @@ class FusionPass(CustomGraphPass):
                                                  (x, weight, weight_format, bias, output_dtype, epilogue, residual))
             fused_node.meta.update(user.meta)
             user.replace_all_uses_with(fused_node)
-            for dead in [*reversed(matched), node]:
+            for dead in sorted([*matched, node], key=position.get, reverse=True):  # users before what they use
                 if not dead.users:
                     graph.erase_node(dead)
 
@@ -73,13 +78,13 @@ class FusionPass(CustomGraphPass):
         unfused = Variant([call], torch_ops=1 if own_kernel else 0, bytes_per_row=traffic)
         fused = Variant([Call(weight_format, call.activation, output_dtype, bias is not None, epilogue, residual)])
         verdicts = [decide(unfused, fused, m) for m in rows]
-        fuse = all(verdict.fuse for verdict in verdicts)
+        fuse = self.always or all(verdict.fuse for verdict in verdicts)
         self.decisions.append((epilogue if not residual else "residual", rows,
                                min(verdict.gain for verdict in verdicts), fuse))
         return fuse
 
     def uuid(self):
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, cost.__file__), extra=f"always={self.always}")
 
 
 def _match(node) -> tuple | None:
@@ -111,8 +116,14 @@ def _epilogue_of(node, user) -> tuple:
 
 def _silu_end(node):
     """The node computing silu(node) as Inductor's decomposition writes it, node / (1 + exp(-node)) (or
-    node · sigmoid(node)), when all of node's users belong to it; else None."""
+    node · sigmoid(node)), in float32 between two conversions for a 16-bit node, when all of node's users belong
+    to it; else None."""
     users = list(node.users)
+    dtype = node.meta["val"].dtype
+    if dtype != torch.float32 and len(users) == 1 and users[0].target is _CONVERT and users[0].args[1] == torch.float32:
+        inner = _silu_end(users[0])
+        back = inner and _only_user(inner, _CONVERT)
+        return back if back is not None and back.args[1] == dtype else None
     targets = sorted(str(u.target) for u in users)
     if targets == ["aten.div.Tensor", "aten.neg.default"]:
         neg, div = sorted(users, key=lambda u: str(u.target), reverse=True)

@@ -2,6 +2,7 @@
 linear_epilogue call where the cost model fuses (same results within the kernels' rounding), are left alone where
 it does not, and a user's own post-grad pass stays installed."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -84,9 +85,11 @@ class SwiGLUBlock(nn.Module):
         return self.down(torch.nn.functional.silu(y[..., :half]) * y[..., half:])
 
 
-def test_pass_folds_swiglu_of_a_reordered_gate_up_layer_for_every_row_count(monkeypatch):
-    """The graph is traced with dynamic rows: the decision is made at one row and at the traced count, and the one
-    compiled graph computes what the eager block does at 1, 16 and 128 rows."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pass_folds_swiglu_of_a_reordered_gate_up_layer_for_every_row_count(monkeypatch, dtype):
+    """The graph is traced with dynamic rows: the decision is made at one row and at the traced count, and the
+    compiled graphs compute what the eager block does at 1, 16 and 128 rows (bfloat16: Inductor's silu runs in
+    float32 between two conversions, the kernel's too)."""
     monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", None)
     fusion_pass = install()
     seen = []
@@ -97,10 +100,10 @@ def test_pass_folds_swiglu_of_a_reordered_gate_up_layer_for_every_row_count(monk
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     with torch.no_grad():
         for m in (16, 1, 128):
-            x = torch.randn(m, 64)
-            reference = model(x)
-            y = compiled(x)
-            assert torch.allclose(y, reference, atol=1e-2 * float(reference.abs().max())), m
+            x = torch.randn(m, 64, dtype=dtype)
+            reference = model(x).float()
+            y = compiled(x).float()
+            assert torch.allclose(y, reference, atol=2e-2 * float(reference.abs().max())), m
     ops = _ops(seen)  # two graphs: dynamic rows, and one row (which torch.compile specializes)
     assert ops.count("bitkern.linear_epilogue.default") == ops.count("bitkern.linear.default") == len(seen) == 2
     assert not {"aten.permute.default", "aten.exp.default", "aten.slice.Tensor"} & set(ops)
