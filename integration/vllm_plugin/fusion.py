@@ -34,8 +34,8 @@ logger = init_logger("vllm.plugins.bitkern")  # under vLLM's logger, so its line
 
 
 class VllmFusionPass(InductorPass):
-    """bitkern.fusion.FusionPass as vLLM takes a post-grad pass; a pass the user put in the same place runs
-    first.  `decisions`: FusionPass's (pattern, rows, modeled gain, fused) of the graphs compiled so far."""
+    """bitkern.fusion.FusionPass as vLLM takes a post-grad pass, logging each decision; a pass the user put in the
+    same place runs first.  always: the switch is on (fuse every match)."""
 
     def __init__(self, always: bool = False, user_pass=None):
         self.fusion = FusionPass(always)
@@ -49,10 +49,6 @@ class VllmFusionPass(InductorPass):
         for pattern, rows, gain, fused in self.fusion.decisions[known:]:
             logger.info("bitkern fusion: %s at %s rows, modeled gain %.3fx: %s", pattern,
                         " and ".join(map(str, rows)), gain, "fused" if fused else "kept unfused")
-
-    @property
-    def decisions(self) -> list:
-        return self.fusion.decisions
 
     def uuid(self) -> str:
         user = None
