@@ -5,8 +5,10 @@ benchmarks/llama_threads.py), at 1, 16 and 128 tokens, eager and torch.compile'd
 Compiled, the fused model also runs bitkern's Inductor post-grad pass (`bitkern.fusion.FusionPass`: residual
 adds and activations after a linear), whose decisions are printed.  For each token count the fused model is `bitkern.fuse(copy, example)` decided at that token count (the cost model
 may keep a group unfused: the `explain` tables printed show each decision).  Both models are timed in the same
-process, in alternation (per round: unfused, fused), after warm-up; reported: medians of time per token, the
-median of per-round ratios unfused/fused, and bitkern kernel calls per decoder layer.
+process, in alternation (per round: unfused, fused without the norm groups, fused), after warm-up; reported:
+medians of time per token, the median of per-round ratios unfused/fused, the norm fusion's own share
+(`norm_gain`: fused without norms / fused; input_layernorm and post_attention_layernorm folded into the q/k/v and
+gate/up kernels' prologue), and bitkern kernel calls per decoder layer (and how many of them normalize x).
 
 Run: python benchmarks/bench_fusion.py [--rounds 7] [--layers 8] [--tokens 1 16 128] [--compiled] [--threads N]
 (the first run builds the kernels into the cache; report the load: `uptime`)
@@ -47,20 +49,21 @@ def layer_call(model, tokens: int):
     return lambda: layer(hidden, position_embeddings=embeddings, position_ids=positions)
 
 
-def kernel_calls(call) -> int:
-    """bitkern op calls in one call of `call` (counted at torch's dispatcher)."""
+def kernel_calls(call) -> str:
+    """bitkern op calls in one call of `call` (counted at torch's dispatcher), and those with a norm prologue."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        calls = 0
+        calls = normed = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Count.calls += func.namespace == "bitkern"
+            Count.normed += func.namespace == "bitkern" and len(args) > 7 and args[7] != "none"
             return func(*args, **(kwargs or {}))
 
     with torch.no_grad(), Count():
         call()
-    return Count.calls
+    return f"{Count.calls} ({Count.normed} with a norm)"
 
 
 def interleaved(calls: dict, rounds: int) -> dict:
@@ -95,26 +98,29 @@ def main() -> None:
     results = []
     for tokens in arguments.tokens:
         ids = torch.randint(0, unfused.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
-        fused = copy.deepcopy(unfused)
+        fused, without_norms = copy.deepcopy(unfused), copy.deepcopy(unfused)
         print(f"\n## {tokens} tokens: explain (decisions at this size)\n{explain(fused, ids)}")
         bitkern.fuse(fused, ids)
-        variants = {"unfused": unfused, "fused": fused}
+        bitkern.fuse(without_norms, ids, patterns=("qkv", "swiglu", "act"))
+        variants = {"unfused": unfused, "fused_without_norms": without_norms, "fused": fused}
         layers = {name: layer_call(model, tokens) for name, model in variants.items()}
         wholes = {name: (lambda model=model: model(ids, use_cache=False)) for name, model in variants.items()}
         calls = {name: kernel_calls(call) for name, call in layers.items()}
         runs = [("layer", "eager", layers), ("model", "eager", wholes)]
         if arguments.compiled:  # the fused model compiles with bitkern's post-grad pass, the unfused without
             fusion_pass = FusionPass()
-            options = {"unfused": {}, "fused": {"post_grad_custom_post_pass": [fusion_pass]}}
+            options = {"unfused": {}, "fused_without_norms": {"post_grad_custom_post_pass": [fusion_pass]},
+                       "fused": {"post_grad_custom_post_pass": [fusion_pass]}}
             runs += [("layer", "compiled", {n: torch.compile(c, options=options[n]) for n, c in layers.items()}),
                      ("model", "compiled", {n: torch.compile(c, options=options[n]) for n, c in wholes.items()})]
         for scope, mode, timed in runs:
             times = interleaved(timed, arguments.rounds)
             ratios = [u / f for u, f in zip(times["unfused"], times["fused"])]
+            norm_ratios = [w / f for w, f in zip(times["fused_without_norms"], times["fused"])]
             row = {"scope": scope, "mode": mode, "tokens": tokens,
-                   "unfused_ms_per_token": 1e3 * statistics.median(times["unfused"]) / tokens,
-                   "fused_ms_per_token": 1e3 * statistics.median(times["fused"]) / tokens,
-                   "speedup": statistics.median(ratios), "kernel_calls_per_layer": calls}
+                   **{f"{name}_ms_per_token": 1e3 * statistics.median(times[name]) / tokens for name in variants},
+                   "speedup": statistics.median(ratios), "norm_gain": statistics.median(norm_ratios),
+                   "kernel_calls_per_layer": calls}
             results.append(row)
             print(json.dumps(row), flush=True)
             if mode == "compiled":

@@ -21,12 +21,13 @@ _hf_registration.install()  # transformers finds bitkern checkpoints' method onc
 __version__ = "0.1.0"
 
 
-def fuse(model, *example_inputs):
-    """Rewrite `model`'s q/k/v, gate/up + SwiGLU and Linear + activation patterns in place into fused bitkern
-    kernels where the cost model says they win (see `bitkern.fusion`); returns the model."""
+def fuse(model, *example_inputs, **options):
+    """Rewrite `model`'s q/k/v, gate/up + SwiGLU, Linear + activation and norm -> Linear patterns in place into
+    fused bitkern kernels where the cost model says they win (see `bitkern.fusion.fuse`, whose `patterns` option
+    it takes); returns the model."""
     from .fusion import fuse as fuse_model
 
-    return fuse_model(model, *example_inputs)
+    return fuse_model(model, *example_inputs, **options)
 
 
 def load_pretrained(path, **from_pretrained_kwargs):

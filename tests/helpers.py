@@ -75,6 +75,45 @@ def assert_within_bound(spec, qweight, y, reference, magnitude):
     assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g} over the bound"
 
 
+# |f'| bounds of the elementwise epilogues: how far an error in z = x·Wᵀ + b can move f(z)
+EPILOGUE_LIPSCHITZ = {"none": 1.0, "relu": 1.0, "silu": 1.1, "gelu": 1.13}
+
+
+def epilogue_bound(spec, z, bound_z, reference, approximation: float = 2e-7):
+    """Bound of |y - reference| for a kernel applying `spec`'s epilogue (and residual) to sums z = x·Wᵀ + b
+    (float64 [M, N], SwiGLU's in `swiglu_rows` order) that it computes within `bound_z`: the error carried through
+    f (|f'|, or SwiGLU's product of silu(gate) and up), f's own approximation (`approximation` relative to |z|:
+    the GELU's erf polynomial, a GPU's exp) and the output rounding of the reference."""
+    from bitkern.ops.matmul import SWIGLU_BLOCK
+
+    if spec.epilogue == "swiglu":
+        pairs, bounds = (t.reshape(z.shape[0], -1, 2, SWIGLU_BLOCK) for t in (z, bound_z))
+        gate, up, gate_bound, up_bound = pairs[..., 0, :], pairs[..., 1, :], bounds[..., 0, :], bounds[..., 1, :]
+        bound = 1.1 * gate_bound * (up.abs() + up_bound) + torch.nn.functional.silu(gate).abs() * \
+            (up_bound + approximation * up.abs())
+        bound = bound.reshape(z.shape[0], -1)
+    else:
+        bound = EPILOGUE_LIPSCHITZ[spec.epilogue] * bound_z + approximation * z.abs()
+    return bound + (OUTPUT_EPS[spec.output_dtype] + 1e-6) * reference.abs() + 1e-30
+
+
+def assert_within_epilogue_bound(spec, y, reference, bound) -> None:
+    """y has the spec's dtype and the reference's shape and lies within `bound` of it, element by element."""
+    assert tuple(y.shape) == tuple(reference.shape) and y.dtype == torch_dtype(spec.output_dtype)
+    excess = (y.double().cpu() - reference).abs() - bound
+    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g} over the bound"
+
+
+def assert_epilogue_matches_reference(spec, qweight, x, bias, residual, y) -> None:
+    """A CPU kernel's fused output (`spec`'s epilogue and residual) within the bound of the float64 reference of
+    the unfused computation: the plain kernels' bound on z (`assert_within_bound`) carried through the epilogue."""
+    z = dataclasses.replace(spec, epilogue="none", residual=False).exact(x, qweight, bias)
+    c = 1e-5 if "bfloat16" in qweight.ttype.compute_types else 2.0**-8
+    bound_z = c * (x.double().abs() @ summed_magnitudes(spec, qweight).T) + 1e-6 * z.abs() + 1e-6
+    reference = spec.exact(x, qweight, bias, residual)
+    assert_within_epilogue_bound(spec, y, reference, epilogue_bound(spec, z, bound_z, reference))
+
+
 # -- modules ------------------------------------------------------------------------------------------------
 def assert_matches(y, reference, tolerance):
     """max |y - reference| within `tolerance` of reference's largest magnitude."""

@@ -23,24 +23,30 @@ _rehearsal = contextvars.ContextVar("bitkern_rehearsal", default=None)  # (devic
 
 
 def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None) -> torch.Tensor:
-    """y = spec(x, weight, bias, residual) by the compiled kernel (see `bitkern.ops.Matmul.__call__`)."""
+        residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+        norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = spec(x, weight, bias, residual, norm_weight, norm_bias) by the compiled kernel (see
+    `bitkern.ops.Matmul.__call__`)."""
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                         f"got {type(weight).__name__}")
     rehearsing = _rehearsal.get()
-    if rehearsing is not None:  # CUDA kernels: no template of theirs takes an epilogue, hence no residual
-        return _rehearse(spec, x, weight, bias, *rehearsing)
-    quick = spec.fits(x, weight, bias, residual)
+    if rehearsing is not None:
+        return _rehearse(spec, x, weight, bias, residual, *rehearsing)
+    quick = spec.fits(x, weight, bias, residual, norm_weight, norm_bias)
     if not quick:
-        spec.check_inputs(x, weight, bias, residual)
+        spec.check_inputs(x, weight, bias, residual, norm_weight, norm_bias)
     n, k = weight.shape
     kernel_spec, rows, shape = spec.gemm_input(x, n, k, gathered=x.is_cpu)
     if rows.shape[0] == 0:
         return torch.empty(shape, dtype=torch_dtype(spec.output_dtype), device=x.device)
     kernel = kernel_for(kernel_spec, n, k, kernel_spec.rows(rows), weight.layout, None if quick else device_of(x))
-    y = kernel(rows, weight, bias) if residual is None else \
-        kernel(rows, weight, bias, residual.reshape(rows.shape[0], -1))
+    if norm_weight is not None:  # a norm prologue (CPU templates only)
+        y = kernel(rows, weight, bias, None if residual is None else residual.reshape(rows.shape[0], -1),
+                   norm=(norm_weight, norm_bias))
+    else:
+        y = kernel(rows, weight, bias) if residual is None else \
+            kernel(rows, weight, bias, residual.reshape(rows.shape[0], -1))
     return y if y.shape == shape else y.reshape(shape)
 
 
@@ -61,10 +67,10 @@ def rehearsal(device, store=None):
         _rehearsal.reset(token)
 
 
-def _rehearse(spec, x, weight, bias, device, store, launches) -> torch.Tensor:
+def _rehearse(spec, x, weight, bias, residual, device, store, launches) -> torch.Tensor:
     from ..codegen.cuda.launcher import check_launches
 
-    spec.check_inputs(x, weight, bias)
+    spec.check_inputs(x, weight, bias, residual)
     n, k = weight.shape
     layout = layout_for(weight.ttype, device.kind)
     if weight.layout != layout:
@@ -73,7 +79,7 @@ def _rehearse(spec, x, weight, bias, device, store, launches) -> torch.Tensor:
     if rows.shape[0] == 0:
         return torch.empty(shape, dtype=torch_dtype(spec.output_dtype), device=x.device)
     kernel = kernel_for(kernel_spec, n, k, kernel_spec.rows(rows), layout, device, store)
-    y, calls = kernel.plan(rows, weight, bias)
+    y, calls = kernel.plan(rows, weight, bias, None if residual is None else residual.reshape(rows.shape[0], -1))
     check_launches(kernel.binary.cubin, calls, device.shared_bytes_per_block)
     launches.extend(calls)
     return y if y.shape == shape else y.reshape(shape)

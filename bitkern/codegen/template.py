@@ -48,9 +48,9 @@ class Template(abc.ABC):
     name: its key in the registry, the cache and tuning records; title: its name in messages; target: "cpu"
     or "cuda"; layouts: the weight layouts it reads; config_type: its configuration (a frozen dataclass,
     stored in the cache by its fields); max_rows: the largest M it is a candidate for; epilogues, residual_add: the
-    Matmul epilogues its output stage emits (`unsupported_epilogue`); shape_fields: the
-    configuration fields that make two candidates differ in more than the cost model can rank (the tuner
-    times such candidates first).
+    Matmul epilogues its output stage emits, norms: the norm prologues it applies (`unsupported_epilogue`);
+    shape_fields: the configuration fields that make two candidates differ in more than the cost model can rank
+    (the tuner times such candidates first).
     """
 
     name: str
@@ -62,9 +62,13 @@ class Template(abc.ABC):
     shape_fields: tuple[str, ...] = ()
     epilogues: tuple[str, ...] = ("none",)  # the Matmul epilogues its output stage emits
     residual_add: bool = False  # it adds a residual tensor in its output stage
+    norms: tuple[str, ...] = ("none",)  # the Matmul norm prologues it applies to x
 
     def unsupported_epilogue(self, spec) -> str | None:
-        """Why the template's output stage cannot emit the spec's epilogue and residual add, or None."""
+        """Why the template cannot emit the spec's epilogue and residual add (its output stage) or its norm
+        prologue, or None."""
+        if spec.norm not in self.norms:
+            return f"norm={spec.norm!r} (its prologue applies {list(self.norms)})"
         if spec.epilogue not in self.epilogues:
             return f"epilogue={spec.epilogue!r} (its output stage emits {list(self.epilogues)})"
         if spec.residual and not self.residual_add:

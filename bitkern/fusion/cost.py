@@ -29,7 +29,8 @@ ROUNDS = 9
 
 @dataclass(frozen=True)
 class Call:
-    """One bitkern kernel call: the weight's format string, activation and output dtypes, bias, epilogue."""
+    """One bitkern kernel call: the weight's format string, activation and output dtypes, bias, epilogue, norm
+    prologue."""
 
     weight_format: str
     activation: torch.dtype
@@ -37,11 +38,13 @@ class Call:
     bias: bool
     epilogue: str = "none"
     residual: bool = False
+    norm: str = "none"
+    norm_eps: float = 1e-6
 
     def seconds(self, m: int) -> float:
         """Modeled time of the kernel the cache runs for M rows (built on first use, as the call itself would)."""
         spec = spec_of(self.weight_format, self.activation, self.output, self.bias, None, self.epilogue,
-                       self.residual)
+                       self.residual, self.norm, self.norm_eps)
         described = WeightFormat.decode(self.weight_format)
         n, k = described.shape
         kernel = kernel_for(spec, n, k, m, described.layout)

@@ -4,7 +4,8 @@
 (`torch.ops.bitkern.linear_epilogue`).  `SharedInputLinears` with its `StackedOutput` members: layers that read
 one input (q/k/v) as one GEMM over their stacked weight; each member stands where a layer stood, and the first
 member called with an input runs the GEMM for all of them.  `SwiGLUMLP`: down(silu(gate(x)) · up(x)) as two kernel
-calls.
+calls.  `FoldedNorm`: stands where an RMSNorm/LayerNorm stood whose consumers (an `EpilogueLinear`, a
+`SharedInputLinears`) normalize x in their kernels' prologue; it passes x through.
 """
 
 from __future__ import annotations
@@ -12,13 +13,60 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..nn import Linear
+from ..nn import Linear, library
 from .stack import stacked_layer
 
 
+class FoldedNorm(nn.Module):
+    """Stands where a norm stood whose consumers apply it in their kernels' prologue: forward returns x as it
+    is.  It keeps the norm's parameters (`weight`, and `bias` for "layernorm") under the norm's names, its `kind`
+    (a `bitkern.ops.Matmul` norm) and `eps`, which the consumers read on every call."""
+
+    def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+        super().__init__()
+        self.kind, self.eps = kind, float(eps)
+        for name, value in (("weight", weight), ("bias", bias)):
+            if isinstance(value, nn.Parameter) or value is None:
+                setattr(self, name, value)
+            else:  # a norm without affine parameters: ones and zeros
+                self.register_buffer(name, value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def arguments(self) -> dict:
+        """The norm arguments of `torch.ops.bitkern.linear_epilogue`."""
+        return {"norm": self.kind, "norm_weight": self.weight, "norm_bias": self.bias, "norm_eps": self.eps}
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, eps={self.eps}: applied in the following kernels' prologue"
+
+
+def fused_call(layer: Linear, x: torch.Tensor, epilogue: str = "none", residual: torch.Tensor | None = None,
+               norm: FoldedNorm | None = None) -> torch.Tensor:
+    """f(x̂ · Wᵀ + b) (+ residual) of a bitkern.Linear in one kernel call: x̂ = x, or x normalized by `norm` in
+    the kernel's prologue (x must then already be in the layer's compute dtype: the norm's rounding is to it)."""
+    if x.shape[-1] != layer.in_features:
+        raise ValueError(f"x has shape {tuple(x.shape)}; this layer takes [..., {layer.in_features}]")
+    weight, weight_format = layer.op_weight()
+    compute = layer.compute_dtype or x.dtype
+    if norm is not None and x.dtype != compute:
+        raise ValueError(f"x is {x.dtype} but the layer computes in {compute}: a folded norm takes x in the "
+                         f"layer's compute dtype")
+    arguments = (x.to(compute), weight_format, layer.bias, x.dtype, epilogue, residual)
+    norm_arguments = {} if norm is None else norm.arguments()
+    others = (residual, norm_arguments.get("norm_weight"), norm_arguments.get("norm_bias"))
+    if library.eager(x, layer.bias) and not (torch.is_grad_enabled() and
+                                             any(t is not None and t.requires_grad for t in others)):
+        # nothing for autograd or a compiler to see: the op's body on the weight object, without the dispatcher
+        return library.run_linear_epilogue(arguments[0], layer.packed_weight(), *arguments[1:], **norm_arguments)
+    return torch.ops.bitkern.linear_epilogue(arguments[0], weight, *arguments[1:], **norm_arguments)
+
+
 class EpilogueLinear(nn.Module):
-    """y = f(x · Wᵀ + b) (+ residual) in one kernel: `layer` a bitkern.Linear (SwiGLU: its stacked gate/up
-    weight), `epilogue` a `bitkern.ops.Matmul` epilogue."""
+    """y = f(x̂ · Wᵀ + b) (+ residual) in one kernel: `layer` a bitkern.Linear (SwiGLU: its stacked gate/up
+    weight), `epilogue` a `bitkern.ops.Matmul` epilogue; `norm` (a `FoldedNorm`, set by the fusion of a norm
+    before it) makes x̂ the normalized x."""
 
     def __init__(self, layer: Linear, epilogue: str):
         super().__init__()
@@ -26,18 +74,14 @@ class EpilogueLinear(nn.Module):
             raise ValueError("layer has permuted inputs (input_order); fused layers take plain ones")
         self.layer, self.epilogue = layer, epilogue
         self.out_features = layer.out_features // (2 if epilogue == "swiglu" else 1)
+        object.__setattr__(self, "norm", None)  # the norm's owner registers it, not its consumers
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        layer = self.layer
-        if x.shape[-1] != layer.in_features:
-            raise ValueError(f"x has shape {tuple(x.shape)}; this layer takes [..., {layer.in_features}]")
-        weight, weight_format = layer.op_weight()
-        compute = layer.compute_dtype or x.dtype
-        return torch.ops.bitkern.linear_epilogue(x.to(compute), weight, weight_format, layer.bias, x.dtype,
-                                                 self.epilogue, residual)
+        return fused_call(self.layer, x, self.epilogue, residual, self.norm)
 
     def extra_repr(self) -> str:
-        return f"epilogue={self.epilogue!r}, out_features={self.out_features}"
+        norm = "" if self.norm is None else f", norm={self.norm.kind!r} in the prologue"
+        return f"epilogue={self.epilogue!r}, out_features={self.out_features}{norm}"
 
 
 class SwiGLUMLP(nn.Module):
@@ -62,6 +106,7 @@ class SharedInputLinears(nn.Module):
         self.layer = stacked_layer(layers)
         self.sizes = [layer.out_features for layer in layers]
         self._input, self._outputs, self._taken = None, None, set()
+        object.__setattr__(self, "norm", None)  # a `FoldedNorm` its GEMM applies in the prologue (see EpilogueLinear)
 
     def outputs(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """Member `index`'s output for x: computed with the others' on the first call with x."""
@@ -70,7 +115,8 @@ class SharedInputLinears(nn.Module):
         version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
         fresh = self._input is None or self._input[0] is not x or self._input[1] != version
         if fresh or index in self._taken:
-            self._outputs = self.layer(x).split(self.sizes, dim=-1)
+            y = self.layer(x) if self.norm is None else fused_call(self.layer, x, norm=self.norm)
+            self._outputs = y.split(self.sizes, dim=-1)
             self._input, self._taken = (x, version), set()
         self._taken.add(index)
         output = self._outputs[index]

@@ -6,7 +6,10 @@ Patterns (Hugging Face Llama-style names, or any module with the same attributes
   swiglu  a module with gate_proj, up_proj, down_proj and a SiLU act_fn (LlamaMLP): gate and up as one kernel with
           the SwiGLU epilogue, the module replaced by a `SwiGLUMLP`;
   act     a bitkern.Linear followed by nn.ReLU / nn.SiLU / nn.GELU in an nn.Sequential: one kernel with the
-          activation epilogue.
+          activation epilogue;
+  norm    an RMSNorm / LayerNorm before the layers of one of these (input_layernorm -> q/k/v,
+          post_attention_layernorm -> gate/up, a norm before a Linear in an nn.Sequential): folded into their
+          kernels' prologue (`norms.py`), priced after their own group is decided.
 Groups with the same signature (pattern, weight formats, dtypes, rows) are priced once (repeated layers).
 """
 
@@ -20,9 +23,11 @@ from torch import nn
 from ..nn import Linear
 from .cost import Call, Decision, Variant, decide
 from .modules import EpilogueLinear, SharedInputLinears, StackedOutput, SwiGLUMLP
+from .norms import NormCandidate, norm_groups
 from .stack import stackable, stacked_layer
 
 ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu", nn.GELU: "gelu"}
+PATTERNS = ("qkv", "swiglu", "act", "norm")
 
 
 @dataclass
@@ -90,9 +95,9 @@ class Candidate:
         layer, activation = self.members
         return {self.names[0]: EpilogueLinear(layer, ACTIVATIONS[type(activation)]), self.names[1]: nn.Identity()}
 
-    def runners(self, fused: dict) -> tuple:
-        """(unfused, fused) callables of the example input, for timing."""
-        x = self.example
+    def runners(self) -> tuple:
+        """(unfused, fused) callables of the example input, for timing (the fused modules built for them)."""
+        x, fused = self.example, self.build()
         members = self.members
         if self.kind == "qkv":
             return (lambda: [layer(x) for layer in members]), (lambda: fused["qkv_fused"].layer(x))
@@ -112,8 +117,12 @@ def stacked_format(layers: list) -> str:
     return json.dumps(described)
 
 
-def candidates(model: nn.Module) -> list:
-    """Every group of `model` a pattern matches (see the module docstring), in module order."""
+def candidates(model: nn.Module, patterns: tuple = PATTERNS) -> list:
+    """Every group of `model` one of `patterns` matches (see the module docstring), in module order, norm groups
+    last."""
+    for pattern in patterns:
+        if pattern not in PATTERNS:
+            raise ValueError(f"patterns: {pattern!r} is not a fusion pattern; accepted: {list(PATTERNS)}")
     found = []
     for path, module in model.named_modules():
         names = dict(module.named_children())
@@ -136,7 +145,8 @@ def candidates(model: nn.Module) -> list:
                     group = Candidate("act", path, module, (name, next_name))
                     group.reason = "permuted inputs (input_order)" if layer.input_order is not None else None
                     found.append(group)
-    return found
+    found = [group for group in found if group.kind in patterns]
+    return found + (norm_groups(model, found) if "norm" in patterns else [])
 
 
 def is_silu(module) -> bool:
@@ -145,21 +155,23 @@ def is_silu(module) -> bool:
     return isinstance(module, nn.SiLU) or type(module).__name__ == "SiLUActivation"
 
 
-def analyse(model: nn.Module, example_inputs: tuple) -> list:
-    """The candidates of `model`, each with its decision (priced once per signature; measured on the inputs the
-    group saw in one forward pass of `example_inputs`, when given)."""
-    groups = candidates(model)
+def analyse(model: nn.Module, example_inputs: tuple, patterns: tuple = PATTERNS) -> list:
+    """The candidates of `model` (of `patterns`), each with its decision (priced once per signature; measured on
+    the inputs the group saw in one forward pass of `example_inputs`, when given)."""
+    groups = candidates(model, patterns)
     if example_inputs:
         _capture_inputs(model, groups, example_inputs)
     decided = {}
-    for group in groups:
+    for group in groups:  # norm groups come last: their layers' groups are decided by then
+        if isinstance(group, NormCandidate):
+            group.check()
         if group.reason:
             continue
         m = 1 if group.example is None else group.example.reshape(-1, group.example.shape[-1]).shape[0]
         key = group.signature(m)
         if key not in decided:
             unfused, fused = group.variants()
-            runners = group.runners(group.build()) if group.example is not None else (None, None)
+            runners = group.runners() if group.example is not None else (None, None)
             decided[key] = decide(unfused, fused, m, *runners)
         else:
             group.notes.append("same signature as an earlier group: its decision reused")
@@ -183,23 +195,28 @@ def _capture_inputs(model: nn.Module, groups: list, example_inputs: tuple) -> No
             hook.remove()
 
 
-def fuse(model: nn.Module, *example_inputs) -> nn.Module:
-    """Rewrite, in place, the groups of `model` that the cost model fuses (measured on `example_inputs` when given,
-    else modeled for one row) and return the model.  Every fused module is built before any is put in place, so a
-    failure leaves the model as it was."""
+def fuse(model: nn.Module, *example_inputs, patterns: tuple = PATTERNS) -> nn.Module:
+    """Rewrite, in place, the groups of `model` (of `patterns`, default all) that the cost model fuses (measured on
+    `example_inputs` when given, else modeled for one row) and return the model.  Every fused module is built
+    before any is put in place, so a failure leaves the model as it was."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    replacements = []
-    for group in analyse(model, example_inputs):
-        if group.decision is not None and group.decision.fuse:
-            replacements.append((group, group.build()))
+    placements, built = [], {}  # (owner, its path, {name: module}); the modules each fused group built
+    for group in analyse(model, example_inputs, patterns):
+        if group.decision is None or not group.decision.fuse:
+            continue
+        if isinstance(group, NormCandidate):  # attached to its layers' fused modules where their group built some
+            placements += group.build(built.get(id(group.inner)))
+        else:
+            built[id(group)] = group.build()
+            placements.append((group.owner, group.path, built[id(group)]))
     parents = dict(model.named_modules())
-    for group, modules in replacements:
+    for owner, path, modules in placements:
         for name, module in modules.items():
             if name:
-                setattr(group.owner, name, module)
+                setattr(owner, name, module)
             else:  # the group replaces its owner
-                parent_path, _, attribute = group.path.rpartition(".")
+                parent_path, _, attribute = path.rpartition(".")
                 setattr(parents[parent_path], attribute, module)
     return model
 
@@ -234,7 +251,7 @@ class Report:
                          for row in rows)
 
 
-def explain(model: nn.Module, *example_inputs) -> Report:
-    """Each candidate group of `model`, the decision `fuse` would make and its modeled (and, with example inputs,
-    measured) gain; the model is not changed."""
-    return Report(analyse(model, example_inputs))
+def explain(model: nn.Module, *example_inputs, patterns: tuple = PATTERNS) -> Report:
+    """Each candidate group of `model` (of `patterns`), the decision `fuse` would make and its modeled (and, with
+    example inputs, measured) gain; the model is not changed."""
+    return Report(analyse(model, example_inputs, patterns))

@@ -94,10 +94,13 @@ def _check_plan(kernel, inputs, device) -> int:
 
 
 def _inputs(key: KernelKey, m: int, generator):
-    """Host tensors of a call with M rows: x, a weight in the key's layout with random codes, the bias."""
+    """Host tensors of a call with M rows: x, a weight in the key's layout with random codes, the bias, the
+    residual."""
     spec = key.spec
     x = torch.randn(m, key.k, generator=generator)
     x = x.mul(16).round().clamp(-127, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
         x.to(torch_dtype(spec.activation_dtype))
     bias = torch.randn(key.n, generator=generator) if spec.bias else None
-    return x, random_packed(spec, key.n, key.k, key.layout, generator), bias
+    residual = torch.randn(m, spec.out_features(key.n), generator=generator).to(torch_dtype(spec.output_dtype)) \
+        if spec.residual else None
+    return x, random_packed(spec, key.n, key.k, key.layout, generator), bias, residual

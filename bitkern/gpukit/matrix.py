@@ -3,7 +3,7 @@
 Three kinds, each a prebuild `Request` (`bitkern.cache.prebuild`):
 - pinned: the correctness matrix (`correctness_cases`), each case one template configuration (the GEMM and the
   GEMV on every weight type x activation type x zero mode, output types, split-K, the plain-TIR decode, fuzzed
-  shapes fixed by a seed, edge shapes): tests/codegen/cuda/test_gpu.py runs each case;
+  shapes fixed by a seed, edge shapes, the fusion epilogues): tests/codegen/cuda/test_gpu.py runs each case;
 - tuned: the kernels the GPU tests reach through torch ops and modules (`DISPATCH`: tests/cache/test_dispatch_gpu.py,
   tests/nn/test_compile.py), the tuner's choice built by its model;
 - candidates: the benchmark's Llama-3-8B/70B layer shapes (`BENCH_SHAPES` x `BENCH_ROWS` for int4 g128, nf4 / int8
@@ -45,6 +45,10 @@ DISPATCH = (
     *(("int4", 64, "none", activation, activation, False, n, k, m)  # the TransformerBlock(128, 4, 256) tests
       for activation, m in (("float32", 4), ("float16", 12)) for n, k in ((128, 128), (256, 128), (128, 256))),
 )
+# (epilogue, residual, M): the fused kernels of tests/cache/test_dispatch_gpu.py's test_fused_matmul_on_cuda_tensors
+# (int4 g128 256 x 512, float16 activations, float32 output, bias)
+DISPATCH_EPILOGUES = tuple((epilogue, residual, m) for epilogue, residual in (("swiglu", True), ("gelu", False))
+                           for m in (1, 33))
 
 
 @dataclass(frozen=True)
@@ -64,21 +68,26 @@ class Case:
     seed: int = 0
     output: str | None = None
     prefer: object = None  # a configuration tried before the template's list
+    epilogue: str = "none"  # the spec's epilogue ("swiglu": the weight is a stacked [gate; up] of N rows)
+    residual: bool = False
 
     def __str__(self) -> str:
         return (f"{self.group}-{self.template}-{self.weight}-{self.zero_mode}-{self.activation}-"
                 f"{self.n}x{self.k}x{self.m}-g{self.group_size}" + (f"-{self.output}" if self.output else "") +
+                ("" if self.epilogue == "none" else f"-{self.epilogue}") + ("-residual" if self.residual else "") +
                 (f"-s{self.seed}" if self.seed else "") + ("" if self.prefer is None else f"-{_short(self.prefer)}"))
 
     def supported_on(self, arch: str) -> bool:
-        """Whether the case's template serves its spec and shape on `arch` (as the template itself says)."""
+        """Whether the case's template serves its spec, epilogue and shape on `arch` (as the template itself says)."""
         from ..codegen.cuda import TEMPLATES
 
         template = next(template for template in TEMPLATES if template.name == self.template)
-        return template.spec_unsupported(self.spec(), self.n, self.k, arch) is None
+        spec = self.spec()
+        return template.spec_unsupported(spec, self.n, self.k, arch) is None and \
+            template.unsupported_epilogue(spec) is None
 
     def inputs(self):
-        """(spec, quantized weight, x, bias) on the host, the same on every machine."""
+        """(spec, quantized weight, x, bias, residual) on the host, the same on every machine."""
         generator = torch.Generator().manual_seed(self.seed)
         block = get(self.weight).block_size > 1
         scale = torch.bfloat16 if self.activation == "bfloat16" else torch.float16
@@ -87,12 +96,15 @@ class Case:
         q = quantize(torch.randn(self.n, self.k, generator=generator), self.weight,
                      group_size=None if block else self.group_size, zero_mode=self.zero_mode, scale_dtype=scale)
         options = {"accumulate_dtype": "int32"} if self.activation == "int8" else {}
-        spec = Matmul.for_weight(q, self.activation, bias=self.bias, output_dtype=self.output, **options)
+        spec = Matmul.for_weight(q, self.activation, bias=self.bias, output_dtype=self.output, epilogue=self.epilogue,
+                                 residual=self.residual, **options)
         x = torch.randn(self.m, self.k, generator=generator)
         x = x.mul(20).round().clamp(-127, 127).to(torch.int8) if self.activation == "int8" else \
             x.to(torch_dtype(self.activation))
         b = torch.randn(self.n, generator=generator) if self.bias else None
-        return spec, q, x, b
+        r = torch.randn(self.m, spec.out_features(self.n), generator=generator).to(torch_dtype(spec.output_dtype)) \
+            if self.residual else None
+        return spec, q, x, b, r
 
     def config(self, spec: Matmul, arch: str):
         """The first configuration of the template that builds the case (LOP3 decode first, the plain-TIR one for
@@ -148,12 +160,16 @@ FLOAT_WEIGHTS = (*((name, "none") for name in ("int4", "int2", "int1", "int8", "
 INT8_WEIGHTS = (("int4", "none"), ("uint4", "gptq"), ("uint4", "awq"), ("int2", "none"), ("uint2", "gptq"),
                 ("int1", "none"), ("int8", "none"))
 EDGE_SHAPES = ((1, 8, 1), (17, 40, 3), (16, 128, 65), (130, 136, 129))  # (N, K, M): smallest and ragged
+# (epilogue, residual): the fusion epilogues, each on int4 and int8 weights (float16 activations, group 128) and
+# int4 with int8 activations, on the GEMM at 67 rows and the GEMV (which leaves SwiGLU to the GEMM) at 3 rows
+EPILOGUES = (("relu", False), ("silu", True), ("gelu", False), ("swiglu", False), ("swiglu", True), ("none", True))
+EPILOGUE_TYPES = (("int4", "float16", 128, None), ("int8", "float16", 128, None), ("int4", "int8", -1, "float32"))
 FUZZ_SEED, FUZZ_CASES = 2026, 12
 
 
 def correctness_cases() -> list[Case]:
     """Every correctness case of the GPU tests, in a fixed order."""
-    from ..codegen.cuda import GemvConfig
+    from ..codegen.cuda import GemmConfig, GemvConfig
 
     cases = [Case("types", template, name, 256, 512, m, activation, zero)
              for template, m in (("gemm", 67), ("gemv", 3)) for activation in ("float16", "bfloat16")
@@ -177,6 +193,14 @@ def correctness_cases() -> list[Case]:
                           group_size=-1, bias=seed % 2 == 0, seed=seed))
     cases += [Case("edge", template, "int4", n, k, m, "float16", group_size=-1)
               for template in ("gemm", "gemv") for n, k, m in EDGE_SHAPES]
+    cases += [Case("epilogue", template, name, 256, 512, m, activation, group_size=group, output=output,
+                   epilogue=epilogue, residual=residual)
+              for template, m in (("gemm", 67), ("gemv", 3)) for name, activation, group, output in EPILOGUE_TYPES
+              for epilogue, residual in EPILOGUES]
+    cases += [Case("epilogue", "gemv", "uint4", 512, 4096, 5, "float16", "gptq", epilogue="gelu", residual=True,
+                   prefer=GemvConfig(rows=2, split_k=4, k_threads=8)),  # split-K's reduce kernel; ragged K and M:
+              Case("epilogue", "gemm", "uint4", 64, 40, 130, "bfloat16", "gptq", group_size=-1, epilogue="swiglu",
+                   residual=True, prefer=GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32, block_k=64))]
     return cases
 
 
@@ -190,10 +214,12 @@ def bench_specs() -> list[tuple[Matmul, tuple[int, ...]]]:
 
 
 def dispatch_specs() -> list[tuple[Matmul, int, int, int]]:
-    """(spec, N, K, M) of `DISPATCH`."""
+    """(spec, N, K, M) of `DISPATCH` and `DISPATCH_EPILOGUES`."""
     return [(Matmul(name, activation, group_size=group, zero_mode=zero, bias=bias, output_dtype=output,
                     scale_dtype="float16"), n, k, m)
-            for name, group, zero, activation, output, bias, n, k, m in DISPATCH]
+            for name, group, zero, activation, output, bias, n, k, m in DISPATCH] + \
+        [(Matmul("int4", "float16", output_dtype="float32", bias=True, epilogue=epilogue, residual=residual), 256, 512, m)
+         for epilogue, residual, m in DISPATCH_EPILOGUES]
 
 
 def requests(arch: str, smoke: bool = False) -> list[Request]:

@@ -2,7 +2,8 @@
 
 `torch.ops.bitkern.linear` runs y = x · dequant(W)ᵀ + b through `bitkern.ops.Matmul`,
 `torch.ops.bitkern.linear_epilogue` the same with an epilogue in the kernel's output stage (activation, SwiGLU
-gating, residual add: what `bitkern.fusion` fuses), and
+gating, residual add) and optionally a norm prologue (RMSNorm, LayerNorm of x per row): what `bitkern.fusion`
+fuses, and
 `torch.ops.bitkern.conv2d` the implicit-GEMM convolution of a channels-last image through
 `bitkern.ops.Conv2d`; their fake implementations give the output's shape and dtype, and their autograd
 formulas send gradients to x and the bias only (the quantized weight is frozen).
@@ -29,7 +30,7 @@ from torch import Tensor
 from ..codegen import PackedWeight, packed_class
 from ..ops import Conv2d, ConvGeometry, Matmul
 from ..ops.conv import conv_weight, out_size
-from ..ops.matmul import epilogue_reference
+from ..ops.matmul import epilogue_reference, norm_reference
 from ..ttype import StoredWeight, WeightFormat, get, torch_dtype
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -67,7 +68,8 @@ def _float_view(bits: Optional[Tensor], dtype: str | None) -> Optional[Tensor]:
 
 @functools.lru_cache(maxsize=None)
 def spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool,
-          geometry: ConvGeometry | None = None, epilogue: str = "none", residual: bool = False) -> Matmul:
+            geometry: ConvGeometry | None = None, epilogue: str = "none", residual: bool = False,
+            norm: str = "none", norm_eps: float = 1e-6) -> Matmul:
     """The Matmul spec of an op call (a Conv2d spec when a convolution `geometry` is given); `bitkern.fusion`
     prices fused calls by it."""
     described = WeightFormat.decode(weight_format)
@@ -76,7 +78,8 @@ def spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bi
                   scale_dtype="float16" if block else described.scale_dtype)
     if geometry is not None:
         return Conv2d(described.dtype, activation, geometry=geometry, **fields)
-    return Matmul(described.dtype, activation, epilogue=epilogue, residual=residual, **fields)
+    return Matmul(described.dtype, activation, epilogue=epilogue, residual=residual, norm=norm, norm_eps=norm_eps,
+                  **fields)
 
 
 def _weight(weight: list, weight_format: str) -> PackedWeight:
@@ -113,16 +116,32 @@ def _linear_fake(x, weight, weight_format, bias, output_dtype):
 
 @torch.library.custom_op("bitkern::linear_epilogue", mutates_args=())
 def linear_epilogue(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
-                    output_dtype: torch.dtype, epilogue: str, residual: Optional[Tensor]) -> Tensor:
-    """y = f(x · dequant(W)ᵀ (+ bias)) (+ residual) in one kernel: f a `bitkern.ops.Matmul` epilogue ("relu",
+                    output_dtype: torch.dtype, epilogue: str, residual: Optional[Tensor], norm: str = "none",
+                    norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
+                    norm_eps: float = 1e-6) -> Tensor:
+    """y = f(x̂ · dequant(W)ᵀ (+ bias)) (+ residual) in one kernel: f a `bitkern.ops.Matmul` epilogue ("relu",
     "silu", "gelu", or "swiglu" over a stacked gate/up weight, giving half its rows as columns); the residual
-    is shaped like y, in `output_dtype`."""
-    spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None)
-    return spec(x, _weight(weight, weight_format), bias, residual)
+    is shaped like y, in `output_dtype`; x̂ = x, or x normalized per row by the norm prologue `norm` ("rmsnorm":
+    Hugging Face's LlamaRMSNorm, "torch_rmsnorm", "layernorm") with norm_weight [K] (and norm_bias [K] for
+    "layernorm") and norm_eps."""
+    return run_linear_epilogue(x, _weight(weight, weight_format), weight_format, bias, output_dtype, epilogue,
+                               residual, norm, norm_weight, norm_bias, norm_eps)
+
+
+def run_linear_epilogue(x: Tensor, weight: PackedWeight, weight_format: str, bias: Optional[Tensor],
+                        output_dtype: torch.dtype, epilogue: str, residual: Optional[Tensor], norm: str = "none",
+                        norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
+                        norm_eps: float = 1e-6) -> Tensor:
+    """The linear_epilogue op's computation on a weight object (what fused modules run in eager inference, as
+    `run_linear` for Linear)."""
+    spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None,
+                   norm, norm_eps)
+    return spec(x, weight, bias, residual, norm_weight, norm_bias)
 
 
 @linear_epilogue.register_fake
-def _linear_epilogue_fake(x, weight, weight_format, bias, output_dtype, epilogue, residual):
+def _linear_epilogue_fake(x, weight, weight_format, bias, output_dtype, epilogue, residual, norm="none",
+                          norm_weight=None, norm_bias=None, norm_eps=1e-6):
     out_features = WeightFormat.decode(weight_format).shape[0] // (2 if epilogue == "swiglu" else 1)
     return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
 
@@ -193,25 +212,44 @@ linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def _linear_epilogue_setup(ctx, inputs, output) -> None:
-    x, weight, weight_format, bias, output_dtype, epilogue, residual = inputs
+    x, weight, weight_format, bias, output_dtype, epilogue, residual, norm, norm_weight, norm_bias, eps = inputs
     _save_weight(ctx, x, weight, weight_format, bias)
     ctx.x, ctx.bias, ctx.epilogue, ctx.output_dtype = x, bias, epilogue, output_dtype
+    ctx.norm = (norm, norm_weight, norm_bias, eps)
 
 
 def _linear_epilogue_backward(ctx, grad):
-    """Through f: z = x·Wᵀ + b is recomputed by the plain kernel and f differentiated by torch
-    (`ops.matmul.epilogue_reference`), then dx = dz · dequant(W), dbias = Σ dz; the residual gets dy."""
-    x_needs, _, _, bias_needs, _, _, residual_needs = ctx.needs_input_grad
-    grad_z = None
-    if x_needs or bias_needs:
+    """Through f: z = x̂·Wᵀ + b is recomputed by the plain kernel and f differentiated by torch
+    (`ops.matmul.epilogue_reference`), then dx̂ = dz · dequant(W), dbias = Σ dz; the residual gets dy; through
+    a norm prologue, torch differentiates x̂ (`ops.matmul.norm_reference`) for x and the norm's weight and bias."""
+    # the call's arguments, where trailing defaults may have been left out (the gradients match them)
+    needs = (*ctx.needs_input_grad, *[False] * (11 - len(ctx.needs_input_grad)))
+    x_needs, _, _, bias_needs, _, _, residual_needs, _, norm_weight_needs, norm_bias_needs, _ = needs
+    norm, norm_weight, norm_bias, eps = ctx.norm
+    through_norm = x_needs or norm_weight_needs or norm_bias_needs
+    grad_z = grad_x = grad_norm_weight = grad_norm_bias = None
+    if through_norm or bias_needs:
         weight = list(ctx.saved_tensors)
-        z = torch.ops.bitkern.linear(ctx.x.detach(), weight, ctx.weight_format, ctx.bias, torch.float32)
         with torch.enable_grad():
+            x, norm_weight, norm_bias = (None if t is None else t.detach().requires_grad_(True)
+                                         for t in (ctx.x, norm_weight, norm_bias))
+            x_hat = norm_reference(norm, x, norm_weight, norm_bias, eps)
+            z = torch.ops.bitkern.linear(x_hat.detach(), weight, ctx.weight_format, ctx.bias, torch.float32)
             z = z.detach().requires_grad_(True)
             (grad_z,) = torch.autograd.grad(epilogue_reference(ctx.epilogue, z), z, grad.float())
-    grad_x = (grad_z @ _dequantized(ctx)).to(ctx.x_dtype) if x_needs else None
+            if through_norm:
+                grad_x_hat = (grad_z @ _dequantized(ctx)).to(ctx.x_dtype)
+                if norm == "none":
+                    grad_x = grad_x_hat
+                else:
+                    wanted = [t for t in (x, norm_weight, norm_bias) if t is not None]
+                    grads = torch.autograd.grad(x_hat, wanted, grad_x_hat)
+                    grad_x, grad_norm_weight = grads[:2]
+                    grad_norm_bias = grads[2] if norm_bias is not None else None
     grad_residual = grad.to(ctx.output_dtype) if residual_needs else None
-    return grad_x, None, None, _bias_grad(ctx, grad_z, bias_needs), None, None, grad_residual
+    grads = (grad_x if x_needs else None, None, None, _bias_grad(ctx, grad_z, bias_needs), None, None, grad_residual,
+             None, grad_norm_weight if norm_weight_needs else None, grad_norm_bias if norm_bias_needs else None, None)
+    return grads[:len(ctx.needs_input_grad)]
 
 
 linear_epilogue.register_autograd(_linear_epilogue_backward, setup_context=_linear_epilogue_setup)

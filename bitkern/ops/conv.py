@@ -92,9 +92,10 @@ class Conv2d(Matmul):
         if not isinstance(self.geometry, ConvGeometry):
             raise TypeError(f"geometry must be a ConvGeometry, got {type(self.geometry).__name__}")
         super().__post_init__()
-        if self.epilogue != "none" or self.residual:
-            raise ValueError(f"epilogue={self.epilogue!r}, residual={self.residual}: a convolution has no epilogue "
-                             f"but its bias; accepted: epilogue='none', residual=False")
+        if self.epilogue != "none" or self.residual or self.norm != "none":
+            raise ValueError(f"epilogue={self.epilogue!r}, residual={self.residual}, norm={self.norm!r}: a "
+                             f"convolution has no epilogue but its bias and no norm prologue; accepted: "
+                             f"epilogue='none', residual=False, norm='none'")
         object.__setattr__(self, "_hash", hash((self._hash, self.geometry)))
 
     def __hash__(self) -> int:

@@ -1,9 +1,11 @@
 """The Matmul as a ttype-annotated tensor expression (TVM TE).
 
     W[n, k] = (decode_ttype(code[n, k]) - zero[n, g]) · scale[n, g]        (float32, g = k // group)
-    Y[m, n] = cast_out( f(Σ_k acc(X[m, k]) · acc(W[n, k]) + bias[n]) (+ residual[m, n]) )
+    Y[m, n] = cast_out( f(Σ_k acc(X̂[m, k]) · acc(W[n, k]) + bias[n]) (+ residual[m, n]) )
 
-f is the spec's epilogue (`apply_epilogue`; SwiGLU pairs the gate and up rows of a stacked W).
+f is the spec's epilogue (`apply_epilogue`; SwiGLU pairs the gate and up rows of a stacked W), in the output
+stage the CUDA templates' expression shares (`output_stage`); X̂ is X, or for a spec with a norm prologue X
+normalized per row (`apply_norm`, float32 statistics `norm_prologue`).
 
 The decode is the weight type's own TVM builder (`TType.tvm_decode`).  X is the [M, K] input, or for a
 `Conv2d` spec the implicit-GEMM gather from the NHWC image (zero outside it, see `bitkern.ops.conv`).
@@ -73,13 +75,17 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
     storage = storage or PortableStorage(spec, n, k)
     group = effective_group_size(spec.group_size, k)
     groups = k // group
-    from tvm import tirx
 
     m, x, x_at = activation(spec, k)
     inputs = [x, storage.qweight, storage.scales] + ([storage.zeros] if storage.zeros is not None else [])
     tensor_scale = te.placeholder((1,), "float32", name="tensor_scale") if ttype.tensor_scale else None
+    inputs += [tensor_scale] if tensor_scale is not None else []
+    if spec.norm != "none":
+        norm_vectors = [te.placeholder((k,), "float32", name=name) for name in NORM_ARGUMENTS[spec.norm]]
+        inputs += norm_vectors
+        x_at = norm_prologue(spec, m, k, x_at, *norm_vectors)
     bias = te.placeholder((n,), "float32", name="bias") if spec.bias else None
-    inputs += [t for t in (tensor_scale, bias) if t is not None]
+    inputs += [bias] if bias is not None else []
 
     def scale_of(i, g):
         if ttype.block_size == 1:
@@ -112,25 +118,41 @@ def matmul_expr(spec: Matmul, n: int, k: int, storage=None) -> MatmulExpr:
         reduce_all = te.reduce_axis((0, k), name="k")
         accumulated = te.compute((m, n), lambda r, i: te.sum(x_at(r, reduce_all).astype(acc) * weight[i, reduce_all],
                                                              axis=reduce_all), name="acc")
-    out_dtype = tvm_dtype(spec.output_dtype)
-    residual = te.placeholder((m, spec.out_features(n)), out_dtype, name="residual") if spec.residual else None
-    inputs += [residual] if residual is not None else []
 
     def z(r, i):  # x·Wᵀ + b in float32
         value = accumulated[r, i].astype("float32")
         return value + bias[i] if bias is not None else value
 
-    def y(r, j):
-        if spec.epilogue == "swiglu":
-            gate = tirx.floordiv(j, SWIGLU_BLOCK) * 2 * SWIGLU_BLOCK + tirx.floormod(j, SWIGLU_BLOCK)
+    return MatmulExpr(m, inputs, output_stage(spec, m, n, z, inputs))
+
+
+def output_stage(spec: Matmul, m, n: int, z, inputs: list, tiled: bool = False):
+    """y [M, out_features] = cast_out(f(z) (+ residual)) for the float32 sums z(r, i) (bias added) of N weight
+    rows, f the spec's epilogue (SwiGLU: silu of gate row 32·(j // 16) + j % 16 times the up row 16 below it,
+    `swiglu_rows`); appends the residual placeholder (residual specs) to `inputs`.  The CPU expression and the
+    CUDA templates' (`codegen.cuda.expr`) share it.  tiled (SwiGLU): y and the residual as [M, out_features / 16,
+    16], the same memory, so that y's reads of z are affine in y's own indices (the CUDA GEMM places y where a
+    block of z is computed)."""
+    from tvm import te, tirx
+
+    out_dtype = tvm_dtype(spec.output_dtype)
+    out_n = spec.out_features(n)
+    swiglu = spec.epilogue == "swiglu"
+    shape = (m, out_n // SWIGLU_BLOCK, SWIGLU_BLOCK) if swiglu and tiled else (m, out_n)
+    residual = te.placeholder(shape, out_dtype, name="residual") if spec.residual else None
+    inputs += [residual] if residual is not None else []
+
+    def y(r, *j):
+        if swiglu:
+            block, lane = j if len(j) == 2 else (tirx.floordiv(j[0], SWIGLU_BLOCK), tirx.floormod(j[0], SWIGLU_BLOCK))
+            gate = block * 2 * SWIGLU_BLOCK + lane
             value = apply_epilogue("silu", z(r, gate)) * z(r, gate + SWIGLU_BLOCK)
         else:
-            value = apply_epilogue(spec.epilogue, z(r, j))
-        value = value + residual[r, j].astype("float32") if residual is not None else value
+            value = apply_epilogue(spec.epilogue, z(r, *j))
+        value = value + residual[(r, *j)].astype("float32") if residual is not None else value
         return value.astype(out_dtype)
 
-    output = te.compute((m, spec.out_features(n)), y, name="y")
-    return MatmulExpr(m, inputs, output)
+    return te.compute(shape, y, name="y")
 
 
 _ERF_P = 0.3275911
@@ -164,6 +186,94 @@ def apply_epilogue(epilogue: str, value):
         erf = const(1.0) - poly * tirx.exp(const(0.0) - u * u)
         return const(0.5) * value + const(0.5) * tirx.abs(value) * erf
     raise ValueError(f"epilogue={epilogue!r} is not elementwise; accepted: 'none', 'relu', 'silu', 'gelu'")
+
+
+NORM_ARGUMENTS = {"rmsnorm": ("norm_weight",), "torch_rmsnorm": ("norm_weight",),
+                  "layernorm": ("norm_weight", "norm_bias")}  # the kernel arguments of each norm prologue, float32 [K]
+
+
+def norm_prologue(spec: Matmul, m, k: int, x_at, weight, bias=None):
+    """x̂_at(row, j): X normalized per row as `Matmul.norm`, from float32 row statistics (Σx² / K for the RMS
+    norms; the mean, then Σ(x - mean)² / K for LayerNorm) in TE stages of their own."""
+    from tvm import te
+
+    def x_float(r, j):
+        return x_at(r, j).astype("float32")
+
+    if spec.norm == "layernorm":
+        j1 = te.reduce_axis((0, k), name="norm_k")
+        total = te.compute((m,), lambda r: te.sum(x_float(r, j1), axis=j1), name="norm_sum")
+        j2 = te.reduce_axis((0, k), name="norm_k2")
+
+        def centred(r, j):
+            return x_float(r, j) - total[r] / float(k)
+
+        squares = te.compute((m,), lambda r: te.sum(centred(r, j2) * centred(r, j2), axis=j2), name="norm_squares")
+    else:
+        total = None
+        j1 = te.reduce_axis((0, k), name="norm_k")
+        squares = te.compute((m,), lambda r: te.sum(x_float(r, j1) * x_float(r, j1), axis=j1), name="norm_squares")
+    rstd = te.compute((m,), lambda r: norm_rstd(squares[r], k, spec.norm_eps), name="norm_rstd")
+
+    def normalized(r, j):
+        shift = total[r] / float(k) * rstd[r] if total is not None else None
+        return apply_norm(spec.norm, spec.activation_dtype, x_float(r, j), shift, rstd[r], weight[j],
+                          bias[j] if bias is not None else None)
+
+    x_hat = te.compute((m, k), normalized, name="x_norm")
+    return lambda r, j: x_hat[r, j]
+
+
+def norm_rstd(squares, k: int, eps: float):
+    """1 / sqrt(Σ squares / K + eps) in float32, as torch.rsqrt of the mean (a scalar TIR expression)."""
+    from tvm import tirx
+
+    one = tirx.const(1.0, "float32")
+    return one / tirx.sqrt(squares / tirx.const(float(k), "float32") + tirx.const(eps, "float32"))
+
+
+def apply_norm(norm: str, dtype: str, value, shift, rstd, weight, bias=None):
+    """x̂ of float32 x (TIR, scalar or vector) given its row's rstd and shift = mean·rstd (LayerNorm; None for
+    the RMS norms) and the norm weight (and bias) at x's k's, rounded to the activation `dtype` where
+    `bitkern.ops.matmul.norm_reference` rounds: the one definition the templates' prologues emit."""
+    from tvm import tirx
+
+    count = value.ty.dtype.lanes
+
+    def lanes(scalar):
+        return scalar if count == 1 or scalar.ty.dtype.lanes == count else tirx.Broadcast(scalar, count)
+
+    scaled = value * lanes(rstd)
+    if norm == "layernorm":
+        return round_to((scaled - lanes(shift)) * weight + bias, dtype)
+    if norm == "rmsnorm":
+        return round_to(weight * round_to(scaled, dtype), dtype)
+    if norm == "torch_rmsnorm":
+        return round_to(scaled * weight, dtype)
+    raise ValueError(f"norm={norm!r} is not a norm prologue; accepted: {list(NORM_ARGUMENTS)}")
+
+
+def round_to(value, dtype: str):
+    """float32 TIR values rounded to `dtype` (float32, float16, or bfloat16 to nearest even) and back."""
+    from tvm import tirx
+
+    count = value.ty.dtype.lanes
+    typed = (lambda name: f"{name}x{count}") if count > 1 else (lambda name: name)
+    if dtype == "float32":
+        return value
+    if dtype == "float16":
+        return tirx.Cast(typed("float32"), tirx.Cast(typed("float16"), value))
+    if dtype != "bfloat16":
+        raise ValueError(f"dtype={dtype!r}: a norm rounds to float32, float16 or bfloat16")
+
+    def const(number: int):
+        scalar = tirx.const(number, "uint32")
+        return scalar if count == 1 else tirx.Broadcast(scalar, count)
+
+    bits = tirx.reinterpret(typed("uint32"), value)
+    lsb = tirx.bitwise_and(tirx.shift_right(bits, const(16)), const(1))
+    rounded = tirx.bitwise_and(bits + const(0x7FFF) + lsb, const(0xFFFF0000))
+    return tirx.reinterpret(typed("float32"), rounded)
 
 
 def activation(spec: Matmul, k: int):

@@ -1,5 +1,6 @@
 """The mixed-precision matmul as a typed operator: y[M, N] = x[M, K] · dequant(W)[N, K]ᵀ (+ bias), optionally
-followed by an epilogue (an activation, the SwiGLU gating of a stacked weight, a residual add).
+preceded by a prologue (x normalized per row: RMSNorm, LayerNorm) and followed by an epilogue (an activation, the
+SwiGLU gating of a stacked weight, a residual add).
 
 `Matmul` is a hashable spec (the cache key's operator part); `Matmul.reference` is the pure-torch
 result every kernel is tested against.
@@ -24,8 +25,12 @@ OPERAND_LAYOUTS = ("nt",)  # the spec's `layout`: x [M, K] row-major times weigh
 # f applied to each z = x·Wᵀ + b in the kernel's output stage; "swiglu" reads a stacked weight (`swiglu_rows`)
 EPILOGUES = ("none", "relu", "silu", "gelu", "swiglu")
 SWIGLU_BLOCK = 16  # rows of gate, then of up, alternating in a SwiGLU weight (one 16-column tile of each)
+# x normalized per row before the GEMM (float32 statistics; `norm_reference` is the definition): "rmsnorm" as
+# Hugging Face's LlamaRMSNorm, "torch_rmsnorm" as torch.nn.RMSNorm, "layernorm" as torch.nn.LayerNorm
+NORMS = ("none", "rmsnorm", "torch_rmsnorm", "layernorm")
+NORM_DTYPES = ("float32", "float16", "bfloat16")  # activation types a norm prologue takes
 _SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
-                "bias", "layout", "scale_dtype", "epilogue", "residual")
+                "bias", "layout", "scale_dtype", "epilogue", "residual", "norm", "norm_eps")
 BIAS_DTYPES = tuple(torch_dtype(name) for name in ("float32", "float16", "bfloat16"))  # added in float32: exact
 
 
@@ -40,6 +45,9 @@ class Matmul:
     stack of a gate and an up projection whose rows alternate SWIGLU_BLOCK by SWIGLU_BLOCK (`swiglu_rows`;
     the bias likewise) and y[:, j] = silu(gate_j) · up_j has N columns.  residual: a tensor r shaped like y
     (in the output type) is added last.
+    norm: x is replaced by its per-row normalization x̂ before the GEMM ("rmsnorm", "torch_rmsnorm",
+    "layernorm", see NORMS and `norm_reference`), with a norm weight (and for "layernorm" a norm bias) of K values
+    given with each call; norm_eps: the epsilon added to the variance.
     """
 
     weight_dtype: str
@@ -53,6 +61,8 @@ class Matmul:
     scale_dtype: str = "float16"
     epilogue: str = "none"
     residual: bool = False
+    norm: str = "none"
+    norm_eps: float = 1e-6
     geometry = None  # how x's rows are gathered: None for a [M, K] matrix (see `bitkern.ops.Conv2d`)
 
     def __hash__(self) -> int:  # specs key every kernel lookup: hashed once, in __post_init__
@@ -74,6 +84,14 @@ class Matmul:
         _choice("epilogue", self.epilogue, EPILOGUES)
         if not isinstance(self.residual, bool):
             raise TypeError(f"residual={self.residual!r} must be a bool")
+        _choice("norm", self.norm, NORMS)
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or \
+                not 0 < self.norm_eps < float("inf"):
+            raise ValueError(f"norm_eps={self.norm_eps!r} must be a positive finite float")
+        object.__setattr__(self, "norm_eps", float(self.norm_eps))
+        if self.norm != "none" and activation not in NORM_DTYPES:
+            raise ValueError(f"norm={self.norm!r} with activation_dtype={activation!r}: a norm prologue takes "
+                             f"{list(NORM_DTYPES)} activations")
         if weight.block_size > 1 and self.group_size != weight.block_size:
             raise ValueError(f"group_size={self.group_size}: type {weight.name!r} has a fixed block; "
                              f"accepted: {weight.block_size}")
@@ -115,13 +133,17 @@ class Matmul:
         return m, k
 
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """y = f(x · Wᵀ (+ bias)) (+ residual) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed
-        weight.  The call goes to the dispatch layer (`bitkern.cache.dispatch`), which checks the inputs with
-        `fits` / `check_inputs` and runs the kernel on `gemm_input`."""
-        return execution.run(self, x, weight, bias, residual)
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = f(x̂ · Wᵀ (+ bias)) (+ residual) by a compiled kernel; x is [..., K], weight a `bitkern.pack`ed
+        weight, x̂ = x or its normalization (norm specs: norm_weight [K], and norm_bias [K] for "layernorm").
+        The call goes to the dispatch layer (`bitkern.cache.dispatch`), which checks the inputs with `fits` /
+        `check_inputs` and runs the kernel on `gemm_input`."""
+        if self.norm == "none" and norm_weight is None and norm_bias is None:
+            return execution.run(self, x, weight, bias, residual)
+        return execution.run(self, x, weight, bias, residual, norm_weight, norm_bias)
 
-    def fits(self, x, weight, bias, residual=None) -> bool:
+    def fits(self, x, weight, bias, residual=None, norm_weight=None, norm_bias=None) -> bool:
         """A quick test (a few comparisons) that implies `check_inputs` passes for CPU tensors; False sends the
         call through `check_inputs`, which names what is wrong.  Right after a kernel has streamed its weights
         through the caches, the full checks cost ~20 µs per call (measured at 4096x4096, M=1)."""
@@ -139,7 +161,10 @@ class Matmul:
                 and (residual is None if not self.residual else
                      type(residual) is torch.Tensor and residual.shape[:-1] == x.shape[:-1]
                      and residual.shape[-1] == self.out_features(n) and residual.is_contiguous()
-                     and residual.dtype is torch_dtype(self.output_dtype) and residual.is_cpu))
+                     and residual.dtype is torch_dtype(self.output_dtype) and residual.is_cpu)
+                and (norm_weight is None and norm_bias is None if self.norm == "none" else
+                     _norm_vector_fits(norm_weight, k) and
+                     (_norm_vector_fits(norm_bias, k) if self.norm == "layernorm" else norm_bias is None)))
 
     def gemm_input(self, x: torch.Tensor, n: int, k: int, gathered: bool = True) -> tuple:
         """(the spec whose kernel runs, its contiguous [M, K] rows, the shape of y) for a checked x (`gathered`:
@@ -150,8 +175,10 @@ class Matmul:
         return self, rows, (*x.shape[:-1], self.out_features(n))
 
     def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None) -> None:
-        """Raise naming the argument if x, weight (quantized or packed) or bias do not fit this spec."""
+                     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                     norm_bias: torch.Tensor | None = None) -> None:
+        """Raise naming the argument if x, weight (quantized or packed), bias, residual or the norm's weight and
+        bias do not fit this spec."""
         if not isinstance(weight, StoredWeight):
             raise TypeError(f"weight must be a bitkern QuantizedWeight, got {type(weight).__name__}")
         n, k = weight.shape
@@ -195,16 +222,38 @@ class Matmul:
             if residual.dtype != torch_dtype(self.output_dtype) or residual.device != weight.device:
                 raise ValueError(f"residual must be a {self.output_dtype} tensor on {weight.device}, got "
                                  f"{residual.dtype} on {residual.device}")
+        self._check_norm_inputs(k, weight.device, norm_weight, norm_bias)
+
+    def _check_norm_inputs(self, k: int, device, norm_weight, norm_bias) -> None:
+        """Raise naming the argument unless the norm's weight (and bias) are what the spec's norm takes."""
+        wanted = {"none": (), "rmsnorm": ("norm_weight",), "torch_rmsnorm": ("norm_weight",),
+                  "layernorm": ("norm_weight", "norm_bias")}[self.norm]
+        for name, value in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+            if name not in wanted:
+                if value is not None:
+                    raise ValueError(f"{name} must be None: the spec has norm={self.norm!r}")
+                continue
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (k,):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{name} must be a tensor of shape ({k},) (in_features) for norm={self.norm!r}, "
+                                 f"got {got}")
+            if value.dtype not in BIAS_DTYPES or value.device != device:
+                raise ValueError(f"{name} must be a float32, float16 or bfloat16 tensor on {device}, got "
+                                 f"{value.dtype} on {value.device}")
 
     def reference(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                  norm_bias: torch.Tensor | None = None) -> torch.Tensor:
         """The reference result: `exact` cast to the output type."""
-        return self.exact(x, weight, bias, residual).to(torch_dtype(self.output_dtype))
+        return self.exact(x, weight, bias, residual, norm_weight, norm_bias).to(torch_dtype(self.output_dtype))
 
     def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The result in float64 before output rounding (dequantized weight, float64 sums, torch's activations)."""
-        self.check_inputs(x, weight, bias, residual)
+              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+              norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The result in float64 before output rounding (x normalized by `norm_reference`, dequantized weight,
+        float64 sums, torch's activations)."""
+        self.check_inputs(x, weight, bias, residual, norm_weight, norm_bias)
+        x = norm_reference(self.norm, x, norm_weight, norm_bias, self.norm_eps)
         y = x.double() @ weight.to_portable().dequantize(torch.float64).T
         y = y + bias.double() if bias is not None else y
         y = epilogue_reference(self.epilogue, y)
@@ -225,6 +274,31 @@ def swiglu_rows(n: int) -> torch.Tensor:
         raise ValueError(f"SwiGLU gate and up projections need a multiple of {SWIGLU_BLOCK} rows, got {n}")
     blocks = torch.arange(n).reshape(-1, SWIGLU_BLOCK)
     return torch.stack((blocks, blocks + n), dim=1).reshape(-1)
+
+
+def norm_reference(norm: str, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+    """x̂ of a norm prologue in torch, in x's dtype (statistics in float32 over the last dimension, the population
+    variance): "rmsnorm" is Hugging Face's LlamaRMSNorm, weight · dtype(x·rstd) rounded to x's dtype;
+    "torch_rmsnorm" torch.rms_norm, dtype(x·rstd·weight); "layernorm" torch's layer_norm, dtype((x·rstd -
+    mean·rstd)·weight + bias); rstd = 1/sqrt(variance + eps).  Differentiable (the backward of the fused op)."""
+    if norm == "none":
+        return x
+    dtype, value = x.dtype, x.float()
+    if norm == "layernorm":
+        mean = value.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((value - mean).square().mean(-1, keepdim=True) + eps)
+        return ((value * rstd - mean * rstd) * weight.float() + bias.float()).to(dtype)
+    rstd = torch.rsqrt(value.square().mean(-1, keepdim=True) + eps)
+    if norm == "rmsnorm":
+        return (weight.float() * (value * rstd).to(dtype).float()).to(dtype)
+    return (value * rstd * weight.float()).to(dtype)
+
+
+def _norm_vector_fits(value, k: int) -> bool:
+    """A quick test that a norm weight or bias passes `Matmul.check_inputs`."""
+    return type(value) is torch.Tensor and value.dim() == 1 and value.shape[0] == k and value.is_cpu \
+        and value.dtype in BIAS_DTYPES
 
 
 def epilogue_reference(epilogue: str, z: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,19 @@ def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
     return x.to(where), copies, None if bias is None else bias.to(where)
 
 
+def stage_inputs(spec: Matmul, n: int, k: int, m: int, device) -> dict:
+    """The keyword arguments a kernel of `spec` takes beyond (x, weight, bias) for M rows: the residual its output
+    stage adds, the norm weight (and bias) of its prologue; empty for a spec with neither."""
+    where = "cpu" if device.kind == "cpu" else "cuda"
+    extras = {}
+    if spec.residual:
+        extras["residual"] = torch.randn(m, spec.out_features(n)).to(torch_dtype(spec.output_dtype)).to(where)
+    if spec.norm != "none":
+        extras["norm"] = (torch.ones(k, device=where), torch.zeros(k, device=where) if spec.norm == "layernorm" else
+                          None)
+    return extras
+
+
 def _tiny_weight(spec: Matmul, k: int):
     block = get(spec.weight_dtype).block_size > 1
     return quantize(torch.ones(1, k), spec.weight_dtype, group_size=None if block else spec.group_size,

@@ -5,6 +5,7 @@ parallel, time them on the device, keep the fastest (or the model's best where t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from ..ops.matmul import Matmul
 from .buckets import TUNED_M
 from .cost import estimate
 from .hints import device_hint
-from .profile import TIMERS, build_all, inputs, time_kernels
+from .profile import TIMERS, build_all, inputs, stage_inputs, time_kernels
 from .record import Trial, TuningRecord
 from .space import Candidate, enumerate_candidates, usable_templates
 
@@ -118,8 +119,9 @@ def _fastest(record: TuningRecord, indices: list[int], kernels: list, spec: Matm
     """Time `kernels` (record.trials[indices]) on the device, note each one's time, choose the fastest (times
     within TIE of it are ties, broken by the model) and return its kernel."""
     x, copies, bias = inputs(spec, n, k, record.tuned_m, layout, device)
-    for i, kernel, seconds in zip(indices, kernels, time_kernels(kernels, x, copies, bias,
-                                                                 timer=TIMERS[device.kind])):
+    extras = stage_inputs(spec, n, k, record.tuned_m, device)
+    timed = [functools.partial(kernel, **extras) for kernel in kernels] if extras else kernels
+    for i, kernel, seconds in zip(indices, kernels, time_kernels(timed, x, copies, bias, timer=TIMERS[device.kind])):
         record.trials[i].measured_s = seconds
         record.trials[i].build_s = getattr(kernel, "build_seconds", None)
     fastest = min(record.trials[i].measured_s for i in indices)

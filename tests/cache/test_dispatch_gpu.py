@@ -5,6 +5,7 @@ import torch
 
 import bitkern
 from bitkern.ops import Matmul
+from tests.helpers import assert_within_epilogue_bound, epilogue_bound
 
 pytestmark = pytest.mark.requires_cuda
 
@@ -21,6 +22,24 @@ def test_matmul_on_cuda_tensors(name, activation, m):
     expected = spec.exact(x.cpu(), q.to("cpu"))
     magnitude = x.double().abs().cpu() @ q.to("cpu").dequantize(torch.float64).abs().T
     assert float(((y.double().cpu() - expected).abs() - 2.0**-7 * magnitude).max()) <= 0
+
+
+@pytest.mark.parametrize("epilogue, residual", [("swiglu", True), ("gelu", False)])
+@pytest.mark.parametrize("m", [1, 33])
+def test_fused_matmul_on_cuda_tensors(epilogue, residual, m):
+    """A fused epilogue through the dispatch on the GPU (the kernels of bitkern.gpukit.matrix.DISPATCH_EPILOGUES),
+    against the float64 reference of the unfused computation."""
+    generator = torch.Generator().manual_seed(m)
+    q = bitkern.quantize(torch.randn(256, 512, generator=generator), "int4")
+    spec = Matmul.for_weight(q, "float16", bias=True, output_dtype="float32", epilogue=epilogue, residual=residual)
+    x = torch.randn(m, 512, generator=generator).half()
+    bias = torch.randn(256, generator=generator)
+    r = torch.randn(m, spec.out_features(256), generator=generator) if residual else None
+    y = spec(x.cuda(), bitkern.pack(q.to("cuda")), bias.cuda(), None if r is None else r.cuda())
+    z = Matmul.for_weight(q, "float16", bias=True, output_dtype="float32").exact(x, q, bias)
+    reference = spec.exact(x, q, bias, r)
+    bound_z = 2.0**-10 * (x.double().abs() @ q.dequantize(torch.float64).abs().T) + 2.0**-23 * z.abs()
+    assert_within_epilogue_bound(spec, y, reference, epilogue_bound(spec, z, bound_z, reference, 2.0**-20))
 
 
 def test_linear_moved_to_cuda_relays_its_weight():

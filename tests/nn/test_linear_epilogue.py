@@ -4,17 +4,14 @@ epilogue; gradients to x, bias and residual; torch.compile fullgraph."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import bitkern
 from bitkern.nn.library import op_arguments
 from bitkern.ops import Matmul
-from bitkern.ops.matmul import SWIGLU_BLOCK, swiglu_rows
-from tests.helpers import OUTPUT_EPS, summed_magnitudes
+from bitkern.ops.matmul import swiglu_rows
+from tests.helpers import assert_epilogue_matches_reference
 
 N, K = 64, 256
-# |f'| bounds: how far an error in z = x·Wᵀ + b can move f(z)
-LIPSCHITZ = {"none": 1.0, "relu": 1.0, "silu": 1.1, "gelu": 1.13}
 
 
 def _case(dtype: str, epilogue: str, m: int, residual: bool, seed: int = 0):
@@ -28,28 +25,6 @@ def _case(dtype: str, epilogue: str, m: int, residual: bool, seed: int = 0):
     return spec, qweight, x, bias, r
 
 
-def _z_bound(spec, qweight, x, z):
-    """The bound of the plain kernel's error in z (see tests.helpers.assert_within_bound)."""
-    c = 1e-5 if "bfloat16" in qweight.ttype.compute_types else 2.0**-8
-    return c * (x.double().abs() @ summed_magnitudes(spec, qweight).T) + 1e-6 * z.abs() + 1e-6
-
-
-def _assert_within_epilogue_bound(spec, qweight, x, bias, r, y):
-    z = Matmul.for_weight(qweight, "bfloat16", bias=True, output_dtype="float32").exact(x, qweight, bias)
-    bound_z = _z_bound(spec, qweight, x, z)
-    reference = spec.exact(x, qweight, bias, r)
-    if spec.epilogue == "swiglu":
-        pairs, bounds = (t.reshape(x.shape[0], -1, 2, SWIGLU_BLOCK) for t in (z, bound_z))
-        gate, up, gate_bound, up_bound = pairs[..., 0, :], pairs[..., 1, :], bounds[..., 0, :], bounds[..., 1, :]
-        bound = (1.1 * gate_bound * (up.abs() + up_bound) + F.silu(gate).abs() * up_bound).reshape(x.shape[0], -1)
-    else:
-        bound = LIPSCHITZ[spec.epilogue] * bound_z + (2e-7 * z.abs() if spec.epilogue == "gelu" else 0)
-    bound = bound + (OUTPUT_EPS[spec.output_dtype] + 1e-6) * reference.abs()
-    assert y.shape == reference.shape and y.dtype == torch.float32
-    excess = (y.double() - reference).abs() - bound
-    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g} over the bound"
-
-
 @pytest.mark.parametrize("dtype", ["int4", "nf4", "int8"])
 @pytest.mark.parametrize("epilogue,residual", [("silu", False), ("gelu", False), ("relu", True), ("none", True),
                                                ("swiglu", False)])
@@ -58,7 +33,7 @@ def test_fused_matches_unfused_reference(dtype, epilogue, residual):
         spec, qweight, x, bias, r = _case(dtype, epilogue, m, residual, seed=m)
         weight, weight_format = op_arguments(bitkern.pack(qweight))
         y = torch.ops.bitkern.linear_epilogue(x, weight, weight_format, bias, torch.float32, epilogue, r)
-        _assert_within_epilogue_bound(spec, qweight, x, bias, r, y)
+        assert_epilogue_matches_reference(spec, qweight, x, bias, r, y)
 
 
 def test_swiglu_rows_interleave_gate_and_up():

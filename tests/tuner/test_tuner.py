@@ -162,6 +162,17 @@ def test_profiled_tuning_builds_the_top_k_and_keeps_the_fastest():
     assert "<= chosen" in text and "hint m" in text and record.summary() in text
 
 
+def test_profiled_tuning_times_kernels_of_residual_specs_with_their_residual():
+    """A residual spec's kernels take the residual as an argument: timing them passes one (they failed before)."""
+    spec = Matmul("int4", "bfloat16", output_dtype="float32", epilogue="swiglu", residual=True)
+    tuned = tune(spec, 64, 256, (1, 4), "tile16", host_cpu(), top_k=2)
+    assert tuned.record.profiled and any(t.measured_s is not None for t in tuned.record.trials)
+    q = bitkern.quantize(torch.randn(64, 256), "int4")
+    x, r = torch.randn(3, 256).bfloat16(), torch.randn(3, 32)
+    y = tuned.kernel(x, to_layout(q, "tile16"), None, r)
+    torch.testing.assert_close(y.double(), spec.exact(x, q, None, r), rtol=2e-2, atol=2e-2)
+
+
 def test_candidates_are_timed_taking_turns():
     """Profiling alternates the candidates call by call (drift in the machine's speed hits them alike) and
     rotates the weight copies; each gets the median of its own calls."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...ops.expr import matmul_expr
-from ...ops.matmul import EPILOGUES, Matmul
+from ...ops.matmul import EPILOGUES, NORMS, Matmul
 from ...ttype import Layout
 from ..sched import vector_lanes
 from ..template import Work
@@ -36,6 +36,7 @@ class GenericTemplate(CpuTemplate):
     exact_buffers = False  # TVM's buffer compaction shrinks the tensor expression's buffers
     epilogues = EPILOGUES  # the expression's output stage (`ops.expr.matmul_expr`)
     residual_add = True
+    norms = NORMS  # the expression's prologue (`ops.expr.norm_prologue`)
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> None:
         return None

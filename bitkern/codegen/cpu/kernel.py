@@ -45,20 +45,26 @@ class CpuKernel:
     amx_tiles: bool = False
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, norm: tuple = ()) -> torch.Tensor:
         """y[M, N] for a contiguous x (x[M, K], or a convolution's NHWC image: M = its output pixels) with M
         in m_range (inputs already validated by the caller; residual: [M, N] in the output type, for specs with
-        one).  AMX kernels ask for the tile permission here, on their first call, so that they can be built for
+        one; norm: (weight, bias or None) of a norm prologue, [K] each, passed as float32).  AMX kernels ask for the tile permission here, on their first call, so that they can be built for
         a CPU that is not this one."""
         if self.amx_tiles:
             enable_amx()
         y = torch.empty(self.spec.rows(x), self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype),
                         device=x.device)
-        bias_argument = () if bias is None else \
-            (aligned(bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()),)
+        bias_argument = () if bias is None else (_float32(bias),)
         residual_argument = () if residual is None else (aligned(residual.contiguous()),)
-        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *bias_argument, *residual_argument, y)
+        norm_arguments = tuple(_float32(vector) for vector in norm if vector is not None)
+        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *norm_arguments, *bias_argument,
+                      *residual_argument, y)
         return y
+
+
+def _float32(vector: torch.Tensor) -> torch.Tensor:
+    """A bias or norm vector as the kernels take it: float32, contiguous and aligned (converted exactly)."""
+    return aligned(vector if vector.dtype == torch.float32 and vector.is_contiguous() else vector.float().contiguous())
 
 
 @dataclass(frozen=True)

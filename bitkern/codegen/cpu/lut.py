@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.matmul import Matmul
+from ...ops.matmul import EPILOGUES, Matmul
 from ...ttype import codes_per_word, effective_group_size, get
 from ..template import Work
 from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuTemplate, Footprint, check_prefetch, doublings, operand_bytes
@@ -42,12 +42,19 @@ def value_table(spec: Matmul) -> torch.Tensor:
     return ttype.values.clone()
 
 
+def min_tiles(spec: Matmul) -> int:
+    """Tiles a task must hold: a (gate, up) pair for SwiGLU (`ops.matmul.swiglu_rows`), else one."""
+    return 2 if spec.epilogue == "swiglu" else 1
+
+
 class LutTemplate(CpuTemplate):
     name = "lut"
     title = "lookup"
     config_type = LutConfig
     max_rows = MAX_ROWS
     shape_fields = ("n_tiles", "prefetch")
+    epilogues = EPILOGUES  # its output stage (`emit.lut._Builder._store`)
+    residual_add = True
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
         ttype = get(spec.weight_dtype)
@@ -69,14 +76,15 @@ class LutTemplate(CpuTemplate):
         return Footprint(l1_bytes=tables + config.n_tiles * MAX_ROWS * 64)
 
     def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[LutConfig]:
-        """Tiles per task while a group's tables and the accumulators fit L1 and the body stays small (one tile
-        always), every prefetch depth."""
+        """Tiles per task while a group's tables and the accumulators fit L1 and the body stays small (the
+        fewest tiles always: one, or for SwiGLU a (gate, up) pair), every prefetch depth."""
         row_counts = sum(range(bucket[0], bucket[1] + 1))
+        fewest = min_tiles(spec)
         found = []
-        for n_tiles in doublings(1, 16):
+        for n_tiles in doublings(fewest, 16):
             too_large = self.resources(spec, k, LutConfig(n_tiles)).l1_bytes > device.l1_bytes or \
                 n_tiles * row_counts > BODY
-            if too_large and n_tiles > 1:
+            if too_large and n_tiles > fewest:
                 break
             found += [LutConfig(n_tiles, prefetch) for prefetch in PREFETCH_WORDS]
         return found
@@ -99,9 +107,12 @@ class LutTemplate(CpuTemplate):
         from .emit.lut import build
 
         self.check_config(config)
-        reason = self.unsupported(spec, n, k, device)
+        reason = self.unsupported(spec, n, k, device) or self.unsupported_epilogue(spec)
         if reason:
             raise ValueError(f"the lookup template does not support {reason}")
+        if config.n_tiles % min_tiles(spec):
+            raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
+                             f"in pairs)")
         return build(spec, n, k, config, device.cores, bucket), [value_table(spec)]
 
 

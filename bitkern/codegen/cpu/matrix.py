@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.matmul import EPILOGUES, Matmul
+from ...ops.matmul import EPILOGUES, NORMS, Matmul
 from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
 from .kernel import CpuTemplate, check_prefetch
@@ -109,6 +109,7 @@ class MatrixTemplate(CpuTemplate):
     shape_fields = ("n_tiles", "m_tiles", "rows", "prefetch", "decode", "chunk_prologue")
     epilogues = EPILOGUES  # the tile16 builder's output stage (`Tile16Builder._store_output`)
     residual_add = True
+    norms = NORMS  # the tile16 builder's prologue (`Tile16Builder._x_at`)
 
     @staticmethod
     def for_epilogue(spec: Matmul, configs: list) -> list:

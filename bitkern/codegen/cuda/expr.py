@@ -2,21 +2,23 @@
 
     W[n, k] = round_c((v(code[n, k]) - z[n, g]) · s[n, g])     (float compute types c; g = k // group)
     W[n, k] = v(code[n, k]) [- z[n, g]]                        (int8 / float8_e4m3: scaled after the sum)
-    Y[m, n] = cast_out( Σ_k acc(X[m, k]) · acc(W[n, k]) [· s[n]] + bias[n] )
+    Z[m, n] = Σ_k acc(X[m, k]) · acc(W[n, k]) [· s[n]] + bias[n]
+    Y[m, j] = cast_out( f(Z[m, j]) [+ residual[m, j]] )     (SwiGLU: silu(Z[m, gate j]) · Z[m, up j])
 
 Unlike `bitkern.ops.expr.matmul_expr` (weights in the float32 accumulation type), W here is in the type
 the tensor cores multiply, which is what mma needs.  `dequant` is the single definition of W: the
 expression and the description of the LOP3 decode intrinsic (`intrin.decode_intrinsic`) both call it,
 so tensorize matches them structurally, and the decode functions are tested against the same formula.
+f is the spec's epilogue, from the one definition the CPU kernels emit too (`ops.expr.apply_epilogue`).
 Arguments, in order: x, qweight, scales, zeros (zero modes), tensor_scale (NVFP4), bias (bias specs),
-then y (the CPU kernels' order).
+residual (residual specs), then y (the CPU kernels' order).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...ops.expr import scale_storage, zero_storage
+from ...ops.expr import output_stage, scale_storage, zero_storage
 from ...ops.matmul import Matmul
 from ...ttype import codes_per_word, effective_group_size, get, tvm_dtype
 from .decode import FLOAT_OUTPUTS, Decoder
@@ -170,13 +172,10 @@ def cuda_matmul_expr(spec: Matmul, n: int, k: int, row_block: int) -> CudaExpr:
     acc = te.compute((m_pad, n_pad), lambda r, i: te.sum(
         xk[r, reduce_k].astype(acc_dtype) * wdec[i, reduce_k].astype(acc_dtype), axis=reduce_k), name="acc")
 
-    def epilogue(r, i):
+    def z(r, i):
         value = acc[r, i].astype("float32")
         if scaled_later:
             value = value * scales[i, 0].astype("float32")
-        if bias is not None:
-            value = value + bias[i]
-        return value.astype(tvm_dtype(spec.output_dtype))
+        return value + bias[i] if bias is not None else value
 
-    y = te.compute((m, n), epilogue, name="y")
-    return CudaExpr(m, inputs, wdec, acc, y, decoder)
+    return CudaExpr(m, inputs, wdec, acc, output_stage(spec, m, n, z, inputs, tiled=True), decoder)

@@ -19,7 +19,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from ...ops.matmul import Matmul
+from ...ops.matmul import SWIGLU_BLOCK, Matmul
 from ...ttype import effective_group_size, get, itemsize
 from .decode import FLOAT_OUTPUTS, library
 from .expr import cuda_matmul_expr
@@ -135,6 +135,9 @@ class GemmTemplate(CudaTemplate):
         if words % config.threads:
             return (f"block_n={config.block_n} x block_k={config.block_k} holds {words} words of codes, not a "
                     f"multiple of the {config.threads} threads that decode one word each")
+        if spec.epilogue == "swiglu" and config.warp_n % (2 * SWIGLU_BLOCK):
+            return (f"warp_n={config.warp_n} with epilogue='swiglu' (a warp's tile must hold whole (gate, up) pairs "
+                    f"of {SWIGLU_BLOCK} columns each)")
         if config.decode == "lop3":
             group = layout_group(effective_group_size(spec.group_size, k), k)
             if group % per_word:
@@ -314,6 +317,8 @@ class _Schedule:
         sch.compute_at(b_warp, self.k1)
         self.c_shared = sch.cache_write(self.outer, 0, "shared.dyn")
         self.c_warp = sch.cache_write(self.outer, 0, "warp")
+        if self.spec.epilogue == "swiglu":  # the tile as [16-column tile, row, 16]: see `_epilogue`
+            sch.transform_layout(self.c_shared, ("read", 0), lambda i, j: (j // SWIGLU_BLOCK, i, j % SWIGLU_BLOCK))
         sch.reverse_compute_at(self.c_warp, self.warp)
         rows, cols = sch.get_loops(self.c_warp)[-2:]
         row_tile, rows = sch.split(rows, [None, 16])
@@ -337,16 +342,41 @@ class _Schedule:
         sch.tensorize(sch.get_loops(self.c_warp)[-2], self.mma.store)
 
     def _epilogue(self) -> None:
-        """Inline the output chain into the copy from the shared accumulator tile to y, per warp."""
+        """Inline the output chain into the copy from the shared accumulator tile to y, per warp.  SwiGLU: the
+        tile is laid out [16-column tile, row, 16], so that y[r, j // 16, j % 16] reads tiles 2·(j // 16) (gate)
+        and the next (up) at its own row and lane (what compute-at can place)."""
         sch = self.sch
         sch.compute_inline(self.c_shared)
         store = sch.get_sblock("y")
+        if self.spec.epilogue == "swiglu":
+            _simplify_indices(sch, store)
         sch.reverse_compute_at(store, self.warp)
-        out_size = itemsize(self.spec.output_dtype)
-        fused = sch.fuse(*sch.get_loops(store)[-2:])
-        _, lane, vec = sch.split(fused, [None, WARP, vector_lanes(16 // out_size, self.n)])
+        lanes = vector_lanes(16 // itemsize(self.spec.output_dtype), self.spec.out_features(self.n))
+        if self.spec.epilogue != "none":  # TVM writes the epilogues' float32x8 constants as an invalid
+            lanes = min(lanes, 4)  # make_ulonglong4 of 8 floats; float32x4 constants are make_float4
+        fused = sch.fuse(*loops_under(sch, store, self.warp))
+        _, lane, vec = sch.split(fused, [None, WARP, lanes])
         sch.bind(lane, "threadIdx.x")
         sch.vectorize(vec)
+
+
+def _simplify_indices(sch, block) -> None:
+    """Rewrite a block's indices and read regions with its iteration ranges known: the inlined [tile, row, 16]
+    layout leaves floordiv / floormod of y's indices that compute-at cannot invert (they vanish within the
+    ranges)."""
+    from tvm import ir, sym, tirx
+
+    stmt = sch.get(block)
+    analyzer = sym.Analyzer()
+    for iter_var in stmt.iter_vars:
+        analyzer.bind(iter_var.var, iter_var.dom)
+    store = stmt.body
+    body = tirx.BufferStore(store.buffer, analyzer.simplify(store.value), [analyzer.simplify(i) for i in store.indices])
+    reads = [type(read)(read.source, [ir.Range.from_min_extent(analyzer.simplify(r.min), analyzer.simplify(r.extent))
+                                      for r in read.region], read.ty) for read in stmt.reads]
+    simplified = type(stmt)(stmt.iter_vars, reads, stmt.writes, stmt.name_hint, body, stmt.init, stmt.alloc_buffers,
+                            stmt.match_buffers, stmt.annotations)
+    sch.state.replace(sch.get_sref(block), simplified, {stmt: simplified})
 
 
 def _fragment_tile(sch, block, rows: int, cols: int):

@@ -17,8 +17,9 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ...ops.matmul import Matmul
-from ...ttype import effective_group_size, get, itemsize, tvm_dtype
+from ...ops.expr import output_stage
+from ...ops.matmul import EPILOGUES, Matmul
+from ...ttype import effective_group_size, get, itemsize
 from .decode import library
 from .expr import ACCUMULATE, MAX_ROWS, cuda_matmul_expr
 from .intrin import decode_intrinsic
@@ -83,6 +84,9 @@ class GemvTemplate(CudaTemplate):
     config_type = GemvConfig
     shape_fields = ("rows", "decode")
     max_rows = FEW_ROWS
+    # its output stage runs per weight row (a lane group's column): SwiGLU's gate and up rows are computed by other
+    # lanes, so the GEMM serves SwiGLU at any M
+    epilogues = tuple(name for name in EPILOGUES if name != "swiglu")
 
     def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
         try:
@@ -166,8 +170,9 @@ TEMPLATE = GemvTemplate()
 
 
 def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce"):
-    """The kernel summing split-K partial sums [split_k, M rounded up to `rows`, N_pad] into y [M, N] with
-    the epilogue; arguments: partial, bias (bias specs), y."""
+    """The kernel summing split-K partial sums [split_k, M rounded up to `rows`, N_pad] into y [M, out_features]
+    with the output stage (bias, epilogue, residual); arguments: partial, bias (bias specs), residual (residual
+    specs), y."""
     from tvm import s_tir, te, tirx
 
     n_pad, _ = padded_shape(n, 1)
@@ -177,15 +182,8 @@ def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce")
     bias = te.placeholder((n,), "float32", name="bias") if spec.bias else None
     s = te.reduce_axis((0, config.split_k), name="s")
     total = te.compute((m, n), lambda r, i: te.sum(partial[s, r, i], axis=s), name="total")
-
-    def epilogue(r, i):
-        value = total[r, i]
-        if bias is not None:
-            value = value + bias[i]
-        return value.astype(tvm_dtype(spec.output_dtype))
-
-    y = te.compute((m, n), epilogue, name="y")
     inputs = [partial] + ([bias] if bias is not None else [])
+    y = output_stage(spec, m, n, lambda r, i: total(r, i) + bias(i) if bias is not None else total(r, i), inputs)
     sch = s_tir.Schedule(te.create_prim_func([*inputs, y]).with_attr("global_symbol", name))
     rows, cols = sch.get_loops(sch.get_sblock("y"))
     sch.compute_at(sch.get_sblock("total"), cols)

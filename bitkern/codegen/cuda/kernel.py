@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...ops.matmul import Matmul
+from ...ops.matmul import EPILOGUES, Matmul
 from ...ttype import Layout, get, torch_dtype
 from ..template import Template
 from .compile import Binary, Launch, LaunchCall, check_arch, evaluate, lower, nvcc
@@ -48,11 +48,13 @@ class CudaKernel:
     binary: Binary
     _modules: dict = field(default_factory=dict, repr=False)
 
-    def __call__(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """y[M, N] for a contiguous CUDA x[M, K] (inputs validated by the caller, as for the CPU kernels)."""
+    def __call__(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """y[M, out_features] for a contiguous CUDA x[M, K] (inputs validated by the caller, as for the CPU
+        kernels; residual: [M, out_features] in the output type, for specs with one)."""
         self._check_call(x, weight)
         self._check_device(x.device)
-        y, calls = self.plan(x, weight, bias)
+        y, calls = self.plan(x, weight, bias, residual)
         module = self._module(x.device)
         stream = torch.cuda.current_stream(x.device).cuda_stream
         for call in calls:
@@ -60,13 +62,14 @@ class CudaKernel:
                           call.static_shared_bytes)
         return y
 
-    def plan(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None = None):
+    def plan(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None):
         """(y, [LaunchCall]): the output allocated on x's device and the launches that compute it, arguments
         packed; everything a call does but the driver calls (a dry run checks them against the cubin with host
         tensors, `launcher.check_launches`)."""
         self._check_call(x, weight)
         m, device = x.shape[0], x.device
-        y = torch.empty(m, self.n, dtype=torch_dtype(self.spec.output_dtype), device=device)
+        y = torch.empty(m, self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype), device=device)
         tensors = {"x": x, "qweight": weight.qweight, "scales": weight.scales, "y": y}
         if weight.zeros is not None:
             tensors["zeros"] = weight.zeros
@@ -74,6 +77,14 @@ class CudaKernel:
             tensors["tensor_scale"] = weight.tensor_scale.reshape(1)
         if bias is not None:
             tensors["bias"] = bias.to(torch.float32).contiguous()
+        if (residual is not None) != self.spec.residual:
+            raise ValueError(f"residual {'is required' if self.spec.residual else 'must be None'}: the kernel's spec "
+                             f"has residual={self.spec.residual}")
+        if residual is not None:
+            if tuple(residual.shape) != tuple(y.shape) or residual.dtype != y.dtype:
+                raise ValueError(f"residual must be a {y.dtype} tensor of shape {tuple(y.shape)}, got "
+                                 f"{residual.dtype} {tuple(residual.shape)}")
+            tensors["residual"] = residual
         for names, shape in self.config.workspace(self.n, self.k, m):  # float32 buffers the launches share
             buffer = torch.empty(shape, dtype=torch.float32, device=device)
             tensors.update(dict.fromkeys(names, buffer))
@@ -201,6 +212,8 @@ class CudaTemplate(Template):
 
     target = "cuda"
     layouts = (Layout.LOP3,)
+    epilogues = EPILOGUES  # the expression's output stage (`ops.expr.output_stage`, via `expr.cuda_matmul_expr`)
+    residual_add = True
 
     @abc.abstractmethod
     def config_unsupported(self, spec: Matmul, n: int, k: int, config, arch: str) -> str | None:

@@ -6,6 +6,7 @@ the GEMV).  All kernels of an architecture go into one .cu, compiled once per te
 import dataclasses
 import os
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,17 @@ GEMM_CASES = {  # name: (spec, N, K, config)
     "uint4_gptq_int8": (Matmul("uint4", "int8", accumulate_dtype="int32", group_size=-1, zero_mode="gptq"), 256,
                         512, GemmConfig(block_k=64)),
 }
+EPILOGUE_GEMM_CASES = {  # the fusion epilogues in the output stage
+    "int4_swiglu_f16": (_float("int4", bias=True, epilogue="swiglu"), 256, 512, GemmConfig()),
+    "uint4_gptq_swiglu_res_bf16": (_float("uint4", "bfloat16", zero_mode="gptq", epilogue="swiglu", residual=True),
+                                   128, 256, GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32, block_k=64)),
+    "int4_gelu_res_f16": (_float("int4", epilogue="gelu", residual=True), 256, 512, GemmConfig(block_k=64)),
+    "nf4_silu_bf16": (_float("nf4", "bfloat16", bias=True, epilogue="silu"), 128, 256,
+                      GemmConfig(block_m=16, warp_m=16, block_n=32, warp_n=16, block_k=64, stages=2)),
+    "int8_relu_res_int8": (Matmul("int8", "int8", accumulate_dtype="int32", group_size=-1, output_dtype="float16",
+                                  epilogue="relu", residual=True), 128, 512, GemmConfig(block_k=64)),
+}
+GEMM_CASES.update(EPILOGUE_GEMM_CASES)
 FP8_GEMM_CASES = {  # float8_e4m3 mma: sm_89 and newer
     "fp4_e4m3": (Matmul("fp4_e2m1", "float8_e4m3", group_size=-1, output_dtype="bfloat16"), 256, 640,
                  GemmConfig(block_k=64, stages=4)),
@@ -73,6 +85,15 @@ GEMV_CASES = {
                               GemvConfig(split_k=4, k_threads=8, rows=2)),
     "gemv_int2_group8_tir_f16": (_float("int2", group=8), 128, 512, GemvConfig(k_threads=8, words=1, decode="tir")),
 }
+EPILOGUE_GEMV_CASES = {
+    "gemv_int4_silu_res_f16": (_float("int4", bias=True, epilogue="silu", residual=True), 256, 512,
+                               GemvConfig(k_threads=16)),
+    "gemv_int4_relu_rows4_bf16": (_float("int4", "bfloat16", epilogue="relu"), 256, 512,
+                                  GemvConfig(rows=4, k_threads=16, words=2)),
+    "gemv_splitk_gelu_res_f16": (_float("uint4", zero_mode="gptq", bias=True, epilogue="gelu", residual=True), 512,
+                                 4096, GemvConfig(split_k=4, k_threads=8, rows=2)),
+}
+GEMV_CASES.update(EPILOGUE_GEMV_CASES)
 ARCHS = ("sm_80", "sm_90")
 
 
@@ -149,6 +170,65 @@ def test_gemv_ptx_has_lop3_shuffles_and_wide_loads(compiled, name):
     assert ("lop3.b32" in ptx) == (decoder_for(spec).uses_lop3 and config.decode == "lop3")
     if config.split_k > 1:
         assert [launch.name for launch in launches[name]] == [f"{name}_gemv_kernel", f"{name}_gemv_reduce_kernel"]
+
+
+def _float32_constant(value: float) -> str:
+    """A float32 constant as PTX writes it (0f and its bits in hex)."""
+    return "0f" + struct.pack(">f", value).hex().upper()
+
+
+@pytest.mark.parametrize("name", list(GEMM_CASES) + list(GEMV_CASES))
+def test_output_stage_holds_the_epilogue(compiled, name):
+    """The PTX of the launch that writes y holds the spec's epilogue: exp for SiLU, GELU and SwiGLU (and none
+    elsewhere), ReLU's float max, GELU's erf polynomial; a residual is one more kernel parameter, read there."""
+    _, cases, launches, _, entries = compiled
+    _, spec, _, _, _ = cases[name]
+    last = launches[name][-1]
+    ptx = entries[last.name]
+    assert ("ex2.approx" in ptx) == (spec.epilogue in ("silu", "gelu", "swiglu")), name
+    if spec.epilogue == "relu":
+        assert re.search(r"max(\.ftz)?\.f32", ptx)
+    assert (_float32_constant(1.061405429) in ptx) == (spec.epilogue == "gelu")
+    assert ("residual" in last.params) == spec.residual
+    assert [launch.name for launch in launches[name]][:1] == [f"{name}_{cases[name][0]}_kernel"]
+
+
+def test_templates_serve_the_epilogues_and_the_gemv_leaves_swiglu_to_the_gemm():
+    from bitkern.tuner.space import enumerate_candidates, usable_templates
+
+    sm_90 = cuda_device("sm_90")
+    for epilogue in ("relu", "silu", "gelu", "swiglu"):
+        spec = _float("int4", epilogue=epilogue, residual=True)
+        usable, unused = usable_templates(spec, 256, 512, (1, 1), "lop3", sm_90)
+        assert {t.name for t in usable} == ({"gemm"} if epilogue == "swiglu" else {"gemm", "gemv"}), unused
+    assert "epilogue='swiglu'" in unused["gemv"]
+    _, candidates = enumerate_candidates(spec, 256, 512, (1, 16), "lop3", sm_90)
+    assert candidates and all(c.template == "gemm" and c.config.warp_n % 32 == 0 for c in candidates)
+    with pytest.raises(ValueError, match="warp_n=16 with epilogue='swiglu'"):
+        build_kernel(spec, 256, 512, "gemm", GemmConfig(block_n=32, warp_n=16), "lop3", (1, 16), sm_90)
+
+
+def test_fused_calls_are_rehearsed_up_to_the_driver(tmp_path):
+    """A fused call through the dispatch as on an sm_90 GPU (host tensors, nothing launched): the tuner's kernel
+    is found, y has the epilogue's columns, the residual is packed as the kernel's argument and every launch
+    matches the cubin; the GEMV (M = 1) for GELU, the GEMM for SwiGLU."""
+    import torch
+
+    import bitkern
+    from bitkern.cache import DiskStore
+    from bitkern.cache.dispatch import rehearsal
+
+    q = bitkern.quantize(torch.randn(128, 256), "int4")
+    x = torch.randn(1, 256).half()
+    for epilogue, template in (("gelu", "gemv"), ("swiglu", "gemm")):
+        spec = Matmul.for_weight(q, "float16", epilogue=epilogue, residual=True)
+        residual = torch.randn(1, spec.out_features(128)).half()
+        with rehearsal(cuda_device("sm_90"), DiskStore(tmp_path)) as launches:
+            y = spec(x, bitkern.pack(q), None, residual)
+        assert y.shape == (1, spec.out_features(128)) and y.dtype == torch.float16
+        (launch,) = launches
+        assert launch.name.startswith(template)
+        assert ("pointer", residual.data_ptr()) in launch.arguments
 
 
 def test_resources_match_the_compiled_kernels(compiled):

@@ -11,6 +11,7 @@ import torch
 
 import bitkern
 from bitkern import ttype
+from tests.helpers import assert_within_epilogue_bound, epilogue_bound
 from bitkern.codegen.cuda.expr import cuda_matmul_expr
 from bitkern.codegen.cuda.layout import to_lop3
 from bitkern.ops import Matmul
@@ -25,17 +26,18 @@ def run_expr(llvm_target):
     import tvm
     from tvm import te
 
-    def run(spec, q, x, bias=None, row_block=16):
+    def run(spec, q, x, bias=None, row_block=16, residual=None):
         n, k = q.shape
         expr = cuda_matmul_expr(spec, n, k, row_block)
         func = te.create_prim_func([*expr.inputs, expr.output])
         kernel = tvm.compile(tvm.IRModule({"main": func}), target=llvm_target)["main"]
         packed = to_lop3(q)
-        y = torch.empty(x.shape[0], n, dtype=TORCH[spec.output_dtype])
+        y = torch.empty(x.shape[0], spec.out_features(n), dtype=TORCH[spec.output_dtype])
+        shape = (x.shape[0], *[int(d) for d in expr.output.shape[1:]])  # SwiGLU's y: [M, N / 16, 16], y's memory
         args = [x, packed.qweight, packed.scales]
         args += [t for t in (packed.zeros, None if packed.tensor_scale is None else packed.tensor_scale.reshape(1),
-                             bias) if t is not None]
-        kernel(*args, y)
+                             bias, None if residual is None else residual.view(shape)) if t is not None]
+        kernel(*args, y.view(shape))
         return y
 
     return run
@@ -99,3 +101,29 @@ def test_rows_padding_and_output_types(m, row_block, output, run_expr):
     spec = Matmul.for_weight(q, "float16", output_dtype=output)
     x = _activations("float16", m, 72, generator)
     _check(spec, q, x, None, run_expr(spec, q, x, row_block=row_block))
+
+
+@pytest.mark.parametrize("epilogue, residual", [("relu", True), ("silu", False), ("gelu", True), ("swiglu", False),
+                                                ("swiglu", True), ("none", True)])
+@pytest.mark.parametrize("name, activation", [("int4", "float16"), ("nf4", "bfloat16"), ("int8", "float16"),
+                                              ("int4", "int8")])
+def test_epilogues_match_the_unfused_reference(name, activation, epilogue, residual, run_expr):
+    """The output stage the templates schedule (`ops.expr.output_stage`, SwiGLU as a gate stage and y over
+    [M, N / 16, 16]) against the float64 reference of the unfused computation: the bound of z carried through f."""
+    generator = torch.Generator().manual_seed(len(name + activation + epilogue))
+    n, k, m = 64, 256, 5
+    int8 = activation == "int8"
+    q = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=-1 if int8 else 64,
+                         scale_dtype=torch.bfloat16 if activation == "bfloat16" else torch.float16)
+    options = {"accumulate_dtype": "int32", "output_dtype": "float32"} if int8 else {}  # SwiGLU of int8 sums: > fp16
+    spec = Matmul.for_weight(q, activation, bias=True, epilogue=epilogue, residual=residual, **options)
+    x = _activations(activation, m, k, generator)
+    bias = torch.randn(n, generator=generator)
+    r = torch.randn(m, spec.out_features(n), generator=generator).to(TORCH[spec.output_dtype]) if residual else None
+    y = run_expr(spec, q, x, bias, residual=r)
+    plain = Matmul.for_weight(q, activation, bias=True, **options)
+    z = plain.exact(x, q, bias)
+    magnitude = x.double().abs() @ q.dequantize(torch.float64).abs().T
+    bound_z = (EPS[activation] + k * 2.0**-23) * magnitude + 2.0**-23 * z.abs()
+    reference = spec.exact(x, q, bias, r)
+    assert_within_epilogue_bound(spec, y, reference, epilogue_bound(spec, z, bound_z, reference))

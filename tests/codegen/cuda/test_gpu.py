@@ -1,13 +1,14 @@
 """CUDA kernels on a GPU (skipped without one): the decode functions bit-exact on the device, and the GEMM
 and GEMV kernels against the float64 reference for every weight type x activation type x zero mode, output
-types, split-K, fuzzed shapes (fixed by a seed) and edge shapes (`bitkern.gpukit.matrix.correctness_cases`),
-torch's current stream and CUDA graphs.  Each case's kernel is one configuration of its template, from the kernel
+types, split-K, fuzzed shapes (fixed by a seed), edge shapes and the fusion epilogues (against the unfused
+computation; `bitkern.gpukit.matrix.correctness_cases`), torch's current stream and CUDA graphs.  Each case's kernel is one configuration of its template, from the kernel
 cache (a GPU kit ships them all; elsewhere they are built, which needs TVM and nvcc).
 
 Run on a GPU machine:  python -m pytest tests/codegen/cuda/test_gpu.py -q   (or a GPU kit's OUT/run)
 Memory checking:       compute-sanitizer --tool memcheck python -m pytest tests/codegen/cuda/test_gpu.py -q -k edge
 """
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -23,7 +24,8 @@ from bitkern.codegen.cuda.launcher import module
 from bitkern.gpukit.matrix import ANY_ROWS, Case, correctness_cases
 from bitkern.ttype import torch_dtype
 from bitkern.tuner import cuda_device
-from tests.helpers import DECODERS, OUTPUT_EPS, decode_cases, device_source, expected_decode, pack_words, raw_bits
+from tests.helpers import (DECODERS, OUTPUT_EPS, assert_within_epilogue_bound, decode_cases, device_source,
+                           epilogue_bound, expected_decode, pack_words, raw_bits)
 
 pytestmark = pytest.mark.requires_cuda
 
@@ -40,8 +42,8 @@ def _arch() -> str:
 
 def _kernel(case: Case, spec, arch: str):
     """The case's configuration of its template for `arch`, from the kernel cache."""
-    if not case.supported_on(arch):
-        pytest.skip(f"{case.activation} activations need one of sm_89, sm_90; this GPU is {arch}")
+    if not case.supported_on(arch):  # float8_e4m3 mma below sm_89; SwiGLU in the GEMV
+        pytest.skip(f"the {case.template} template does not serve {spec} on {arch}")
     config = case.config(spec, arch)
     if config is None:
         pytest.skip(f"no {case.template} configuration builds {spec} with N={case.n}, K={case.k}")
@@ -64,34 +66,39 @@ def _kit_build_failures() -> dict:
             for item in json.loads(manifest.read_text()).get("failed", [])}
 
 
-def _check(spec, q, x, bias, y):
-    """|y - ref| <= (eps_w + K·2^-21)·Σ|x||w| + eps_out·|ref|: the weight's rounding to the mma input type,
-    float32 accumulation in any order, the output cast."""
-    assert y.dtype == torch_dtype(spec.output_dtype) and tuple(y.shape) == (x.shape[0], q.shape[0])
-    reference = spec.exact(x.cpu(), q, None if bias is None else bias.cpu())
-    magnitude = x.cpu().double().abs() @ q.dequantize(torch.float64).abs().T
-    bound = (WEIGHT_EPS[spec.activation_dtype] + q.shape[1] * 2.0**-21) * magnitude + \
-        OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
-    excess = (y.cpu().double() - reference).abs() - bound
-    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g} over the bound"
+def _check(spec, q, x, bias, y, residual=None):
+    """|z - ref| <= (eps_w + K·2^-21)·Σ|x||w| for the sums z = x·Wᵀ + b: the weight's rounding to the mma input
+    type, float32 accumulation in any order; then eps_out·|ref| for the output cast, or for a fused epilogue (and
+    residual) that bound of z carried through it against the unfused float64 computation (`epilogue_bound`; exp
+    and division within 2^-20 of |z|)."""
+    x, bias = x.cpu(), None if bias is None else bias.cpu()
+    reference = spec.exact(x, q, bias, residual)
+    magnitude = x.double().abs() @ q.dequantize(torch.float64).abs().T
+    bound_z = (WEIGHT_EPS[spec.activation_dtype] + q.shape[1] * 2.0**-21) * magnitude
+    if spec.epilogue == "none" and not spec.residual:
+        bound = bound_z + OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
+    else:
+        z = dataclasses.replace(spec, epilogue="none", residual=False).exact(x, q, bias)
+        bound = epilogue_bound(spec, z, bound_z + 2.0**-23 * z.abs(), reference, approximation=2.0**-20)
+    assert_within_epilogue_bound(spec, y, reference, bound)
 
 
 @pytest.mark.parametrize("case", correctness_cases(), ids=str)
 def test_kernel_matches_the_float64_reference(case):
     """Every case: y within the bound of the float64 reference, element by element."""
     arch = _arch()
-    spec, q, x, b = case.inputs()
+    spec, q, x, b, r = case.inputs()
     kernel = _kernel(case, spec, arch)
     packed = pack(q).to("cuda")
-    y = kernel(x.cuda().contiguous(), packed, None if b is None else b.cuda())
+    y = kernel(x.cuda().contiguous(), packed, None if b is None else b.cuda(), None if r is None else r.cuda())
     torch.cuda.synchronize()
-    _check(spec, q, x, b, y)
+    _check(spec, q, x, b, y, r)
 
 
 def test_launch_follows_torch_streams_and_cuda_graphs():
     arch = _arch()
     case = Case("stream", "gemv", "uint4", 256, 512, 8, "float16", "gptq")  # the kernel of the "types" case
-    spec, q, x, b = case.inputs()
+    spec, q, x, b, _ = case.inputs()
     kernel = _kernel(case, spec, arch)
     packed, x, b = pack(q).to("cuda"), x.cuda(), b.cuda()
     expected = kernel(x, packed, b)

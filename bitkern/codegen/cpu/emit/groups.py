@@ -1,5 +1,6 @@
 """The per-group weight metadata the tile16 templates read (scales, zeros, tensor scale) as kernel
-arguments, decoded to float32 lanes, and the cast of float32 results to the output type."""
+arguments, decoded to float32 lanes, and the last steps of their output stages: the bias, the residual add and
+the cast of float32 results to the output type."""
 
 from __future__ import annotations
 
@@ -77,6 +78,19 @@ def to_output(value, output_dtype: str):
     if output_dtype == "bfloat16":
         return tirx.reinterpret(f"bfloat16{suffix}", tirx.Cast(f"uint16{suffix}", bf16_bits(value)))
     return tirx.Cast(f"{output_dtype}{suffix}", value)
+
+
+def biased(value, bias, columns):
+    """value + bias[columns] (float32), or value for kernels without a bias."""
+    return value + load(bias, columns) if bias is not None else value
+
+
+def write_output(spec: Matmul, y, residual, value, row, columns) -> None:
+    """y[row, columns] = value (+ residual[row, columns]) in the output type: an output stage's last step, after
+    the epilogue (`ops.expr.apply_epilogue`)."""
+    if residual is not None:
+        value = value + from_output(load(residual, row, columns), spec.output_dtype)
+    T.buffer_store(y, to_output(value, spec.output_dtype), [row, columns])
 
 
 def from_output(value, output_dtype: str):

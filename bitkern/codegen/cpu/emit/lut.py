@@ -13,12 +13,13 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
+from ....ops.expr import apply_epilogue
 from ....ops.matmul import Matmul
 from ....ttype import codes_per_word, effective_group_size, get
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..lut import MAX_ROWS, NIBBLES_PER_WORD, LutConfig
 from . import nonfinite
-from .groups import GroupArguments, to_output
+from .groups import GroupArguments, biased, write_output
 from .tir import LANES, bf16_to_float, horizontal_sum, load, prefetch, prefetch_ahead, prim_func, ramp, splat, u32
 
 
@@ -29,7 +30,8 @@ def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: t
     `_Builder._main`).  Other row counts compute nothing: the body is emitted per row count of the range.
 
     Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), values
-    (see `lut.value_table`), bias [N] float32 (bias specs), y [M, N].
+    (see `lut.value_table`), bias [N] float32 (bias specs), residual (residual specs), y [M, out_features]; the
+    output stage applies the spec's epilogue (SwiGLU: tasks hold (gate, up) tile pairs, `lut.min_tiles`).
     """
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
@@ -75,7 +77,9 @@ class _Builder:
         self.group_args = GroupArguments.declare(spec, per_tile)
         self.values = T.arg("values", T.Buffer((self.ttype.num_codes,), "float32"))
         self.bias = T.arg("bias", T.Buffer((self.n,), "float32")) if spec.bias else None
-        self.y = T.arg("y", T.Buffer((self.m, self.n), spec.output_dtype))
+        out_n = spec.out_features(self.n)
+        self.residual = T.arg("residual", T.Buffer((self.m, out_n), spec.output_dtype)) if spec.residual else None
+        self.y = T.arg("y", T.Buffer((self.m, out_n), spec.output_dtype))
 
     # -- prologue: tables and group sums ---------------------------------------------------------------
     def _k_in_word(self, slot: int) -> int:
@@ -197,10 +201,11 @@ class _Builder:
             nonfinite.add_terms(yacc, row, tiles, self.nonfinite, row, self.k, self._x,
                                 lambda tile, j: nonfinite.weight_lanes(self.spec, self.k, self.qweight,
                                                                        self.group_args, tile, j))
-        for c in range(n_tiles):
+        swiglu = self.spec.epilogue == "swiglu"
+        for c in range(0, n_tiles, 2 if swiglu else 1):
             with T.If(block * n_tiles + c < self.n_tiles):
                 with T.Then():
-                    self._store(yacc, rows, tiles[c], c)
+                    self._store(yacc, rows, tiles[c], c, swiglu)
 
     def _lookup_words(self, gacc, tiles, row, word_index) -> None:
         """gacc[c] += Σ_j T[row, 8·word + j][nibble j of each lane's word] for every tile c of the task."""
@@ -215,14 +220,25 @@ class _Builder:
                 for j, table in enumerate(tables)]
             T.buffer_store(gacc, load(gacc, c, ramp(0)) + _tree_sum(picked), [c, ramp(0)])
 
-    def _store(self, yacc, rows: int, tile_index, c) -> None:
+    def _store(self, yacc, rows: int, tile_index, c, swiglu: bool) -> None:
+        """y = f(C + bias) (+ residual) for tile c of the task (16 lanes at a time where N fills the tile);
+        SwiGLU: silu(gate) · up from the gate tile c and the up tile c + 1, one 16-column tile of y."""
         column = tile_index * LANES
         for row in range(rows):
-            with T.serial(0, tirx.min(LANES, self.n - column)) as lane:
-                value = load(yacc, row, c, lane)
-                if self.bias is not None:
-                    value = value + load(self.bias, column + lane)
-                T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row, column + lane])
+            if swiglu:
+                gate, up = (biased(load(yacc, row, c + i, ramp(0)), self.bias, ramp(column + i * LANES))
+                            for i in (0, 1))
+                write_output(self.spec, self.y, self.residual, apply_epilogue("silu", gate) * up, row,
+                             ramp(tirx.floordiv(column, 2)))
+            elif self.n % LANES == 0:
+                self._store_columns(load(yacc, row, c, ramp(0)), row, ramp(column))
+            else:
+                with T.serial(0, tirx.min(LANES, self.n - column)) as lane:
+                    self._store_columns(load(yacc, row, c, lane), row, column + lane)
+
+    def _store_columns(self, value, row, columns) -> None:
+        value = apply_epilogue(self.spec.epilogue, biased(value, self.bias, columns))
+        write_output(self.spec, self.y, self.residual, value, row, columns)
 
 
 def _tree_sum(terms: list):

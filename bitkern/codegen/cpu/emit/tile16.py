@@ -4,7 +4,8 @@
 Per parallel task (16·n_tiles output columns, a chunk of rows):
   prologue  x -> bf16 planes A[plane, M, K/2] (one plane for bf16, hi+lo for fp16, three for fp32, so
             the planes sum to x) and per-group row sums XS[M, groups] (for zero points and offsets); for a
-            convolution spec the rows are gathered from the NHWC image here (implicit GEMM);
+            convolution spec the rows are gathered from the NHWC image here (implicit GEMM); for a spec with a
+            norm prologue each row's statistics come first and the planes are built from x̂ (`ops.expr.apply_norm`);
   stages    the codes of a stage (a few 32-deep k-steps) are decoded with vector ops into bf16 B-tile rows
             in L1, which the subclass's tile products consume; C accumulates one quantization group;
   epilogue  per group, in float32: y += scale · (alpha·C + beta·XS), where C = Σ x·d over the group's
@@ -26,14 +27,14 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from ....ops.expr import apply_epilogue, tap_source
+from ....ops.expr import NORM_ARGUMENTS, apply_epilogue, apply_norm, norm_rstd, tap_source
 from ....ops.matmul import Matmul
 from ....ttype import effective_group_size, get
 from ....ttype.types import INT, UINT
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..matrix import PLANES, nibbles, step_depth
 from . import nonfinite
-from .groups import GroupArguments, from_output, to_output
+from .groups import GroupArguments, biased, write_output
 from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, lanes, load, prefetch_ahead,
                   prim_func, ramp, splat, u32)
 
@@ -176,6 +177,8 @@ class Tile16Builder(abc.ABC):
             if self.offset_shortfall is not None:
                 self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
             self.nonfinite = T.alloc_buffer((rows, LANES), "uint32")  # rows with ±Inf or NaN in x
+            # per row of a norm prologue: (mean·rstd, rstd)
+            self.norm_stats = T.alloc_buffer((rows, 2), "float32") if self.spec.norm != "none" else None
             if not self.cfg.chunk_prologue:
                 self._prologue(rows)
             self._main(rows)
@@ -190,6 +193,7 @@ class Tile16Builder(abc.ABC):
         self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
         self.group_args = GroupArguments.declare(spec, per_tile)
         self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
+        self.norm_vectors = [T.arg(name, T.Buffer((s.k,), "float32")) for name in NORM_ARGUMENTS.get(spec.norm, ())]
         self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
         out_n = spec.out_features(s.n)
         self.residual = T.arg("residual", T.Buffer((self.m, out_n), spec.output_dtype)) if spec.residual else None
@@ -212,9 +216,11 @@ class Tile16Builder(abc.ABC):
                 if self.spec.geometry is not None:
                     self._gather_row(row)
                 else:
+                    if self.norm_stats is not None:
+                        self._norm_statistics(row)
                     with T.serial(0, full_chunks) as chunk:
-                        even = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32, 2, LANES)))
-                        odd = self._as_float(load(self.x, row, tirx.Ramp(chunk * 32 + 1, 2, LANES)))
+                        even = self._x_at(row, tirx.Ramp(chunk * 32, 2, LANES))
+                        odd = self._x_at(row, tirx.Ramp(chunk * 32 + 1, 2, LANES))
                         self._store_planes(row, chunk, even, odd)
                     if s.k_pad > full_chunks * 32:
                         self._prologue_tail(row, full_chunks)
@@ -225,9 +231,46 @@ class Tile16Builder(abc.ABC):
     def _prologue_tail(self, row, chunk) -> None:
         """The last 32-k chunk when K is not a multiple of 32: scalar loads, zero past K."""
         s = self.s
-        values = [self._as_float(load(self.x, row, chunk * 32 + i)) if chunk * 32 + i < s.k else
+        values = [self._x_at(row, chunk * 32 + i) if chunk * 32 + i < s.k else
                   tirx.const(0.0, "float32") for i in range(32)]
         self._store_planes(row, chunk, *_by_parity(values))
+
+    def _norm_statistics(self, row) -> None:
+        """norm_stats[row] = (mean·rstd, rstd) of x's row in float32 (as `ops.expr.norm_prologue`: Σx² / K for
+        the RMS norms; the mean, then Σ(x - mean)² / K for LayerNorm), summed in 16 lanes."""
+        k = self.s.k
+        vectors = k // LANES
+        partial = T.alloc_buffer((LANES,), "float32", scope="local", align=64)
+
+        def row_sum(term):
+            T.buffer_store(partial, splat(0.0, "float32"), [ramp(0)])
+            with T.serial(0, vectors) as v:
+                value = term(self._as_float(load(self.x, row, ramp(v * LANES))))
+                T.buffer_store(partial, load(partial, ramp(0)) + value, [ramp(0)])
+            total = horizontal_sum(load(partial, ramp(0)))
+            for j in range(vectors * LANES, k):
+                total = total + term(self._as_float(load(self.x, row, j)))
+            return total
+
+        stats = self.norm_stats
+        if self.spec.norm == "layernorm":
+            T.buffer_store(stats, row_sum(lambda x: x) / tirx.const(float(k), "float32"), [row, 0])
+            mean = load(stats, row, 0)
+            T.buffer_store(stats, norm_rstd(row_sum(lambda x: (x - _like(mean, x)) * (x - _like(mean, x))), k,
+                                            self.spec.norm_eps), [row, 1])
+            T.buffer_store(stats, mean * load(stats, row, 1), [row, 0])
+        else:
+            T.buffer_store(stats, norm_rstd(row_sum(lambda x: x * x), k, self.spec.norm_eps), [row, 1])
+
+    def _x_at(self, row, index):
+        """x[row, index] as float32 (index a scalar or a ramp), normalized for a norm prologue (x̂)."""
+        value = self._as_float(load(self.x, row, index))
+        if self.norm_stats is None:
+            return value
+        shift = load(self.norm_stats, row, 0) if self.spec.norm == "layernorm" else None
+        weight, *bias = (load(vector, index) for vector in self.norm_vectors)
+        return apply_norm(self.spec.norm, self.spec.activation_dtype, value, shift, load(self.norm_stats, row, 1),
+                          weight, *bias)
 
     def _gather_row(self, row) -> None:
         """A-plane row `row` of a convolution: output pixel (b, oh, ow) reads x[b, ih, iw, c] for each tap
@@ -269,11 +312,11 @@ class Tile16Builder(abc.ABC):
             self._store_planes(row, chunk, even, odd)
 
     def _x_value(self, row, j):
-        """X[row, j] of the GEMM as float32: x[row, j], or for a convolution the pixel its tap reads (0 outside
-        the image)."""
+        """X̂[row, j] of the GEMM as float32: x[row, j] (normalized for a norm prologue), or for a convolution the
+        pixel its tap reads (0 outside the image)."""
         g = self.spec.geometry
         if g is None:
-            return self._as_float(load(self.x, row, j))
+            return self._x_at(row, j)
         where, inside = tap_source(g, row, tirx.floordiv(j, g.in_channels))
         return tirx.if_then_else(inside, self._as_float(load(self.x, *where, tirx.floormod(j, g.in_channels))),
                                  tirx.const(0.0, "float32"))
@@ -479,20 +522,19 @@ class Tile16Builder(abc.ABC):
 
     def _store_swiglu(self, yacc, r, c, row0, column) -> None:
         """One 16-column tile of silu(gate) · up from the gate tile c and the up tile c + 1 (column: the gate's)."""
-        gate, up = (self._biased(load(yacc, r, c + i, ramp(0)), ramp(column + i * LANES)) for i in (0, 1))
-        self._write(apply_epilogue("silu", gate) * up, row0 + r, ramp(tirx.floordiv(column, 2)))
+        gate, up = (biased(load(yacc, r, c + i, ramp(0)), self.bias, ramp(column + i * LANES)) for i in (0, 1))
+        write_output(self.spec, self.y, self.residual, apply_epilogue("silu", gate) * up, row0 + r,
+                     ramp(tirx.floordiv(column, 2)))
 
     def _store(self, value, row, columns) -> None:
         """y[row, columns] = f(value + bias) (+ residual): the output stage of an elementwise epilogue."""
-        self._write(apply_epilogue(self.spec.epilogue, self._biased(value, columns)), row, columns)
+        value = apply_epilogue(self.spec.epilogue, biased(value, self.bias, columns))
+        write_output(self.spec, self.y, self.residual, value, row, columns)
 
-    def _biased(self, value, columns):
-        return value + load(self.bias, columns) if self.bias is not None else value
 
-    def _write(self, value, row, columns) -> None:
-        if self.residual is not None:
-            value = value + from_output(load(self.residual, row, columns), self.spec.output_dtype)
-        T.buffer_store(self.y, to_output(value, self.spec.output_dtype), [row, columns])
+def _like(scalar, value):
+    """A scalar as `value`'s lanes."""
+    return scalar if lanes(value) == 1 else tirx.Broadcast(scalar, lanes(value))
 
 
 def _by_parity(values: list):
