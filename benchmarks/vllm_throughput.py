@@ -7,12 +7,14 @@ default environment and once with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP worker
 between ops, so they do not take the cores from bitkern's kernels); the engines take turns for ROUNDS rounds
 (`--rounds N`) and each figure is the median over rounds, each ratio the median of its per-round ratios.
 
-`--fusion` compares bitkern int4 with its fusions off and on instead (BITKERN_VLLM_FUSION=off against the
-default, auto: the SwiGLU epilogue and whatever else the cost model fuses), default environment only.
+`--fusion [auto|on]` compares bitkern int4 with its fusions off and on instead (BITKERN_VLLM_FUSION=off against
+auto, the default: what the cost model fuses; or against on: every match, the SwiGLU epilogue here), default
+environment only.
 
 Run with the python of a vLLM environment that has bitkern installed (README, "vLLM"):
     python benchmarks/vllm_throughput.py [--rounds N]            (table: benchmarks/results/vllm_throughput.md)
-    python benchmarks/vllm_throughput.py --fusion [--rounds N]   (benchmarks/results/vllm_throughput_fusion.md)
+    python benchmarks/vllm_throughput.py --fusion [auto|on] [--rounds N]
+                                                  (benchmarks/results/vllm_throughput_fusion_{auto,on}.md)
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ RESULTS = Path(__file__).parent / "results"
 INT4 = {"dtype": "int4", "group_size": 128}
 # engine name -> (bitkern settings, or {} for vLLM's own bf16 model; environment variables)
 MODELS = {"vLLM bf16": ({}, {}), "bitkern int4": (INT4, {})}
-FUSION_MODELS = {"int4 fusion off": (INT4, {"BITKERN_VLLM_FUSION": "off"}),
-                 "int4 fusion auto": (INT4, {"BITKERN_VLLM_FUSION": "auto"})}
 ENVIRONMENTS = {"default": {}, "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}}
 CONCURRENCY = (1, 8)
 PROMPT_TOKENS, OUTPUT_TOKENS, REPEATS, ROUNDS = 32, 64, 3, 2
@@ -112,17 +112,22 @@ def main() -> None:
         Path(result).write_text(json.dumps(serve(model, json.loads(settings))))
         return
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else ROUNDS
-    fusion = "--fusion" in sys.argv
-    models, environments = (FUSION_MODELS, {"default": {}}) if fusion else (MODELS, ENVIRONMENTS)
+    fusion = None
+    if "--fusion" in sys.argv:
+        following = sys.argv[sys.argv.index("--fusion") + 1:]
+        fusion = following[0] if following and following[0] in ("auto", "on") else "auto"
+    models, environments = (MODELS, ENVIRONMENTS) if fusion is None else ({
+        "int4 fusion off": (INT4, {"BITKERN_VLLM_FUSION": "off"}),
+        f"int4 fusion {fusion}": (INT4, {"BITKERN_VLLM_FUSION": fusion})}, {"default": {}})
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         make_model(Path(folder))
         runs = measure(Path(folder), rounds, models, environments)
-    text = (f"vLLM offline throughput (benchmarks/vllm_throughput.py{' --fusion' if fusion else ''}, {rounds} rounds), "
+    text = (f"vLLM offline throughput (benchmarks/vllm_throughput.py{f' --fusion {fusion}' if fusion else ''}, {rounds} rounds), "
             f"{os.cpu_count()} cores, load average at the start {load:.1f}, at the end {os.getloadavg()[0]:.1f}\n\n"
             f"{table(runs, models, environments)}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / ("vllm_throughput_fusion.md" if fusion else "vllm_throughput.md")).write_text(text)
+    (RESULTS / (f"vllm_throughput_fusion_{fusion}.md" if fusion else "vllm_throughput.md")).write_text(text)
     print(text)
 
 
