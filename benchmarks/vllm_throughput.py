@@ -7,8 +7,14 @@ default environment and once with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP worker
 between ops, so they do not take the cores from bitkern's kernels); the engines take turns for ROUNDS rounds
 (`--rounds N`) and each figure is the median over rounds, each ratio the median of its per-round ratios.
 
+`--fusion [auto|on]` compares bitkern int4 with its fusions off and on instead (BITKERN_VLLM_FUSION=off against
+auto, the default: what the cost model fuses; or against on: every match, the SwiGLU epilogue here), default
+environment only.
+
 Run with the python of a vLLM environment that has bitkern installed (README, "vLLM"):
-    python benchmarks/vllm_throughput.py [--rounds N]       (table: benchmarks/results/vllm_throughput.md)
+    python benchmarks/vllm_throughput.py [--rounds N]            (table: benchmarks/results/vllm_throughput.md)
+    python benchmarks/vllm_throughput.py --fusion [auto|on] [--rounds N]
+                                                  (benchmarks/results/vllm_throughput_fusion_{auto,on}.md)
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-MODELS = {"vLLM bf16": {}, "bitkern int4": {"dtype": "int4", "group_size": 128}}
+INT4 = {"dtype": "int4", "group_size": 128}
+# engine name -> (bitkern settings, or {} for vLLM's own bf16 model; environment variables)
+MODELS = {"vLLM bf16": ({}, {}), "bitkern int4": (INT4, {})}
 ENVIRONMENTS = {"default": {}, "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}}
 CONCURRENCY = (1, 8)
 PROMPT_TOKENS, OUTPUT_TOKENS, REPEATS, ROUNDS = 32, 64, 3, 2
@@ -69,15 +77,15 @@ def serve(model: str, settings: dict) -> dict:
     return rates
 
 
-def measure(model_dir: Path, rounds: int) -> dict:
+def measure(model_dir: Path, rounds: int, models: dict, environments: dict) -> dict:
     """{(environment, model): [{concurrency: tokens/s} per round]}, the engines taking turns."""
-    runs = {(env, name): [] for env in ENVIRONMENTS for name in MODELS}
+    runs = {(env, name): [] for env in environments for name in models}
     for round_ in range(rounds):
-        for env, variables in ENVIRONMENTS.items():
-            for name, settings in MODELS.items():
+        for env, variables in environments.items():
+            for name, (settings, own_variables) in models.items():
                 with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
                     subprocess.run([sys.executable, __file__, "serve", str(model_dir), json.dumps(settings),
-                                    result.name], env=dict(os.environ, **variables), check=True)
+                                    result.name], env=dict(os.environ, **variables, **own_variables), check=True)
                     rates = {int(k): v for k, v in json.load(open(result.name)).items()}
                 runs[env, name].append(rates)
                 print(f"round {round_}: {env:24s} {name:14s} " +
@@ -85,17 +93,16 @@ def measure(model_dir: Path, rounds: int) -> dict:
     return runs
 
 
-def table(runs: dict) -> str:
-    base, quantized = MODELS
-    lines = ["| environment | requests in flight | vLLM bf16 (tok/s) | bitkern int4 (tok/s) | int4 / bf16 |",
-             "|---|---|---|---|---|"]
-    for env in ENVIRONMENTS:
+def table(runs: dict, models: dict, environments: dict) -> str:
+    base, other = models
+    lines = [f"| environment | requests in flight | {base} (tok/s) | {other} (tok/s) | ratio |", "|---|---|---|---|---|"]
+    for env in environments:
         for concurrency in CONCURRENCY:
-            bf16 = [run[concurrency] for run in runs[env, base]]
-            int4 = [run[concurrency] for run in runs[env, quantized]]
-            ratio = statistics.median(b / a for a, b in zip(bf16, int4))
-            lines.append(f"| {env} | {concurrency} | {statistics.median(bf16):.2f} | {statistics.median(int4):.2f} "
-                         f"| {ratio:.2f} |")
+            first = [run[concurrency] for run in runs[env, base]]
+            second = [run[concurrency] for run in runs[env, other]]
+            ratio = statistics.median(b / a for a, b in zip(first, second))
+            lines.append(f"| {env} | {concurrency} | {statistics.median(first):.2f} | "
+                         f"{statistics.median(second):.2f} | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,14 +112,22 @@ def main() -> None:
         Path(result).write_text(json.dumps(serve(model, json.loads(settings))))
         return
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else ROUNDS
+    fusion = None
+    if "--fusion" in sys.argv:
+        following = sys.argv[sys.argv.index("--fusion") + 1:]
+        fusion = following[0] if following and following[0] in ("auto", "on") else "auto"
+    models, environments = (MODELS, ENVIRONMENTS) if fusion is None else ({
+        "int4 fusion off": (INT4, {"BITKERN_VLLM_FUSION": "off"}),
+        f"int4 fusion {fusion}": (INT4, {"BITKERN_VLLM_FUSION": fusion})}, {"default": {}})
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         make_model(Path(folder))
-        runs = measure(Path(folder), rounds)
-    text = (f"vLLM offline throughput (benchmarks/vllm_throughput.py, {rounds} rounds), {os.cpu_count()} cores, "
-            f"load average at the start {load:.1f}, at the end {os.getloadavg()[0]:.1f}\n\n{table(runs)}")
+        runs = measure(Path(folder), rounds, models, environments)
+    text = (f"vLLM offline throughput (benchmarks/vllm_throughput.py{f' --fusion {fusion}' if fusion else ''}, {rounds} rounds), "
+            f"{os.cpu_count()} cores, load average at the start {load:.1f}, at the end {os.getloadavg()[0]:.1f}\n\n"
+            f"{table(runs, models, environments)}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "vllm_throughput.md").write_text(text)
+    (RESULTS / (f"vllm_throughput_fusion_{fusion}.md" if fusion else "vllm_throughput.md")).write_text(text)
     print(text)
 
 

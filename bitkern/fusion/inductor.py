@@ -1,6 +1,9 @@
 """The torch.compile path: an Inductor post-grad pass that folds the elementwise op after a bitkern linear — a
-residual add, ReLU/SiLU/GELU — into the kernel's epilogue (`torch.ops.bitkern.linear_epilogue`), where the cost
-model says it wins.
+residual add, ReLU/SiLU/GELU, or the SwiGLU gating of a [gate; up] layer stored in SwiGLU order (`swiglu_ordered`:
+its output read through `unstack_swiglu`, then silu(first half) · second half, as vLLM's SiluAndMul computes it) —
+into the kernel's epilogue (`torch.ops.bitkern.linear_epilogue`), where the cost model says it wins.  A graph
+compiled for a dynamic number of rows serves every count from one up: a fusion is made only if it wins both at
+one row and at the count the graph was traced with.
 
 Inductor fuses nothing into custom ops, but it does fuse pointwise ops with each other: an add whose result feeds
 another pointwise or reduction op (a residual add before an RMSNorm) costs no kernel of its own once compiled, so
@@ -14,58 +17,90 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from ..ops.matmul import SWIGLU_BLOCK
+from . import cost
 from .cost import Call, Variant, decide
 
-_ACTIVATIONS = {torch.ops.aten.relu.default: "relu", torch.ops.aten.silu.default: "silu",
-                torch.ops.aten.gelu.default: "gelu"}
-_ADD = torch.ops.aten.add.Tensor
+aten = torch.ops.aten
+_ACTIVATIONS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.gelu.default: "gelu"}
+_ADD = aten.add.Tensor
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_CONVERT = torch.ops.prims.convert_element_type.default
 
 
 class FusionPass(CustomGraphPass):
-    """Rewrites `bitkern::linear -> add(·, residual)` and `bitkern::linear -> relu/silu/gelu` (the linear's only
-    user) into one `bitkern::linear_epilogue` call where the cost model fuses; `decisions` lists what it decided
-    (pattern, rows, modeled gain, fused) for each match of the last graphs it ran on."""
+    """Rewrites `bitkern::linear -> add(·, residual)`, `bitkern::linear -> relu/silu/gelu` (the linear's only
+    user) and `bitkern::linear -> unstack_swiglu -> silu(gate) · up` into one `bitkern::linear_epilogue` call where
+    the cost model fuses; `decisions` lists what it decided (pattern, rows, modeled gain, fused) for each
+    signature of the last graphs it ran on (rows: the counts it was decided at; gain: the smallest).  always: fuse
+    every match whatever the cost model says (its gain is still recorded)."""
 
-    def __init__(self):
+    def __init__(self, always: bool = False):
         self.decisions = []
+        self.always = always
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         priced = {}  # repeated layers: one decision per signature
+        position = {node: index for index, node in enumerate(graph.nodes)}
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not torch.ops.bitkern.linear.default:
                 continue
-            if len(node.users) != 1:
+            match = _match(node)
+            if match is None:
                 continue
-            (user,) = node.users
-            epilogue, residual = _epilogue_of(node, user)
-            if epilogue is None:
-                continue
+            epilogue, residual, matched = match
+            user = matched[-1]
             x, weight, weight_format, bias, output_dtype = node.args
             rows = _rows(node)
             own_kernel = all(_leaves_inductor(u) for u in user.users)
             key = (weight_format, x.meta["val"].dtype, output_dtype, bias is not None, epilogue, residual is not None,
                    rows, own_kernel)
             if key not in priced:
-                call = Call(weight_format, x.meta["val"].dtype, output_dtype, bias is not None)
-                out_bytes = node.meta["val"].shape[-1] * node.meta["val"].element_size()
-                unfused = Variant([call], torch_ops=1 if own_kernel else 0, bytes_per_row=2 * out_bytes)
-                fused = Variant([Call(weight_format, call.activation, output_dtype, bias is not None, epilogue,
-                                      residual is not None)])
-                priced[key] = decide(unfused, fused, rows)
-                self.decisions.append((epilogue if residual is None else "residual", rows, priced[key].gain,
-                                       priced[key].fuse))
-            if not priced[key].fuse:
+                priced[key] = self._decide(node, epilogue, residual is not None, rows, own_kernel)
+            if not priced[key]:
                 continue
             with graph.inserting_before(user):
                 fused_node = graph.call_function(torch.ops.bitkern.linear_epilogue.default,
                                                  (x, weight, weight_format, bias, output_dtype, epilogue, residual))
             fused_node.meta.update(user.meta)
             user.replace_all_uses_with(fused_node)
-            graph.erase_node(user)
-            graph.erase_node(node)
+            for dead in sorted([*matched, node], key=position.get, reverse=True):  # users before what they use
+                if not dead.users:
+                    graph.erase_node(dead)
+
+    def _decide(self, node, epilogue: str, residual: bool, rows: tuple, own_kernel: bool) -> bool:
+        """Whether to fuse: the cost model's verdict at every row count in `rows` (recorded in `decisions`)."""
+        x, _, weight_format, bias, output_dtype = node.args
+        call = Call(weight_format, x.meta["val"].dtype, output_dtype, bias is not None)
+        out_bytes = node.meta["val"].shape[-1] * node.meta["val"].element_size()
+        # SwiGLU: the ops read gate and up, and write half as much; the others read and write the output
+        traffic = 1.5 * out_bytes if epilogue == "swiglu" else 2 * out_bytes
+        unfused = Variant([call], torch_ops=1 if own_kernel else 0, bytes_per_row=traffic)
+        fused = Variant([Call(weight_format, call.activation, output_dtype, bias is not None, epilogue, residual)])
+        verdicts = [decide(unfused, fused, m) for m in rows]
+        fuse = self.always or all(verdict.fuse for verdict in verdicts)
+        self.decisions.append((epilogue if not residual else "residual", rows,
+                               min(verdict.gain for verdict in verdicts), fuse))
+        return fuse
 
     def uuid(self):
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, cost.__file__), extra=f"always={self.always}")
+
+
+def _match(node) -> tuple | None:
+    """(epilogue, residual node or None, the nodes the fused call replaces, ending with the one whose value it
+    takes) for the linear `node`, or None where no pattern matches."""
+    silu = _silu_end(node)
+    if silu is not None:
+        return "silu", None, [*_between(node, silu), silu]
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    epilogue, residual = _epilogue_of(node, user)
+    if epilogue is not None:
+        return epilogue, residual, [user]
+    chain = _swiglu_of(node)
+    return None if chain is None else ("swiglu", None, chain)
 
 
 def _epilogue_of(node, user) -> tuple:
@@ -79,18 +114,107 @@ def _epilogue_of(node, user) -> tuple:
     return None, None
 
 
+def _silu_end(node):
+    """The node computing silu(node) as Inductor's decomposition writes it, node / (1 + exp(-node)) (or
+    node · sigmoid(node)), in float32 between two conversions for a 16-bit node, when all of node's users belong
+    to it; else None."""
+    users = list(node.users)
+    dtype = node.meta["val"].dtype
+    if dtype != torch.float32 and len(users) == 1 and users[0].target is _CONVERT and users[0].args[1] == torch.float32:
+        inner = _silu_end(users[0])
+        back = inner and _only_user(inner, _CONVERT)
+        return back if back is not None and back.args[1] == dtype else None
+    targets = sorted(str(u.target) for u in users)
+    if targets == ["aten.div.Tensor", "aten.neg.default"]:
+        neg, div = sorted(users, key=lambda u: str(u.target), reverse=True)
+        exp = _only_user(neg, aten.exp.default)
+        add = exp and _only_user(exp, _ADD)
+        if add and add.args == (exp, 1) and list(add.users) == [div] and div.args == (node, add):
+            return div
+    if targets == ["aten.mul.Tensor", "aten.sigmoid.default"]:
+        sigmoid, mul = sorted(users, key=lambda u: str(u.target), reverse=True)
+        if mul in sigmoid.users and set(mul.args) == {node, sigmoid}:
+            return mul
+    return None
+
+
+def _only_user(node, target):
+    """node's single user if it calls `target` with node as its first argument, else None."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 and users[0].target is target and users[0].args[0] is node else None
+
+
+def _swiglu_of(node) -> list | None:
+    """The nodes, in order, by which the linear `node`'s output y (2n columns, rows in `swiglu_rows` order) becomes
+    silu(gate) · up: unstack_swiglu (a reshape to [..., n/16, 2, 16], the swap of the last-but-two axes, a copy, a
+    reshape back), the two halves, the silu of the first, the product; None unless all that is there, used by
+    nothing else."""
+    width = node.meta["val"].shape[-1]
+    (split,) = node.users
+    if split.target not in _RESHAPES or tuple(split.meta["val"].shape[-3:]) != (width // (2 * SWIGLU_BLOCK), 2,
+                                                                              SWIGLU_BLOCK):
+        return None
+    rank = split.meta["val"].dim()
+    swap = [*range(rank - 3), rank - 2, rank - 3, rank - 1]
+    permute = _single_user(split)
+    if permute is None or permute.target is not aten.permute.default or list(permute.args[1]) != swap:
+        return None
+    chain = [split, permute]
+    following = _single_user(permute)
+    if following is not None and following.target is aten.clone.default:
+        chain.append(following)
+        following = _single_user(following)
+    if following is None or following.target not in _RESHAPES or following.meta["val"].dim() != node.meta["val"].dim() \
+            or following.meta["val"].shape[-1] != width:
+        return None
+    chain.append(following)
+    halves = sorted(following.users, key=lambda u: u.args[2] if len(u.args) > 2 else 0)
+    last = following.meta["val"].dim() - 1
+    if len(halves) != 2 or any(h.target is not aten.slice.Tensor or h.args[1] not in (-1, last) for h in halves):
+        return None
+    gate, up = halves
+    half = width // 2
+    if gate.args[2:] != (0, half) or up.args[2] != half or (len(up.args) > 3 and up.args[3] < width):
+        return None
+    silu = _silu_end(gate)
+    if silu is None or len(silu.users) != 1:
+        return None
+    (product,) = silu.users
+    if product.target is not aten.mul.Tensor or set(product.args) != {silu, up} or len(up.users) != 1:
+        return None
+    return [*chain, gate, up, *_between(gate, silu), silu, product]
+
+
+def _single_user(node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _between(start, end) -> list:
+    """The nodes strictly between `start` and `end` on the paths from one to the other (silu's inner ops)."""
+    inner, stack = [], [u for u in start.users if u is not end]
+    while stack:
+        current = stack.pop()
+        if current is end or current in inner:
+            continue
+        inner.append(current)
+        stack.extend(current.users)
+    return inner
+
+
 def _same_shape(other, node) -> bool:
     mine, theirs = node.meta.get("val"), other.meta.get("val")
     return mine is not None and theirs is not None and theirs.shape == mine.shape and theirs.dtype == mine.dtype
 
 
-def _rows(node) -> int:
-    """M of the call (a size hint where it is symbolic)."""
+def _rows(node) -> tuple:
+    """The row counts M to decide the call at: its M, or for a graph traced with a dynamic M, one row and the size
+    hint it was traced with."""
     shape = node.meta["val"].shape
-    rows = 1
+    rows, dynamic = 1, False
     for size in shape[:-1]:
+        dynamic = dynamic or not isinstance(size, int)
         rows *= size if isinstance(size, int) else (size.node.hint or 1)
-    return rows
+    return (1, rows) if dynamic and rows > 1 else (rows,)
 
 
 def _leaves_inductor(node) -> bool:

@@ -1,12 +1,14 @@
 """Stacked weights: several `bitkern.Linear` layers that read one input as one layer whose rows are theirs, so
-one kernel call computes all their outputs (horizontal fusion), optionally in SwiGLU order (`swiglu_rows`)."""
+one kernel call computes all their outputs (horizontal fusion), optionally in SwiGLU order (`swiglu_rows`);
+`swiglu_ordered` puts an already stacked [gate; up] layer (vLLM's gate_up_proj) in that order, and
+`unstack_swiglu` gives such a layer's output back in [gate; up] order."""
 
 from __future__ import annotations
 
 import torch
 
 from ..nn import Linear
-from ..ops.matmul import swiglu_rows
+from ..ops.matmul import SWIGLU_BLOCK, swiglu_rows
 from ..ttype import QuantizedWeight
 
 
@@ -37,22 +39,49 @@ def stacked_layer(layers: list, swiglu: bool = False) -> Linear:
     if reason:
         raise ValueError(f"layers cannot be stacked: {reason}")
     weights = [layer.quantized_weight() for layer in layers]
-    order = swiglu_rows(layers[0].out_features) if swiglu else None
-
-    def stack(tensors):
-        if tensors[0] is None:
-            return None
-        stacked = torch.cat(tensors, dim=0)
-        return stacked if order is None else stacked.index_select(0, order.to(stacked.device))
-
     n = sum(layer.out_features for layer in layers)
     first = weights[0]
     weight = QuantizedWeight(first.ttype, (n, first.shape[1]), first.group_size, first.zero_mode,
-                             stack([w.qweight for w in weights]), stack([w.scales for w in weights]),
-                             stack([w.zeros for w in weights]))
+                             *(_cat([getattr(w, name) for w in weights]) for name in ("qweight", "scales", "zeros")))
     bias = None
     if any(layer.bias is not None for layer in layers):
-        bias = stack([layer.bias.detach() if layer.bias is not None else
-                      torch.zeros(layer.out_features, dtype=torch.float32, device=layer.qweight.device)
-                      for layer in layers])
-    return Linear.from_quantized(weight, bias, compute_dtype=layers[0].compute_dtype)
+        bias = torch.cat([layer.bias.detach() if layer.bias is not None else
+                          torch.zeros(layer.out_features, dtype=torch.float32, device=layer.qweight.device)
+                          for layer in layers])
+    order = swiglu_rows(layers[0].out_features) if swiglu else None
+    return _with_rows(weight, bias, order, None, layers[0].compute_dtype)
+
+
+def swiglu_ordered(layer: Linear) -> Linear:
+    """The Linear of `layer` (a [gate; up] stack of 2n rows, n a multiple of SWIGLU_BLOCK) with its rows (and
+    bias) in `swiglu_rows` order: what epilogue="swiglu" reads.  Its plain output is `unstack_swiglu`'s input."""
+    if not isinstance(layer, Linear):
+        raise TypeError(f"layer must be a bitkern.Linear, got {type(layer).__name__}")
+    if layer.out_features % (2 * SWIGLU_BLOCK):
+        raise ValueError(f"a [gate; up] layer for SwiGLU needs a multiple of {2 * SWIGLU_BLOCK} rows, got "
+                         f"{layer.out_features}")
+    if layer.tensor_scale is not None:
+        raise ValueError("a layer with a per-tensor scale cannot be reordered (the scale covers gate and up)")
+    bias = None if layer.bias is None else layer.bias.detach()
+    return _with_rows(layer.quantized_weight(), bias, swiglu_rows(layer.out_features // 2), layer.input_order,
+                      layer.compute_dtype)
+
+
+def unstack_swiglu(y: torch.Tensor) -> torch.Tensor:
+    """y[..., 2n] computed with a `swiglu_ordered` weight, in [gate; up] order (views and one copy, which
+    torch.compile fuses into the ops that read it)."""
+    return y.unflatten(-1, (-1, 2, SWIGLU_BLOCK)).transpose(-3, -2).flatten(-3)
+
+
+def _cat(tensors: list):
+    return None if tensors[0] is None else torch.cat(tensors, dim=0)
+
+
+def _with_rows(weight: QuantizedWeight, bias, order, input_order, compute_dtype) -> Linear:
+    """A Linear of `weight` and `bias` with their rows taken in `order` (None: as they are)."""
+    def pick(tensor):
+        return tensor if tensor is None or order is None else tensor.index_select(0, order.to(tensor.device))
+
+    weight = QuantizedWeight(weight.ttype, weight.shape, weight.group_size, weight.zero_mode, pick(weight.qweight),
+                             pick(weight.scales), pick(weight.zeros))
+    return Linear.from_quantized(weight, pick(bias), input_order=input_order, compute_dtype=compute_dtype)

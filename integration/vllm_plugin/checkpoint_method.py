@@ -73,7 +73,8 @@ def vllm_parameter(stored: StoredTensor, weight_loader) -> BasevLLMParameter:
 class CheckpointLinearMethod(BitkernLayerMethod):
     """One vLLM linear layer of a quantized checkpoint (`source`), stacked from the checkpoint modules `shards`."""
 
-    def __init__(self, source, shards: tuple[str, ...]):
+    def __init__(self, source, shards: tuple[str, ...], swiglu: bool = False):
+        super().__init__(swiglu)
         self.source = source
         self.shards = shards
         self.partition: Partition | None = None
@@ -84,6 +85,7 @@ class CheckpointLinearMethod(BitkernLayerMethod):
         if len(output_partition_sizes) != len(self.shards):
             raise ValueError(f"{layer.prefix}: vLLM stacks {len(output_partition_sizes)} outputs in this layer, the "
                              f"checkpoint modules {list(self.shards)} are {len(self.shards)}")
+        self.plan_swiglu(output_partition_sizes)
         self.partition = Partition(layer.prefix, self.shards, tuple(output_partition_sizes), input_size_per_partition,
                                    input_size)
         weight_loader = extra_weight_attrs.pop("weight_loader")
@@ -99,6 +101,6 @@ class CheckpointLinearMethod(BitkernLayerMethod):
         if hasattr(layer, QUANTIZED):
             return
         tensors = {name: getattr(layer, name).data for name in self.names}
-        setattr(layer, QUANTIZED, self.source.linear(self.partition, tensors))
+        self.set_linear(layer, self.source.linear(self.partition, tensors))
         for name in self.names:
             delattr(layer, name)

@@ -14,13 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.linear import LinearBase, MergedColumnParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.transformers_utils.config import get_safetensors_params_metadata
 
 from bitkern.nn.library import FLOAT_DTYPES
 
+from . import fusion
 from .checkpoint_method import CheckpointLinearMethod
 from .linear_method import BitkernLinearMethod
 from .settings import Settings
@@ -114,13 +116,13 @@ class BitkernVllmConfig(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None  # embeddings and the LM head stay float, as in bitkern.quantize_model(skip=["lm_head"])
         if self.source is not None:
-            return self._checkpoint_method(prefix)
+            return self._checkpoint_method(layer, prefix)
         if is_layer_skipped(prefix, list(self.settings.modules_to_not_convert), self.packed_modules_mapping,
                             match_mode="suffix"):
             return UnquantizedLinearMethod()
-        return BitkernLinearMethod(self.settings)
+        return BitkernLinearMethod(self.settings, swiglu=self._swiglu(layer))
 
-    def _checkpoint_method(self, prefix: str) -> QuantizeMethodBase:
+    def _checkpoint_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase:
         """The method of a layer of a quantized checkpoint: bitkern's if the checkpoint holds its modules
         quantized, vLLM's float one if it holds them float."""
         shards = checkpoint_modules(prefix, self.packed_modules_mapping)
@@ -131,4 +133,14 @@ class BitkernVllmConfig(QuantizationConfig):
             raise ValueError(f"{prefix}: the checkpoint holds {[s for s, q in zip(shards, quantized) if q]} "
                              f"quantized but {[s for s, q in zip(shards, quantized) if not q]} float; vLLM stacks "
                              f"them in one layer")
-        return CheckpointLinearMethod(self.source, shards)
+        return CheckpointLinearMethod(self.source, shards, swiglu=self._swiglu(layer))
+
+    @staticmethod
+    def _swiglu(layer: torch.nn.Module) -> bool:
+        """Whether `layer` may be a gate/up whose SiluAndMul bitkern fuses: a merged layer, in an engine that fuses
+        (fusion.py; its pass is installed here, while vLLM builds the model, before it compiles it)."""
+        vllm_config = get_current_vllm_config()
+        if not fusion.fusion_enabled(vllm_config):
+            return False
+        fusion.install(vllm_config)
+        return isinstance(layer, MergedColumnParallelLinear)

@@ -6,6 +6,9 @@ as one opaque call).
 Quantization is per output row along the input, so stacking the rows of q/k/v (gate/up) and cutting column-parallel
 slices gives the same weights as quantizing each projection alone; row-parallel slices cut the input, so each
 slice must hold whole groups (checked when the weights are created).
+
+With bitkern's fusions on (fusion.py), a merged gate/up layer keeps its rows in SwiGLU order and reads its output
+back in vLLM's order, which lets the fusion pass fold vLLM's SiluAndMul into its kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from vllm.model_executor.utils import set_weight_attrs
 
 import bitkern
 from bitkern import ttype
+from bitkern.fusion.stack import swiglu_ordered, unstack_swiglu
 from bitkern.nn.storage import default_group_size
+from bitkern.ops.matmul import SWIGLU_BLOCK
 from bitkern.ttype.quantize import check_group_size
 
 from .settings import Settings
@@ -28,11 +33,34 @@ QUANTIZED = "bitkern_linear"  # the layer's attribute holding its bitkern.Linear
 
 
 class BitkernLayerMethod(LinearMethodBase):
-    """A linear method whose layer holds its bitkern.Linear (attribute QUANTIZED) once the weights are loaded."""
+    """A linear method whose layer holds its bitkern.Linear (attribute QUANTIZED) once the weights are loaded.
+
+    swiglu: the engine fuses (fusion.py) and this layer may be a merged gate/up; `plan_swiglu` settles it from the
+    layer's outputs, and such a layer's bitkern.Linear holds its rows in SwiGLU order."""
+
+    def __init__(self, swiglu: bool = False):
+        self.swiglu = swiglu
+
+    def plan_swiglu(self, output_partition_sizes: list[int]) -> None:
+        """Keep SwiGLU order only for two equal outputs (gate and up) of whole SwiGLU blocks."""
+        gate, *rest = output_partition_sizes
+        self.swiglu = self.swiglu and rest == [gate] and gate % SWIGLU_BLOCK == 0
+
+    def set_linear(self, layer: nn.Module, linear: bitkern.Linear) -> None:
+        """Give the layer its bitkern.Linear (in SwiGLU order where planned)."""
+        setattr(layer, QUANTIZED, swiglu_ordered(linear) if self.swiglu else linear)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = getattr(layer, QUANTIZED)(x)
+        if self.swiglu:
+            y = unstack_swiglu(y)
         return y if bias is None else y + bias
+
+
+def served_weight(layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight a layer served by bitkern computes with, its rows in vLLM's order."""
+    weight = getattr(layer, QUANTIZED).dequantize_weight(dtype)
+    return unstack_swiglu(weight.T).T if layer.quant_method.swiglu else weight
 
 
 @register_weight_loader_v2_supported_method
@@ -42,12 +70,14 @@ class BitkernLinearMethod(BitkernLayerMethod):
 
     uses_meta_device = True
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, swiglu: bool = False):
+        super().__init__(swiglu)
         self.settings = settings
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         check_partition(self.settings, layer.prefix, input_size_per_partition, input_size)
+        self.plan_swiglu(output_partition_sizes)
         weight = ModelWeightParameter(
             data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype, device="meta"),
             input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.pop("weight_loader"))
@@ -60,7 +90,7 @@ class BitkernLinearMethod(BitkernLayerMethod):
         again for the whole model afterwards; the second call finds the weight quantized already)."""
         if hasattr(layer, QUANTIZED):
             return
-        setattr(layer, QUANTIZED, quantized_linear(layer.weight.data, self.settings))
+        self.set_linear(layer, quantized_linear(layer.weight.data, self.settings))
         del layer.weight
 
 

@@ -2,12 +2,14 @@
 linear_epilogue call where the cost model fuses (same results within the kernels' rounding), are left alone where
 it does not, and a user's own post-grad pass stays installed."""
 
+import pytest
 import torch
 from torch import nn
 
 import bitkern
 from bitkern.fusion import FusionPass, install
 from bitkern.fusion import cost
+from bitkern.fusion.stack import swiglu_ordered, unstack_swiglu
 
 
 class Block(nn.Module):
@@ -65,3 +67,52 @@ def test_pass_keeps_what_the_cost_model_rejects_and_user_passes_stay(monkeypatch
         torch.compile(model, fullgraph=True)(x)
     assert users_pass.calls >= 1 and fusion_pass.decisions and not any(f for *_, f in fusion_pass.decisions)
     assert isinstance(fusion_pass, FusionPass)
+
+
+class SwiGLUBlock(nn.Module):
+    """vLLM's MLP as the plugin serves it: gate/up as one layer in SwiGLU row order whose output is read back in
+    [gate; up] order, SiluAndMul's silu(first half) · second half, then down."""
+
+    def __init__(self):
+        super().__init__()
+        gate_up = bitkern.Linear(64, 2 * 48, False, "int4", 32, compute_dtype=torch.bfloat16)
+        self.gate_up = swiglu_ordered(gate_up)
+        self.down = bitkern.Linear(48, 64, False, "int4", 16, compute_dtype=torch.bfloat16)
+
+    def forward(self, x):
+        y = unstack_swiglu(self.gate_up(x))
+        half = y.shape[-1] // 2
+        return self.down(torch.nn.functional.silu(y[..., :half]) * y[..., half:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pass_folds_swiglu_of_a_reordered_gate_up_layer_for_every_row_count(monkeypatch, dtype):
+    """The graph is traced with dynamic rows: the decision is made at one row and at the traced count, and the
+    compiled graphs compute what the eager block does at 1, 16 and 128 rows (bfloat16: Inductor's silu runs in
+    float32 between two conversions, the kernel's too)."""
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", None)
+    fusion_pass = install()
+    seen = []
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass",
+                        [*torch._inductor.config.post_grad_custom_post_pass, seen.append])
+    monkeypatch.setattr(cost, "MIN_GAIN", 0.0)
+    model = SwiGLUBlock()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for m in (16, 1, 128):
+            x = torch.randn(m, 64, dtype=dtype)
+            reference = model(x).float()
+            y = compiled(x).float()
+            assert torch.allclose(y, reference, atol=2e-2 * float(reference.abs().max())), m
+    ops = _ops(seen)  # two graphs: dynamic rows, and one row (which torch.compile specializes)
+    assert ops.count("bitkern.linear_epilogue.default") == ops.count("bitkern.linear.default") == len(seen) == 2
+    assert not {"aten.permute.default", "aten.exp.default", "aten.slice.Tensor"} & set(ops)
+    assert sorted((kind, rows, fused) for kind, rows, _, fused in fusion_pass.decisions) == [
+        ("swiglu", (1,), True), ("swiglu", (1, 16), True)]
+
+
+def test_swiglu_ordered_layer_unstacks_to_the_stacked_output():
+    layer = bitkern.Linear(64, 64, True, "nf4", 32)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(unstack_swiglu(swiglu_ordered(layer)(x)), layer(x))

@@ -5,13 +5,16 @@ writes what the tests compare to a JSON file.
 
 REQUEST holds "engine" (keyword arguments of vllm.LLM), "prompts" (token id lists), "max_tokens", "result" (the
 JSON file to write: greedy "tokens" per prompt) and optionally "weights" (a folder: every bitkern layer's
-dequantized weight is saved there, one file per tensor-parallel rank) and "ignore_eos" (generate max_tokens
-tokens whatever they are).  With "cases" (a list of "engine" keyword
-sets) instead, it starts each and records the error it raises, or "started".
+dequantized weight is saved there, one file per tensor-parallel rank), "ignore_eos" (generate max_tokens
+tokens whatever they are) and "profile" (a folder: the generation runs under vLLM's torch profiler, whose traces
+go there, and the result's "bitkern_calls" counts the calls of each bitkern op in them).  With "cases" (a list of
+"engine" keyword sets) instead, it starts each and records the error it raises, or "started".
 """
 
+import collections
 import functools
 import json
+import pathlib
 import sys
 
 
@@ -20,23 +23,43 @@ def save_weights(directory, model):
     import torch
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    from bitkern.integration.vllm_plugin.linear_method import QUANTIZED
+    from bitkern.integration.vllm_plugin.linear_method import QUANTIZED, served_weight
 
-    weights = {name: getattr(module, QUANTIZED).dequantize_weight(torch.float32)
-               for name, module in model.named_modules() if hasattr(module, QUANTIZED)}
+    weights = {name: served_weight(module, torch.float32) for name, module in model.named_modules()
+               if hasattr(module, QUANTIZED)}
     torch.save(weights, f"{directory}/rank{get_tensor_model_parallel_rank()}.pt")
+
+
+def bitkern_calls(folder):
+    """{op name: calls} of the bitkern ops in the torch profiler traces (Chrome trace JSON) under `folder`."""
+    calls = collections.Counter()
+    for trace in pathlib.Path(folder).rglob("*.json"):
+        for event in json.loads(trace.read_text()).get("traceEvents", []):
+            if event.get("name", "").startswith("bitkern::") and event.get("ph") == "X":
+                calls[event["name"]] += 1
+    return dict(calls)
 
 
 def generate(request):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**request["engine"])
+    engine = dict(request["engine"])
+    if request.get("profile"):
+        engine["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": request["profile"],
+                                     "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False}
+    llm = LLM(**engine)
+    if request.get("profile"):
+        llm.start_profile()
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in request["prompts"]],
                            SamplingParams(max_tokens=request["max_tokens"], temperature=0, detokenize=False,
                                           ignore_eos=request.get("ignore_eos", False)))
+    result = {"tokens": [list(output.outputs[0].token_ids) for output in outputs]}
+    if request.get("profile"):
+        llm.stop_profile()
+        result["bitkern_calls"] = bitkern_calls(request["profile"])
     if request.get("weights"):
         llm.apply_model(functools.partial(save_weights, request["weights"]))
-    return {"tokens": [list(output.outputs[0].token_ids) for output in outputs]}
+    return result
 
 
 def start_each(request):
