@@ -1,4 +1,4 @@
-"""The package order (docs/architecture.md): ttype -> ops -> codegen -> tuner -> cache -> nn -> fusion /
+"""The package order (docs/architecture.md): ttype -> ops -> codegen -> tuner -> cache -> nn -> fusion ->
 integration.  Every import in every module of a package, at module level or inside a function, is read from the
 source (ast) and must name the package itself or one below it."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import bitkern
 
-ORDER = {"ttype": 0, "ops": 1, "codegen": 2, "tuner": 3, "cache": 4, "nn": 5, "fusion": 6, "integration": 6}
+ORDER = {"ttype": 0, "ops": 1, "codegen": 2, "tuner": 3, "cache": 4, "nn": 5, "fusion": 6, "integration": 7}
 
 
 def imported_packages(path: Path, package_root: Path) -> set[tuple[str, int]]:

@@ -122,7 +122,7 @@ class Conv2d(Matmul):
         g = self.geometry
         return max(1, m // g.pixels), g.height, g.width, g.in_channels
 
-    def fits(self, x, weight, bias, residual=None) -> bool:
+    def fits(self, x, weight, bias, residual=None, norm_weight=None, norm_bias=None) -> bool:
         return False  # the image's geometry is checked in full on every call
 
     def gemm_input(self, x: torch.Tensor, n: int, k: int, gathered: bool = True) -> tuple:
@@ -133,13 +133,14 @@ class Conv2d(Matmul):
             return self.matmul, im2col(x.contiguous(), self.geometry), shape
         return self, x.contiguous(), shape
 
-    def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, residual=None) -> None:
+    def check_inputs(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, residual=None,
+                     norm_weight=None, norm_bias=None) -> None:
         g = self.geometry
         if isinstance(x, torch.Tensor) and (x.dim() != 4 or tuple(x.shape[1:]) != (g.height, g.width, g.in_channels)):
             raise ValueError(f"x has shape {tuple(x.shape)}; this convolution takes channels-last input "
                              f"[batch, {g.height}, {g.width}, {g.in_channels}]")
         super().check_inputs(x.new_empty((0, g.reduction)) if isinstance(x, torch.Tensor) else x, weight, bias,
-                             residual)
+                             residual, norm_weight, norm_bias)
         self.check_shape(*weight.shape)
 
     def exact(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None, residual=None) -> torch.Tensor:
