@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.matmul import EPILOGUES, Matmul
+from ...ops.matmul import EPILOGUES, NORMS, Matmul
 from ...ttype import codes_per_word, effective_group_size, get
 from ..template import Work
 from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuTemplate, Footprint, check_prefetch, doublings, operand_bytes
@@ -54,6 +54,7 @@ class LutTemplate(CpuTemplate):
     max_rows = MAX_ROWS
     shape_fields = ("n_tiles", "prefetch")
     epilogues = EPILOGUES  # its output stage (`emit.lut._Builder._store`)
+    norms = NORMS  # the tables are built from x̂ (`emit.norm`)
     residual_add = True
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:

@@ -11,7 +11,7 @@ from torch import nn
 
 import bitkern
 from bitkern.codegen import pack
-from bitkern.codegen.cpu import amx, dot, generic
+from bitkern.codegen.cpu import amx, dot, generic, lut
 from bitkern.codegen.cpu.dot import DotConfig
 from bitkern.codegen.cpu.generic import GenericConfig
 from bitkern.codegen.cpu.matrix import decode_strategies
@@ -112,10 +112,17 @@ def test_kernels_with_a_norm_prologue_match_the_reference(template, name, norm, 
     residual = torch.randn(m, n, generator=generator) if spec.residual else None
     bucket = (1, 1) if m == 1 else (2, 16) if m <= 16 else (17, 128)
     y = _pinned(template, spec, n, k, bucket)(x, pack(qweight), linear_bias, residual, norm=(weight, bias))
-    x_hat = norm_reference(norm, x, weight, bias, EPS)
+    _assert_within_the_bound(spec, qweight, x, linear_bias, residual, weight, bias, y)
+
+
+def _assert_within_the_bound(spec, qweight, x, linear_bias, residual, weight, bias, y) -> None:
+    """y within the kernels' error bound of `spec.exact` (see the test above); SwiGLU through the bound of each
+    of gate and up."""
+    m = x.shape[0]
+    x_hat = norm_reference(spec.norm, x, weight, bias, EPS)
     reference = spec.exact(x, qweight, linear_bias, residual, weight, bias)
     magnitude = x_hat.double().abs() @ summed_magnitudes(spec, qweight).T
-    if epilogue == "swiglu":  # bound each of gate and up, then through silu(gate)·up
+    if spec.epilogue == "swiglu":  # bound each of gate and up, then through silu(gate)·up
         plain = dataclasses.replace(spec, epilogue="none", residual=False)
         z = plain.exact(x, qweight, linear_bias, None, weight, bias)
         error = 2.0**-8 * magnitude
@@ -156,11 +163,61 @@ def test_the_amx_kernels_build_with_a_norm_prologue():
 
 
 def test_templates_without_a_norm_prologue_say_so():
-    from bitkern.codegen.cpu import lut
+    from bitkern.codegen.cuda import gemv
 
     spec = Matmul("int4", "bfloat16", norm="rmsnorm")
-    assert "norm='rmsnorm'" in lut.TEMPLATE.unsupported_epilogue(spec)
-    assert dot.TEMPLATE.unsupported_epilogue(spec) is None and generic.TEMPLATE.unsupported_epilogue(spec) is None
+    assert "norm='rmsnorm'" in gemv.TEMPLATE.unsupported_epilogue(spec)
+    assert all(template.TEMPLATE.unsupported_epilogue(spec) is None for template in (dot, generic, lut))
+
+
+@pytest.mark.parametrize("name,zero_mode,norm,activation,k,group", [
+    ("int4", None, "rmsnorm", "bfloat16", 256, 64),
+    ("nf4", None, "layernorm", "bfloat16", 256, 128),
+    ("int2", None, "torch_rmsnorm", "float16", 256, 64),
+    ("uint4", "gptq", "rmsnorm", "bfloat16", 256, 64),      # zero points: the group sums XS are of x̂
+    ("int4", None, "layernorm", "float32", 200, -1),         # K not a multiple of 16: x̂ element by element
+])
+def test_lookup_kernels_with_a_norm_prologue_match_the_reference(name, zero_mode, norm, activation, k, group):
+    """The lookup template (M <= 4: the decode path) builds its tables from x̂: y within the kernels' error bound
+    of the float64 reference of x̂ · Wᵀ + b + residual for M = 1..4, and a SwiGLU kernel's y within that of its
+    unfused pair; one build serves every row count of the bucket."""
+    n = 64
+    generator = torch.Generator().manual_seed(k + group)
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=group, zero_mode=zero_mode)
+    dtype = getattr(torch, activation)
+    _, weight, bias = _norm_module(norm, k, dtype, generator)
+    linear_bias = torch.randn(n, generator=generator)
+    for epilogue in ("none", "swiglu"):
+        spec = Matmul.for_weight(qweight, activation, bias=True, output_dtype="float32", epilogue=epilogue,
+                                 residual=epilogue == "none", norm=norm, norm_eps=EPS)
+        kernel = lut.TEMPLATE.build(spec, n, k, lut.LutConfig(n_tiles=2, prefetch=16), "tile16", (1, 4), host_cpu())
+        for m in (1, 2, 4):
+            x = (2 * torch.randn(m, k, generator=generator)).to(dtype)
+            residual = torch.randn(m, n, generator=generator) if spec.residual else None
+            y = kernel(x, pack(qweight), linear_bias, residual, norm=(weight, bias))
+            _assert_within_the_bound(spec, qweight, x, linear_bias, residual, weight, bias, y)
+
+
+def test_lookup_kernels_give_the_norms_nan_rows_for_non_finite_x():
+    """As the tile16 kernels: a row with ±Inf or NaN is NaN throughout, the other rows are untouched."""
+    k = 128
+    qweight = bitkern.quantize(torch.randn(32, k), "int4", group_size=64)
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", norm="rmsnorm", norm_eps=EPS)
+    kernel = lut.TEMPLATE.build(spec, 32, k, lut.LutConfig(n_tiles=1, prefetch=0), "tile16", (1, 4), host_cpu())
+    x = torch.randn(3, k).bfloat16()
+    x[1, 5] = float("inf")
+    y = kernel(x, pack(qweight), norm=(torch.ones(k), None))
+    assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
+    assert torch.equal(y[[0, 2]], kernel(x[[0, 2]], pack(qweight), norm=(torch.ones(k), None)))
+
+
+def test_the_tuner_offers_the_lookup_template_for_a_normalized_decode():
+    from bitkern.tuner.space import usable_templates
+
+    qweight = bitkern.quantize(torch.randn(64, 256), "int4", group_size=64)
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="bfloat16", epilogue="swiglu", norm="rmsnorm")
+    usable, unused = usable_templates(spec, 64, 256, (1, 1), "tile16", host_cpu())
+    assert lut.TEMPLATE in usable, unused.get("lut")
 
 
 def test_profiled_tuning_times_kernels_with_their_norm_and_residual():

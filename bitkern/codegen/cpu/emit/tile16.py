@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
-from ....ops.expr import NORM_ARGUMENTS, apply_epilogue, apply_norm, norm_rstd, tap_source
+from ....ops.expr import apply_epilogue, tap_source
 from ....ops.matmul import Matmul
 from ....ttype import effective_group_size, get
 from ....ttype.types import INT, UINT
@@ -35,8 +35,9 @@ from ..layout import AMX_TILE_ROWS, padded_k
 from ..matrix import PLANES, nibbles, step_depth
 from . import nonfinite
 from .groups import GroupArguments, biased, write_output
-from .tir import (LANES, bf16_bits, bf16_to_float, bf16_value, horizontal_sum, lanes, load, prefetch_ahead,
-                  prim_func, ramp, splat, u32)
+from .norm import NormPrologue
+from .tir import (LANES, bf16_bits, bf16_value, horizontal_sum, load, prefetch_ahead, prim_func, ramp, splat,
+                  to_float32, u32)
 
 SMALL_M_ROWS = AMX_TILE_ROWS
 _MANTISSA_BITS = 7  # of bfloat16: a code u < 2^(7-at) OR-ed in at bit `at` of 2^(7-at) gives 2^(7-at) + u
@@ -177,8 +178,8 @@ class Tile16Builder(abc.ABC):
             if self.offset_shortfall is not None:
                 self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
             self.nonfinite = T.alloc_buffer((rows, LANES), "uint32")  # rows with ±Inf or NaN in x
-            # per row of a norm prologue: (mean·rstd, rstd)
-            self.norm_stats = T.alloc_buffer((rows, 2), "float32") if self.spec.norm != "none" else None
+            if self.norm is not None:
+                self.norm.allocate(rows)
             if not self.cfg.chunk_prologue:
                 self._prologue(rows)
             self._main(rows)
@@ -193,7 +194,7 @@ class Tile16Builder(abc.ABC):
         self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
         self.group_args = GroupArguments.declare(spec, per_tile)
         self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
-        self.norm_vectors = [T.arg(name, T.Buffer((s.k,), "float32")) for name in NORM_ARGUMENTS.get(spec.norm, ())]
+        self.norm = NormPrologue.declare(spec, s.k)
         self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
         out_n = spec.out_features(s.n)
         self.residual = T.arg("residual", T.Buffer((self.m, out_n), spec.output_dtype)) if spec.residual else None
@@ -216,8 +217,8 @@ class Tile16Builder(abc.ABC):
                 if self.spec.geometry is not None:
                     self._gather_row(row)
                 else:
-                    if self.norm_stats is not None:
-                        self._norm_statistics(row)
+                    if self.norm is not None:
+                        self.norm.statistics(row, lambda index: self._as_float(load(self.x, row, index)))
                     with T.serial(0, full_chunks) as chunk:
                         even = self._x_at(row, tirx.Ramp(chunk * 32, 2, LANES))
                         odd = self._x_at(row, tirx.Ramp(chunk * 32 + 1, 2, LANES))
@@ -235,42 +236,10 @@ class Tile16Builder(abc.ABC):
                   tirx.const(0.0, "float32") for i in range(32)]
         self._store_planes(row, chunk, *_by_parity(values))
 
-    def _norm_statistics(self, row) -> None:
-        """norm_stats[row] = (mean·rstd, rstd) of x's row in float32 (as `ops.expr.norm_prologue`: Σx² / K for
-        the RMS norms; the mean, then Σ(x - mean)² / K for LayerNorm), summed in 16 lanes."""
-        k = self.s.k
-        vectors = k // LANES
-        partial = T.alloc_buffer((LANES,), "float32", scope="local", align=64)
-
-        def row_sum(term):
-            T.buffer_store(partial, splat(0.0, "float32"), [ramp(0)])
-            with T.serial(0, vectors) as v:
-                value = term(self._as_float(load(self.x, row, ramp(v * LANES))))
-                T.buffer_store(partial, load(partial, ramp(0)) + value, [ramp(0)])
-            total = horizontal_sum(load(partial, ramp(0)))
-            for j in range(vectors * LANES, k):
-                total = total + term(self._as_float(load(self.x, row, j)))
-            return total
-
-        stats = self.norm_stats
-        if self.spec.norm == "layernorm":
-            T.buffer_store(stats, row_sum(lambda x: x) / tirx.const(float(k), "float32"), [row, 0])
-            mean = load(stats, row, 0)
-            T.buffer_store(stats, norm_rstd(row_sum(lambda x: (x - _like(mean, x)) * (x - _like(mean, x))), k,
-                                            self.spec.norm_eps), [row, 1])
-            T.buffer_store(stats, mean * load(stats, row, 1), [row, 0])
-        else:
-            T.buffer_store(stats, norm_rstd(row_sum(lambda x: x * x), k, self.spec.norm_eps), [row, 1])
-
     def _x_at(self, row, index):
         """x[row, index] as float32 (index a scalar or a ramp), normalized for a norm prologue (x̂)."""
         value = self._as_float(load(self.x, row, index))
-        if self.norm_stats is None:
-            return value
-        shift = load(self.norm_stats, row, 0) if self.spec.norm == "layernorm" else None
-        weight, *bias = (load(vector, index) for vector in self.norm_vectors)
-        return apply_norm(self.spec.norm, self.spec.activation_dtype, value, shift, load(self.norm_stats, row, 1),
-                          weight, *bias)
+        return value if self.norm is None else self.norm.apply(row, index, value)
 
     def _gather_row(self, row) -> None:
         """A-plane row `row` of a convolution: output pixel (b, oh, ow) reads x[b, ih, iw, c] for each tap
@@ -323,9 +292,7 @@ class Tile16Builder(abc.ABC):
 
     def _as_float(self, value):
         """Loaded x values as float32."""
-        if self.spec.activation_dtype == "bfloat16":
-            return bf16_to_float(value)
-        return tirx.Cast(f"float32x{lanes(value)}" if lanes(value) > 1 else "float32", value)
+        return to_float32(value, self.spec.activation_dtype)
 
     def _store_planes(self, row, chunk, even, odd) -> None:
         """A[plane, row, 16·chunk + i] = bf16 pair of plane `plane` of x[2i], x[2i+1]; XS sums their total (and
@@ -530,11 +497,6 @@ class Tile16Builder(abc.ABC):
         """y[row, columns] = f(value + bias) (+ residual): the output stage of an elementwise epilogue."""
         value = apply_epilogue(self.spec.epilogue, biased(value, self.bias, columns))
         write_output(self.spec, self.y, self.residual, value, row, columns)
-
-
-def _like(scalar, value):
-    """A scalar as `value`'s lanes."""
-    return scalar if lanes(value) == 1 else tirx.Broadcast(scalar, lanes(value))
 
 
 def _by_parity(values: list):

@@ -97,6 +97,13 @@ def bf16_to_float(stored):
     return bf16_value(tirx.Cast(_typed("uint32", n), tirx.reinterpret(_typed("uint16", n), stored)))
 
 
+def to_float32(value, dtype: str):
+    """Loaded values of `dtype` (bfloat16, float16 or float32; scalar or lanes) as float32."""
+    if dtype == "bfloat16":
+        return bf16_to_float(value)
+    return tirx.Cast(_typed("float32", lanes(value)), value)
+
+
 def horizontal_sum(values):
     """Sum of the lanes of a float32 vector, as a tree of halves."""
     while lanes(values) > 1:
