@@ -56,8 +56,9 @@ def fused_call(layer: Linear, x: torch.Tensor, epilogue: str = "none", residual:
     arguments = (x.to(compute), weight_format, layer.bias, x.dtype, epilogue, residual)
     norm_arguments = {} if norm is None else norm.arguments()
     others = (residual, norm_arguments.get("norm_weight"), norm_arguments.get("norm_bias"))
-    if library.eager(x, layer.bias) and not (torch.is_grad_enabled() and
-                                             any(t is not None and t.requires_grad for t in others)):
+    plain = all(t is None or type(t) is torch.Tensor for t in others)  # a tensor subclass must see the op
+    if library.eager(x, layer.bias) and plain and not (torch.is_grad_enabled() and
+                                                       any(t is not None and t.requires_grad for t in others)):
         # nothing for autograd or a compiler to see: the op's body on the weight object, without the dispatcher
         return library.run_linear_epilogue(arguments[0], layer.packed_weight(), *arguments[1:], **norm_arguments)
     return torch.ops.bitkern.linear_epilogue(arguments[0], weight, *arguments[1:], **norm_arguments)

@@ -107,6 +107,29 @@ def test_fuse_rewrites_every_pattern_and_keeps_gradients(monkeypatch):
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+def test_a_residual_of_a_tensor_subclass_goes_through_the_op():
+    """The eager shortcut past torch's dispatcher is for plain tensors only: a residual of a tensor subclass sees
+    `torch.ops.bitkern.linear_epilogue` (as x of one would), and the result is the plain call's."""
+
+    class Marked(torch.Tensor):
+        seen = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    layer = bitkern.quantize_model(nn.Sequential(nn.Linear(64, 32)), "int4", group_size=32,
+                                   compute_dtype=torch.bfloat16)[0]
+    fused = EpilogueLinear(layer, "relu")
+    x, residual = torch.randn(2, 64).bfloat16(), torch.randn(2, 32).bfloat16()
+    with torch.no_grad():
+        plain = fused(x, residual)
+        marked = fused(x, residual.as_subclass(Marked))
+    assert torch.ops.bitkern.linear_epilogue in Marked.seen
+    assert torch.equal(marked.as_subclass(torch.Tensor), plain)
+
+
 def test_a_failed_fuse_leaves_the_model_unchanged(monkeypatch):
     model = nn.Module()
     model.attn = nn.Module()
