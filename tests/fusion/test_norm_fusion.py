@@ -205,3 +205,19 @@ def test_bad_norm_inputs_are_named_before_any_kernel_is_built(monkeypatch):
         call("batchnorm", torch.ones(64))
     with pytest.raises(ValueError, match="norm_weight must be a float32, float16 or bfloat16"):
         call("rmsnorm", torch.ones(64, dtype=torch.int32))
+
+
+def test_a_folded_norm_hands_the_kernels_float32_parameters_converted_once_per_version():
+    """A bf16 norm weight reaches the kernels as its exact float32 copy, made once (no torch op per call) and made
+    again when the weight changes in place; while it is trained it goes as it is (autograd sees it)."""
+    weight = nn.Parameter(torch.randn(64).bfloat16())
+    folded = FoldedNorm("rmsnorm", weight, None, 1e-5)
+    with torch.no_grad():
+        first = folded.arguments()["norm_weight"]
+        assert first.dtype == torch.float32 and torch.equal(first, weight.float())
+        assert folded.arguments()["norm_weight"] is first
+        weight.mul_(2)
+        again = folded.arguments()["norm_weight"]
+    assert again is not first and torch.equal(again, weight.float())
+    assert folded.arguments()["norm_weight"] is weight
+    assert "_float32" not in str(folded.state_dict().keys())
