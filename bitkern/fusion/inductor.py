@@ -9,15 +9,23 @@ Inductor fuses nothing into custom ops, but it does fuse pointwise ops with each
 another pointwise or reduction op (a residual add before an RMSNorm) costs no kernel of its own once compiled, so
 the cost model prices its fusion by the bytes alone (and keeps it when that is below the margin); an op whose
 result goes only to bitkern kernels or out of the graph is a kernel of its own, and folding it saves it.
+A norm folded into bitkern kernels' prologue (`bitkern.fuse`'s `FoldedNorm`) is decided again here, against
+the compiled baseline: eagerly an unfused norm is several torch ops, compiled it is one Inductor kernel, or none
+where its input comes from a pointwise op (the residual add) it fuses into, while the prologue costs each kernel
+that reads x its statistics pass.  Where the folded norm does not win, the pass computes x̂ in the graph
+(`ops.matmul.norm_reference`, traced) and hands the kernels x̂ with no norm.
 `install()` appends the pass to `torch._inductor.config.post_grad_custom_post_pass` (a list: a user's pass
 stays)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx.operator_schemas import normalize_function
 
-from ..ops.matmul import SWIGLU_BLOCK
+from ..ops.matmul import SWIGLU_BLOCK, norm_reference
 from . import cost
 from .cost import Call, Variant, decide
 
@@ -40,6 +48,7 @@ class FusionPass(CustomGraphPass):
         self.always = always
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        self._unfold_norms(graph)
         priced = {}  # repeated layers: one decision per signature
         position = {node: index for index, node in enumerate(graph.nodes)}
         for node in list(graph.nodes):
@@ -83,8 +92,88 @@ class FusionPass(CustomGraphPass):
                                min(verdict.gain for verdict in verdicts), fuse))
         return fuse
 
+    def _unfold_norms(self, graph: torch.fx.Graph) -> None:
+        """Keep each norm prologue (the linear_epilogue calls normalizing one x with one norm) where the cost model
+        says it wins over Inductor computing x̂; else compute x̂ in the graph once and drop the calls' norm."""
+        groups, priced = {}, {}
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.bitkern.linear_epilogue.default:
+                arguments = _epilogue_arguments(node)
+                if arguments["norm"] != "none":
+                    key = tuple(arguments[name] for name in ("x", "norm", "norm_weight", "norm_bias", "norm_eps"))
+                    groups.setdefault(key, []).append((node, arguments))
+        for (x, norm, norm_weight, norm_bias, eps), members in groups.items():
+            calls = [_call(arguments) for _, arguments in members]
+            rows, own_kernel = _rows(members[0][0]), not _is_pointwise(x)
+            key = (tuple(calls), rows, own_kernel)
+            if key not in priced:
+                priced[key] = self._decide_norm(calls, rows, own_kernel, x.meta["val"])
+            if priced[key]:
+                continue
+            with graph.inserting_before(members[0][0]):
+                normalized = _traced(graph, lambda *v: norm_reference(norm, v[0], v[1], v[2] if len(v) > 2 else None,
+                                                                      eps), [x, norm_weight, norm_bias])
+            for node, _ in members:
+                _set_arguments(node, x=normalized, norm="none", norm_weight=None, norm_bias=None)
+
+    def _decide_norm(self, calls: list, rows: tuple, own_kernel: bool, x) -> bool:
+        """Whether to keep a norm in its kernels' prologue: against the kernels without it after Inductor's x̂ (a
+        kernel of its own unless x comes from a pointwise op; it writes x̂ and the kernels read it)."""
+        plain = [dataclasses.replace(call, norm="none") for call in calls]
+        unfused = Variant(plain, torch_ops=int(own_kernel), bytes_per_row=2 * x.shape[-1] * x.element_size())
+        verdicts = [decide(unfused, Variant(calls), m) for m in rows]
+        keep = self.always or all(verdict.fuse for verdict in verdicts)
+        self.decisions.append(("norm", rows, min(verdict.gain for verdict in verdicts), keep))
+        return keep
+
     def uuid(self):
         return get_hash_for_files((__file__, cost.__file__), extra=f"always={self.always}")
+
+
+def _epilogue_arguments(node) -> dict:
+    """A linear_epilogue call's arguments by name, defaults filled in."""
+    return dict(normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs)
+
+
+def _set_arguments(node, **values) -> None:
+    """Set arguments of a call node by name where the call passes them (positionally or by keyword), and in the
+    eager input values Inductor's layout constraints read (`eager_input_vals`, the same structure)."""
+    names = [argument.name for argument in node.target._schema.arguments]
+
+    def replaced(args, kwargs, value_of):
+        args = [value_of(values[names[i]]) if names[i] in values else a for i, a in enumerate(args)]
+        return tuple(args), {k: value_of(values[k]) if k in values else v for k, v in kwargs.items()}
+
+    node.args, node.kwargs = replaced(node.args, node.kwargs, lambda value: value)
+    if "eager_input_vals" in node.meta:
+        node.meta["eager_input_vals"] = replaced(*node.meta["eager_input_vals"], lambda value: value.meta["val"]
+                                                 if isinstance(value, torch.fx.Node) else value)
+
+
+def _call(arguments: dict) -> Call:
+    """The cost model's `Call` of a linear_epilogue call."""
+    return Call(arguments["weight_format"], arguments["x"].meta["val"].dtype, arguments["output_dtype"],
+                arguments["bias"] is not None, arguments["epilogue"], arguments["residual"] is not None,
+                arguments["norm"], arguments["norm_eps"])
+
+
+def _is_pointwise(node) -> bool:
+    """Whether `node` is a pointwise aten op (Inductor fuses a following reduction over its output into its
+    kernel)."""
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _traced(graph: torch.fx.Graph, function, inputs: list):
+    """The node of `function(*inputs)` (graph nodes; trailing Nones left out), traced to aten ops through
+    Inductor's decompositions and copied into `graph` at its insertion point."""
+    from torch._inductor.pattern_matcher import fwd_only
+
+    while inputs and inputs[-1] is None:
+        inputs = inputs[:-1]
+    with torch._guards.detect_fake_mode([node.meta["val"] for node in inputs]) or torch._subclasses.FakeTensorMode():
+        traced = fwd_only(function, [node.meta["val"] for node in inputs], run_functional_passes=False)
+    placeholders = [node for node in traced.graph.nodes if node.op == "placeholder"]
+    return graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
 
 
 def _match(node) -> tuple | None:

@@ -1,6 +1,9 @@
 """The Inductor post-grad pass: a residual add and an activation after a bitkern linear become one
 linear_epilogue call where the cost model fuses (same results within the kernels' rounding), are left alone where
-it does not, and a user's own post-grad pass stays installed."""
+it does not, and a user's own post-grad pass stays installed; a norm `bitkern.fuse` folded into a kernel's prologue
+is computed by Inductor instead where the compiled baseline wins."""
+
+import copy
 
 import pytest
 import torch
@@ -8,7 +11,9 @@ from torch import nn
 
 import bitkern
 from bitkern.fusion import FusionPass, install
-from bitkern.fusion import cost
+from bitkern.fusion import cost, plan
+from bitkern.fusion.cost import Decision
+from bitkern.fusion.modules import FoldedNorm
 from bitkern.fusion.stack import swiglu_ordered, unstack_swiglu
 
 
@@ -116,3 +121,64 @@ def test_swiglu_ordered_layer_unstacks_to_the_stacked_output():
     x = torch.randn(3, 64)
     with torch.no_grad():
         assert torch.equal(unstack_swiglu(swiglu_ordered(layer)(x)), layer(x))
+
+
+class NormAfterAdd(nn.Module):
+    """A residual add, then a norm before two bitkern Linears that `bitkern.fuse` folds it into (each kernel
+    normalizes x in its prologue)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.seq = nn.Sequential(norm, bitkern.Linear(64, 96, False, "int4", 32, compute_dtype=torch.bfloat16))
+        self.other = nn.Sequential(copy.deepcopy(norm), bitkern.Linear(64, 32, False, "int4", 32,
+                                                                       compute_dtype=torch.bfloat16))
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.seq(h), self.other(h)
+
+
+def _norms_in(graph_calls: list) -> list:
+    """The norm argument of every linear_epilogue call in the graphs the pass left."""
+    found = []
+    for graph in graph_calls:
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.bitkern.linear_epilogue.default:
+                arguments = torch.fx.operator_schemas.normalize_function(
+                    node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+                found.append(arguments["norm"])
+    return found
+
+
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_pass_unfolds_a_norm_that_inductor_computes_for_less(norm, rows, monkeypatch):
+    """The norm's input comes from a pointwise add, which Inductor fuses the unfused norm into: the prologue has
+    nothing to save there, so the pass computes x̂ in the graph and the kernels run without their norm; with
+    `always` the folded norm stays.  Both give the unfused model's outputs within the kernels' rounding."""
+    torch.manual_seed(0)
+    module = nn.RMSNorm(64, eps=1e-6) if norm == "rmsnorm" else nn.LayerNorm(64)
+    with torch.no_grad():
+        module.weight.copy_(1 + 0.3 * torch.randn(64))
+    model = NormAfterAdd(module).to(torch.bfloat16)
+    x, residual = (torch.randn(rows, 64, dtype=torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        reference = model(x, residual)
+    monkeypatch.setattr(plan, "decide", lambda unfused, fused, m, *runners: Decision((2.0, 1.0)))
+    bitkern.fuse(model, x, residual)
+    assert isinstance(model.seq[0], FoldedNorm) and isinstance(model.other[0], FoldedNorm)
+    kind = "torch_rmsnorm" if norm == "rmsnorm" else "layernorm"
+    for always, expected in ((False, ["none", "none"]), (True, [kind, kind])):
+        seen, fusion_pass = [], FusionPass(always=always)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": [fusion_pass,
+                                                                                                  seen.append]})
+        with torch.no_grad():
+            outputs = compiled(x, residual)
+        assert _norms_in(seen) == expected
+        norm_decisions = [d for d in fusion_pass.decisions if d[0] == "norm"]
+        assert len(norm_decisions) == 2 and all(gain < cost.MIN_GAIN for _, _, gain, _ in norm_decisions)
+        assert all(kept == always for *_, kept in norm_decisions)
+        for y, y_reference in zip(outputs, reference):
+            scale = float(y_reference.float().abs().max())
+            assert float((y.float() - y_reference.float()).abs().max()) <= 2e-2 * scale

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get
-from .kernel import LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, doublings, operand_bytes
+from .kernel import LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, doublings, norm_prologue, operand_bytes
 from .layout import AMX_TILE_ROWS, padded_k
 from .matrix import PLANES, TILE_BYTES, MatrixConfig, MatrixTemplate, decode_strategies, nibbles
 from ..template import Work
@@ -122,7 +122,8 @@ class AmxTemplate(MatrixTemplate):
                       "amx_decode_stall": decoded * max(0, PIPELINE_TILES - ahead) / PIPELINE_TILES,
                       "amx_tile_load": block_steps * (config.m_tiles + config.n_tiles),
                       product: block_steps * config.m_tiles * config.n_tiles,
-                      "amx_group_tile": group_tiles, "amx_group_row": group_tiles * rows, "amx_c_tile_move": stashed}
+                      "amx_group_tile": group_tiles, "amx_group_row": group_tiles * rows, "amx_c_tile_move": stashed,
+                      **norm_prologue(spec, m, k, device.cores if config.small_m else 1)}
         return Work(tasks, operand_bytes(spec, n, k, m) + plane_bytes, operations,
                     l1_bytes=self.resources(spec, k, config).l1_bytes, l1_budget=device.l1_bytes / 4,
                     streams=config.n_tiles, prefetch=config.prefetch)

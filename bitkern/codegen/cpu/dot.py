@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get
 from ..template import Work
-from .kernel import FEW_ROWS, LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, doublings, operand_bytes
+from .kernel import (FEW_ROWS, LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, doublings, norm_prologue,
+                     operand_bytes)
 from .layout import AMX_TILE_ROWS, padded_k
 from .matrix import PLANES, TILE_BYTES, MatrixConfig, MatrixTemplate, decode_strategies, nibbles
 
@@ -129,7 +130,8 @@ class DotTemplate(MatrixTemplate):
             group_rows = blocks * groups * m * config.n_tiles
             operations = {f"dot_decode_direct.{config.decode}": b_rows, "vdpbf16ps": b_rows * products,
                           "dot_broadcast": blocks * row_blocks * pairs * products,
-                          "dot_group_row": group_rows, "dot_group_row_plane": group_rows * nib}
+                          "dot_group_row": group_rows, "dot_group_row_plane": group_rows * nib,
+                          **norm_prologue(spec, m, k, device.cores)}
             return Work(blocks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles,
                         prefetch=config.prefetch)
         block_pairs = blocks * row_blocks * pairs
@@ -145,7 +147,8 @@ class DotTemplate(MatrixTemplate):
             plane_bytes = rows * k_pad * 2 * planes * (1 + blocks)
         operations = {"dot_broadcast": block_pairs * broadcasts, "dot_block_step": blocks * row_blocks * (k_pad // 32),
                       f"dot_decode_stage.{config.decode}": tiles_n * k_pad // 32 * nib * chunks,
-                      "dot_group_row": group_rows, "dot_group_row_plane": group_rows * nib, "dot_c_row_move": stashed}
+                      "dot_group_row": group_rows, "dot_group_row_plane": group_rows * nib, "dot_c_row_move": stashed,
+                      **norm_prologue(spec, m, k, device.cores if config.small_m else 1)}
         bound = {"vdpbf16ps": block_pairs * config.rows * config.n_tiles * nib * planes,
                  "dot_broadcast_issue": block_pairs * broadcasts}
         # The micro-kernel streams the decoded stage from L1: measured on Zen 4, 4 steps x 5 tiles (20 KiB) ran

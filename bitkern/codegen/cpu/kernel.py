@@ -138,6 +138,13 @@ def operand_bytes(spec: Matmul, n: int, k: int, m: int) -> float:
     return n * k * ttype.bits / 8 + n * groups * scale_bytes + m * k * itemsize(spec.activation_dtype) + m * n * 4
 
 
+def norm_prologue(spec: Matmul, m: int, k: int, copies: float) -> dict:
+    """The operations of a norm prologue: each of x's M·K elements normalized `copies` times per call (by every
+    thread that builds its own tables, or one thread's worth per core where a serial prologue keeps the others
+    waiting)."""
+    return {} if spec.norm == "none" else {"norm_prologue_element": m * k * copies}
+
+
 def check_prefetch(prefetch: int) -> None:
     """Raise unless `prefetch` is a prefetch depth (weight words ahead)."""
     if not isinstance(prefetch, int) or prefetch < 0:

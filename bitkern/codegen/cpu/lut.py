@@ -11,7 +11,8 @@ import torch
 from ...ops.matmul import EPILOGUES, NORMS, Matmul
 from ...ttype import codes_per_word, effective_group_size, get
 from ..template import Work
-from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuTemplate, Footprint, check_prefetch, doublings, operand_bytes
+from .kernel import (FEW_ROWS, PREFETCH_WORDS, CpuTemplate, Footprint, check_prefetch, doublings, norm_prologue,
+                     operand_bytes)
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
 from .matrix import PLANES
 
@@ -99,7 +100,7 @@ class LutTemplate(CpuTemplate):
         tasks = -(-(-(-n // AMX_TILE_ROWS)) // config.n_tiles)
         operations = {"lookup_word": words, "lookup_word_row": words * m,
                       "lookup_table_entry": m * positions * min(device.cores, tasks),
-                      "l2_byte": tasks * m * positions * 64}
+                      "l2_byte": tasks * m * positions * 64, **norm_prologue(spec, m, k, min(device.cores, tasks))}
         return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
 
     def program(self, spec: Matmul, n: int, k: int, config: LutConfig, layout, bucket, device):

@@ -94,7 +94,7 @@ class _Builder:
     def _x_at(self, row, index):
         """x[row, index] as float32 (index a scalar or a ramp within K), normalized for a norm prologue (x̂)."""
         value = to_float32(load(self.x, row, index), self.spec.activation_dtype)
-        return value if self.norm is None else self.norm.apply(row, index, value)
+        return value if self.norm is None else self.norm.apply(row, lambda vector: load(vector, index), value)
 
     def _x(self, row, k_index, end=None):
         """x̂[row, k] as float32, 0 from `end` (default K) on."""

@@ -14,7 +14,7 @@ from .tir import LANES, horizontal_sum, lanes, load, ramp, splat
 class NormPrologue:
     """A spec's norm prologue inside one kernel: `declare` its [K] float32 arguments (the norm's weight, and bias
     for LayerNorm) where the kernel's argument list has them, `allocate` the per-row statistics in the body,
-    `statistics(row, ...)` before the row's x is read, then `apply(row, index, x)` gives x̂."""
+    `statistics(row, ...)` before the row's x is read, then `apply(row, at, x)` gives x̂."""
 
     def __init__(self, spec: Matmul, k: int):
         self.spec, self.k = spec, k
@@ -56,10 +56,11 @@ class NormPrologue:
         else:
             T.buffer_store(stats, norm_rstd(row_sum(lambda x: x * x), k, eps), [row, 1])
 
-    def apply(self, row, index, value):
-        """x̂[row, index] from x's float32 `value` there (index a scalar or a ramp; within K)."""
+    def apply(self, row, at, value):
+        """x̂ of row `row` from x's float32 `value` (a scalar or lanes), where `at(vector)` loads the norm's [K]
+        vectors at value's k's."""
         shift = load(self.stats, row, 0) if self.spec.norm == "layernorm" else None
-        weight, *bias = (load(vector, index) for vector in self.vectors)
+        weight, *bias = (at(vector) for vector in self.vectors)
         return apply_norm(self.spec.norm, self.spec.activation_dtype, value, shift, load(self.stats, row, 1),
                           weight, *bias)
 

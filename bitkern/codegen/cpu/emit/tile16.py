@@ -220,9 +220,7 @@ class Tile16Builder(abc.ABC):
                     if self.norm is not None:
                         self.norm.statistics(row, lambda index: self._as_float(load(self.x, row, index)))
                     with T.serial(0, full_chunks) as chunk:
-                        even = self._x_at(row, tirx.Ramp(chunk * 32, 2, LANES))
-                        odd = self._x_at(row, tirx.Ramp(chunk * 32 + 1, 2, LANES))
-                        self._store_planes(row, chunk, even, odd)
+                        self._store_planes(row, chunk, *self._x_pairs(row, chunk))
                     if s.k_pad > full_chunks * 32:
                         self._prologue_tail(row, full_chunks)
             with T.Else():
@@ -236,10 +234,28 @@ class Tile16Builder(abc.ABC):
                   tirx.const(0.0, "float32") for i in range(32)]
         self._store_planes(row, chunk, *_by_parity(values))
 
+    def _x_pairs(self, row, chunk) -> tuple:
+        """The (even k, odd k) float32x16 vectors of x̂'s 32-k chunk `chunk`: x (and the norm's vectors) loaded as two
+        contiguous halves and split by a shuffle (a strided load gathers element by element); bfloat16 x is
+        shuffled as its bits (TVM legalizes bfloat16 vector shuffles to float32 ones)."""
+        def split(buffer, parity):
+            halves = [load(buffer, ramp(chunk * 32 + half * LANES)) if buffer is not self.x else
+                      bits16(load(buffer, row, ramp(chunk * 32 + half * LANES))) for half in (0, 1)]
+            return tirx.Shuffle(halves, list(range(parity, 2 * LANES, 2)))
+
+        def bits16(loaded):
+            return tirx.reinterpret("uint16x16", loaded) if self.spec.activation_dtype == "bfloat16" else loaded
+
+        pairs = []
+        for parity in (0, 1):
+            value = self._as_float(split(self.x, parity))
+            pairs.append(value if self.norm is None else self.norm.apply(row, lambda v: split(v, parity), value))
+        return tuple(pairs)
+
     def _x_at(self, row, index):
         """x[row, index] as float32 (index a scalar or a ramp), normalized for a norm prologue (x̂)."""
         value = self._as_float(load(self.x, row, index))
-        return value if self.norm is None else self.norm.apply(row, index, value)
+        return value if self.norm is None else self.norm.apply(row, lambda vector: load(vector, index), value)
 
     def _gather_row(self, row) -> None:
         """A-plane row `row` of a convolution: output pixel (b, oh, ow) reads x[b, ih, iw, c] for each tap
