@@ -161,8 +161,10 @@ def main() -> None:
         runs = [("layer", "eager", layers), ("model", "eager", wholes)]
         if arguments.compiled:  # the fused model compiles with bitkern's post-grad pass, the unfused without
             fusion_pass = FusionPass()
-            options = {"unfused": {}, "fused_without_norms": {"post_grad_custom_post_pass": [fusion_pass]},
-                       "fused": {"post_grad_custom_post_pass": [fusion_pass]}}
+            # no FX graph cache: a graph cached by an earlier run would skip the pass and its printed decisions
+            options = {"unfused": {"fx_graph_cache": False},
+                       "fused_without_norms": {"post_grad_custom_post_pass": [fusion_pass], "fx_graph_cache": False},
+                       "fused": {"post_grad_custom_post_pass": [fusion_pass], "fx_graph_cache": False}}
             runs += [("layer", "compiled", {n: torch.compile(c, options=options[n]) for n, c in layers.items()}),
                      ("model", "compiled", {n: torch.compile(c, options=options[n]) for n, c in wholes.items()})]
         for scope, mode, timed in runs:

@@ -30,7 +30,8 @@ ROUNDS = 9
 @dataclass(frozen=True)
 class Call:
     """One bitkern kernel call: the weight's format string, activation and output dtypes, bias, epilogue, norm
-    prologue."""
+    prologue (priced, with `on_plain_kernel`, on the kernel picked for the call without it: picks made by timing
+    differ by more than a prologue costs)."""
 
     weight_format: str
     activation: torch.dtype
@@ -40,15 +41,19 @@ class Call:
     residual: bool = False
     norm: str = "none"
     norm_eps: float = 1e-6
+    on_plain_kernel: bool = False  # priced on the kernel the cache runs without the norm: its prologue's own cost
 
     def seconds(self, m: int) -> float:
         """Modeled time of the kernel the cache runs for M rows (built on first use, as the call itself would)."""
-        spec = spec_of(self.weight_format, self.activation, self.output, self.bias, None, self.epilogue,
-                       self.residual, self.norm, self.norm_eps)
+        spec = self._spec(self.norm)
         described = WeightFormat.decode(self.weight_format)
         n, k = described.shape
-        kernel = kernel_for(spec, n, k, m, described.layout)
+        kernel = kernel_for(self._spec("none") if self.on_plain_kernel else spec, n, k, m, described.layout)
         return estimate(kernel.template, kernel.config, spec, n, k, m, host_cpu()).seconds
+
+    def _spec(self, norm: str):
+        return spec_of(self.weight_format, self.activation, self.output, self.bias, None, self.epilogue,
+                       self.residual, norm, self.norm_eps)
 
 
 @dataclass

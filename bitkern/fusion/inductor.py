@@ -105,9 +105,11 @@ class FusionPass(CustomGraphPass):
         for (x, norm, norm_weight, norm_bias, eps), members in groups.items():
             calls = [_call(arguments) for _, arguments in members]
             rows, own_kernel = _rows(members[0][0]), not _is_pointwise(x)
-            key = (tuple(calls), rows, own_kernel)
+            converted = any(isinstance(v, torch.fx.Node) and v.op not in ("placeholder", "get_attr")
+                            for v in (norm_weight, norm_bias))
+            key = (tuple(calls), rows, own_kernel, converted)
             if key not in priced:
-                priced[key] = self._decide_norm(calls, rows, own_kernel, x.meta["val"])
+                priced[key] = self._decide_norm(calls, rows, own_kernel, converted, x.meta["val"])
             if priced[key]:
                 continue
             with graph.inserting_before(members[0][0]):
@@ -116,12 +118,14 @@ class FusionPass(CustomGraphPass):
             for node, _ in members:
                 _set_arguments(node, x=normalized, norm="none", norm_weight=None, norm_bias=None)
 
-    def _decide_norm(self, calls: list, rows: tuple, own_kernel: bool, x) -> bool:
+    def _decide_norm(self, calls: list, rows: tuple, own_kernel: bool, converted: bool, x) -> bool:
         """Whether to keep a norm in its kernels' prologue: against the kernels without it after Inductor's x̂ (a
-        kernel of its own unless x comes from a pointwise op; it writes x̂ and the kernels read it)."""
+        kernel of its own unless x comes from a pointwise op; it writes x̂ and the kernels read it).  Kept, the
+        norm's parameters cost a kernel of their own where the graph converts them to float32 (`FoldedNorm`)."""
         plain = [dataclasses.replace(call, norm="none") for call in calls]
         unfused = Variant(plain, torch_ops=int(own_kernel), bytes_per_row=2 * x.shape[-1] * x.element_size())
-        verdicts = [decide(unfused, Variant(calls), m) for m in rows]
+        normed = [dataclasses.replace(call, on_plain_kernel=True) for call in calls]
+        verdicts = [decide(unfused, Variant(normed, torch_ops=int(converted)), m) for m in rows]
         keep = self.always or all(verdict.fuse for verdict in verdicts)
         self.decisions.append(("norm", rows, min(verdict.gain for verdict in verdicts), keep))
         return keep
@@ -158,8 +162,10 @@ def _call(arguments: dict) -> Call:
 
 
 def _is_pointwise(node) -> bool:
-    """Whether `node` is a pointwise aten op (Inductor fuses a following reduction over its output into its
-    kernel)."""
+    """Whether `node` is a pointwise aten op, or a view of one's output (Inductor fuses a following reduction over
+    it into that op's kernel)."""
+    while node.op == "call_function" and node.target in _RESHAPES:
+        node = node.args[0]
     return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
