@@ -160,6 +160,7 @@ def main() -> None:
         shares = {name: glue_share(model.model.layers[0], layers[name]) for name, model in variants.items()}
         runs = [("layer", "eager", layers), ("model", "eager", wholes)]
         if arguments.compiled:  # the fused model compiles with bitkern's post-grad pass, the unfused without
+            torch._dynamo.reset()  # three compiles per token count share code objects: dynamo's recompile limit (8)
             fusion_pass = FusionPass()
             # no FX graph cache: a graph cached by an earlier run would skip the pass and its printed decisions
             options = {"unfused": {"fx_graph_cache": False},
