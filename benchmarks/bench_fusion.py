@@ -163,9 +163,9 @@ def main() -> None:
             torch._dynamo.reset()  # three compiles per token count share code objects: dynamo's recompile limit (8)
             fusion_pass = FusionPass()
             # no FX graph cache: a graph cached by an earlier run would skip the pass and its printed decisions
-            options = {"unfused": {"fx_graph_cache": False},
-                       "fused_without_norms": {"post_grad_custom_post_pass": [fusion_pass], "fx_graph_cache": False},
-                       "fused": {"post_grad_custom_post_pass": [fusion_pass], "fx_graph_cache": False}}
+            uncached = {"fx_graph_cache": False}
+            with_pass = {**uncached, "post_grad_custom_post_pass": [fusion_pass]}
+            options = {"unfused": uncached, "fused_without_norms": with_pass, "fused": with_pass}
             runs += [("layer", "compiled", {n: torch.compile(c, options=options[n]) for n, c in layers.items()}),
                      ("model", "compiled", {n: torch.compile(c, options=options[n]) for n, c in wholes.items()})]
         for scope, mode, timed in runs:

@@ -19,6 +19,7 @@ stays)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -113,8 +114,9 @@ class FusionPass(CustomGraphPass):
             if priced[key]:
                 continue
             with graph.inserting_before(members[0][0]):
-                normalized = _traced(graph, lambda *v: norm_reference(norm, v[0], v[1], v[2] if len(v) > 2 else None,
-                                                                      eps), [x, norm_weight, norm_bias])
+                normalized = _traced(graph, lambda h, weight, *bias: norm_reference(norm, h, weight,
+                                                                                    bias[0] if bias else None, eps),
+                                     [x, norm_weight, norm_bias])
             for node, _ in members:
                 _set_arguments(node, x=normalized, norm="none", norm_weight=None, norm_bias=None)
 
@@ -176,8 +178,9 @@ def _traced(graph: torch.fx.Graph, function, inputs: list):
 
     while inputs and inputs[-1] is None:
         inputs = inputs[:-1]
-    with torch._guards.detect_fake_mode([node.meta["val"] for node in inputs]) or torch._subclasses.FakeTensorMode():
-        traced = fwd_only(function, [node.meta["val"] for node in inputs], run_functional_passes=False)
+    values = [node.meta["val"] for node in inputs]
+    with torch._guards.detect_fake_mode(values) or contextlib.nullcontext():
+        traced = fwd_only(function, values, run_functional_passes=False)
     placeholders = [node for node in traced.graph.nodes if node.op == "placeholder"]
     return graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
 

@@ -13,6 +13,7 @@ import bitkern
 from bitkern.fusion import FusionPass, install
 from bitkern.fusion import cost, plan
 from bitkern.fusion.cost import Decision
+from bitkern.fusion.inductor import _epilogue_arguments
 from bitkern.fusion.modules import FoldedNorm
 from bitkern.fusion.stack import swiglu_ordered, unstack_swiglu
 
@@ -144,9 +145,7 @@ def _norms_in(graph_calls: list) -> list:
     for graph in graph_calls:
         for node in graph.nodes:
             if node.op == "call_function" and node.target is torch.ops.bitkern.linear_epilogue.default:
-                arguments = torch.fx.operator_schemas.normalize_function(
-                    node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-                found.append(arguments["norm"])
+                found.append(_epilogue_arguments(node)["norm"])
     return found
 
 

@@ -238,18 +238,20 @@ class Tile16Builder(abc.ABC):
         """The (even k, odd k) float32x16 vectors of x̂'s 32-k chunk `chunk`: x (and the norm's vectors) loaded as two
         contiguous halves and split by a shuffle (a strided load gathers element by element); bfloat16 x is
         shuffled as its bits (TVM legalizes bfloat16 vector shuffles to float32 ones)."""
-        def split(buffer, parity):
-            halves = [load(buffer, ramp(chunk * 32 + half * LANES)) if buffer is not self.x else
-                      bits16(load(buffer, row, ramp(chunk * 32 + half * LANES))) for half in (0, 1)]
-            return tirx.Shuffle(halves, list(range(parity, 2 * LANES, 2)))
+        def halves(buffer, *row_index):
+            return [load(buffer, *row_index, ramp(chunk * 32 + half * LANES)) for half in (0, 1)]
 
-        def bits16(loaded):
-            return tirx.reinterpret("uint16x16", loaded) if self.spec.activation_dtype == "bfloat16" else loaded
+        def split(values, parity):
+            return tirx.Shuffle(values, list(range(parity, 2 * LANES, 2)))
 
+        x = halves(self.x, row)
+        if self.spec.activation_dtype == "bfloat16":
+            x = [tirx.reinterpret("uint16x16", value) for value in x]
         pairs = []
         for parity in (0, 1):
-            value = self._as_float(split(self.x, parity))
-            pairs.append(value if self.norm is None else self.norm.apply(row, lambda v: split(v, parity), value))
+            value = self._as_float(split(x, parity))
+            pairs.append(value if self.norm is None else
+                         self.norm.apply(row, lambda vector: split(halves(vector), parity), value))
         return tuple(pairs)
 
     def _x_at(self, row, index):
