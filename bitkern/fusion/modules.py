@@ -45,11 +45,12 @@ class FoldedNorm(nn.Module):
         every call is a torch op between two kernel calls, which at 1 token costs more than the norm it saves
         (measured: a 3072x2048 int4 GEMV with a bf16 LlamaRMSNorm folded, 242 µs converting per call, 163 µs
         not).  Under torch.compile the conversion is a node of the graph (one small Inductor kernel; inside the op it
-        is two torch ops per call); while the parameter is being trained, it goes as it is."""
+        is two torch ops per call); while the parameter is being trained, it goes as it is.  An inference tensor
+        (made under torch.inference_mode, e.g. a deepcopy there) has no version to key on: converted per call."""
         value = getattr(self, name)
         if value is None or value.dtype == torch.float32:
             return value
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or value.is_inference():
             return value.to(torch.float32)
         if (value.requires_grad and torch.is_grad_enabled()) or type(value) not in (torch.Tensor, nn.Parameter):
             return value

@@ -221,3 +221,14 @@ def test_a_folded_norm_hands_the_kernels_float32_parameters_converted_once_per_v
     assert again is not first and torch.equal(again, weight.float())
     assert folded.arguments()["norm_weight"] is weight
     assert "_float32" not in str(folded.state_dict().keys())
+
+
+def test_a_folded_norm_made_under_inference_mode_follows_in_place_changes():
+    """A fused model copied under torch.inference_mode holds inference tensors, which have no version counter:
+    its folded norm still hands the kernels the weight as it is now, inside inference mode and out."""
+    with torch.inference_mode():
+        folded = copy.deepcopy(FoldedNorm("rmsnorm", nn.Parameter(torch.randn(64).bfloat16()), None, 1e-5))
+        assert torch.equal(folded.arguments()["norm_weight"], folded.weight.float())
+        folded.weight.mul_(2)
+        assert torch.equal(folded.arguments()["norm_weight"], folded.weight.float())
+    assert torch.equal(folded.arguments()["norm_weight"], folded.weight.float())
