@@ -4,7 +4,8 @@ bitkern's layers, through `model.generate`: the diagnosis behind "generation at 
 Sections (each printed as a table; all in one process, default environment, medians; the load is printed):
 1. steps: ms per decode step of greedy `generate` (stopping-criteria clock), of a bare loop of forwards on a
    DynamicCache (the same work without generate's), with a static cache, and with torch.compile of the forward on
-   the static cache (--compile; compile time printed).
+   the static cache (--compile; compile time printed), once with the model's attention ("sdpa") and once with
+   bitkern's grouped-query attention ("bitkern", `bitkern.integration.hf.use_grouped_attention`).
 2. modules (2 and 3 decode as benchmarks/llama_cpp.py's generate does: GENERATE_OPTIONS, a static cache): the
    step split by forward hooks into self times per module kind (bitkern Linears, lm_head, attention
    core = rope + cache update + SDPA + reshapes, RMSNorm, SwiGLU elementwise, residual adds, model glue, generate's
@@ -16,6 +17,7 @@ Sections (each printed as a table; all in one process, default environment, medi
    GB/s and fraction of the DRAM read bandwidth measured in the same run (conftest's streaming probes).
 
 Run: python benchmarks/llama_decode_profile.py [--dtype "bitkern int4 g128"] [--steps 32] [--rounds 5] [--compile]
+[--prompt 8] (the context a step attends over: prompt + steps)
 [--cpu-time] [--unfused] (the model is the one benchmarks/llama_cpp.py saves, made here when missing, and loaded as
 its benchmark does: quantized, then `bitkern.fuse`d unless --unfused)
 """
@@ -37,7 +39,6 @@ from transformers import DynamicCache, StaticCache
 from conftest import interleaved, read_probes, rotation
 from llama_cpp import BITKERN, CONFIG, GENERATE_OPTIONS, generation_steps, load_model, make_model
 
-PROMPT = 8
 # bitkern.fuse's modules whose self time is a fused kernel call or its slicing (counted with the Linears)
 FUSED_LINEARS = ("EpilogueLinear", "SharedInputLinears", "StackedOutput")
 CLOCK = time.perf_counter  # --cpu-time: time.process_time at 1 thread
@@ -62,9 +63,21 @@ def forward_steps(model, prompt, steps: int, cache) -> list[float]:
     return times
 
 
+def _compiled_generate(model, forward, switch, prompt, steps: int) -> list[float]:
+    """generation_steps with `forward` (compiled) as the model's forward and its attention switched by `switch`."""
+    eager, attention = model.forward, model.config._attn_implementation
+    switch()
+    model.forward = forward
+    try:
+        return generation_steps(model, prompt, steps + 1, clock=CLOCK, cache_implementation="static")
+    finally:
+        model.forward = eager
+        model.set_attn_implementation(attention)
+
+
 def step_table(model, prompt, steps: int, rounds: int, compile_forward: bool) -> dict[str, float]:
     """Median ms per decode step of each way of decoding, interleaved over rounds."""
-    length = PROMPT + steps + 1
+    length = prompt.shape[1] + steps + 1
     ways = {"generate, DynamicCache": lambda: generation_steps(model, prompt, steps + 1, clock=CLOCK),
             "bare forwards, DynamicCache": lambda: forward_steps(model, prompt, steps,
                                                                  DynamicCache(config=model.config)),
@@ -74,22 +87,20 @@ def step_table(model, prompt, steps: int, rounds: int, compile_forward: bool) ->
                 model, prompt, steps, StaticCache(config=model.config, max_cache_len=length))}
     compiled = {}
     if compile_forward:
-        eager = model.forward
+        from bitkern.integration.hf import use_grouped_attention
+
+        eager, attention = model.forward, model.config._attn_implementation
         start = time.perf_counter()
-        model.forward = torch.compile(eager, dynamic=False)
-        forward_steps(model, prompt, 2, StaticCache(config=model.config, max_cache_len=length))
+        for name, switch in ((attention, lambda: model.set_attn_implementation(attention)),
+                             ("bitkern", lambda: use_grouped_attention(model))):
+            switch()
+            model.forward = torch.compile(eager, dynamic=False)
+            forward_steps(model, prompt, 2, StaticCache(config=model.config, max_cache_len=length))
+            ways[f"generate, static cache, torch.compile(forward), attention {name!r}"] = \
+                lambda forward=model.forward, switch=switch: _compiled_generate(model, forward, switch, prompt, steps)
+            model.forward = eager
+        model.set_attn_implementation(attention)
         compiled["compile seconds"] = time.perf_counter() - start
-        compiled_forward = model.forward
-        model.forward = eager
-
-        def compiled_generate():
-            model.forward = compiled_forward
-            try:
-                return generation_steps(model, prompt, steps + 1, clock=CLOCK, cache_implementation="static")
-            finally:
-                model.forward = eager
-
-        ways["generate, static cache, torch.compile(forward)"] = compiled_generate
     for way in ways.values():
         way()
     medians = {name: [] for name in ways}
@@ -100,7 +111,7 @@ def step_table(model, prompt, steps: int, rounds: int, compile_forward: bool) ->
     section("1. decode step (ms, median over rounds of the median step)", ["decoding", "ms per step", "tokens/s"],
             [(name, ms, 1e3 / ms) for name, ms in result.items()])
     if compiled:
-        print(f"\ntorch.compile of the forward (both shapes, static cache): {compiled['compile seconds']:.0f} s")
+        print(f"\ntorch.compile of the forward (both shapes, static cache, both attentions): {compiled['compile seconds']:.0f} s")
     return result
 
 
@@ -247,7 +258,7 @@ def kernel_table(model, rounds: int, probes) -> None:
         for name, module in candidates.items():
             stored = getattr(module, "layer", module)  # a fused layer (EpilogueLinear): its stacked weight
             size = stored.nbytes if hasattr(stored, "nbytes") else stored.weight.numel() * stored.weight.element_size()
-            copies = rotation(lambda module=module: copy.deepcopy(module), size)
+            copies = rotation(lambda module=module: _copy(module), size)
             x = torch.randn(1, 1, stored.in_features, dtype=torch.bfloat16)
             medians = interleaved({"kernel": lambda: copies()(x), **probe_calls}, rounds=rounds, clock=CLOCK)
             del copies
@@ -261,10 +272,18 @@ def kernel_table(model, rounds: int, probes) -> None:
             ["layer", "N x K", "ms", "MB", "GB/s", "probe GB/s", "fraction of DRAM"], rows)
 
 
+def _copy(module):
+    """A deep copy made outside inference mode, so that its parameters are the plain tensors of the model's own
+    layers (a folded norm converts its weight once per version, not per call as for inference tensors)."""
+    with torch.inference_mode(False):
+        return copy.deepcopy(module)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bitkern int4 g128", choices=list(BITKERN))
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=8, help="prompt tokens before the decode steps")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the forward")
     parser.add_argument("--unfused", action="store_true", help="the model without bitkern.fuse (as before it)")
@@ -279,10 +298,10 @@ def main() -> None:
         torch.set_num_threads(1)
     print(f"# decode profile ({'CPU seconds' if args.cpu_time else 'wall seconds'}): {args.dtype}"
           f"{', unfused' if args.unfused else ', bitkern.fuse'}, {args.steps} steps "
-          f"after {PROMPT} tokens, {torch.get_num_threads()} "
+          f"after {args.prompt} tokens, {torch.get_num_threads()} "
           f"threads, load average at start {os.getloadavg()}; command: python {' '.join(sys.argv)}")
     model = load_model(make_model(args.cache_dir.expanduser() / "model"), args.dtype, fused=not args.unfused)
-    prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
     probes = read_probes()
     with torch.inference_mode():
         # prepares the kernels (tuned, built or loaded)
