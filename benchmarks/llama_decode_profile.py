@@ -111,7 +111,8 @@ def step_table(model, prompt, steps: int, rounds: int, compile_forward: bool) ->
     section("1. decode step (ms, median over rounds of the median step)", ["decoding", "ms per step", "tokens/s"],
             [(name, ms, 1e3 / ms) for name, ms in result.items()])
     if compiled:
-        print(f"\ntorch.compile of the forward (both shapes, static cache, both attentions): {compiled['compile seconds']:.0f} s")
+        print(f"\ntorch.compile of the forward (both shapes, static cache, both attentions): "
+              f"{compiled['compile seconds']:.0f} s")
     return result
 
 
