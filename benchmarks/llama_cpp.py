@@ -65,10 +65,14 @@ GGUF_TYPES = {"Q4_0 (output Q6_K)": ["Q4_0"], "Q4_0, output bf16": ["--output-te
 # output_layer "auto": the bf16 output layer as it is, on bitkern's kernels; "int8": quantized (group size the same)
 BITKERN = {"bitkern int4 g128": ("int4", 128, "auto"), "bitkern int4 g128, output int8 g128": ("int4", 128, "int8"),
            "bitkern nf4 g64": ("nf4", 64, "auto"), "bitkern int8 g128, output int8 g128": ("int8", 128, "int8"),
-           "torch bf16": None}
+           "bitkern int4 g128, compiled": ("int4", 128, "auto"), "torch bf16": None}
+# bitkern models run as a user compiling the model would: bitkern's grouped-query attention
+# (`use_grouped_attention`), then `model.forward = torch.compile(model.forward, dynamic=False)` (a graph per shape,
+# compiled while the worker prepares its kernels: prompts and decode steps alike go through it)
+COMPILED = ("bitkern int4 g128, compiled",)
 # same-output-precision pairs compared round by round: (bitkern model, llama.cpp type); llama.cpp's Q8_0 keeps its
 # output layer in Q8_0, Q4_0 puts it in Q6_K
-PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, output int8 g128", "Q4_0 (output Q6_K)"),
+PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, compiled", "Q4_0, output bf16"), ("bitkern int4 g128, output int8 g128", "Q4_0 (output Q6_K)"),
          ("bitkern nf4 g64", "Q4_0, output bf16"), ("bitkern int8 g128, output int8 g128", "Q8_0"),
          ("torch bf16", "bf16")]
 CPU_TEST = f"tg{GENERATED}, 1 thread, per CPU s"  # tokens per CPU second: a crowded machine's waits do not count
@@ -255,8 +259,8 @@ def generated_per_cpu_second(bin_dir: Path, gguf: Path, repetitions: int) -> flo
 def load_model(model_dir, name: str, fused: bool = True):
     """The saved model in bf16 with bitkern's quantization `name` of BITKERN applied and, when `fused`, the fusions
     the cost model prices as wins for one row (`bitkern.fuse` without example inputs: q/k/v as one GEMM, gate/up
-    with the SwiGLU epilogue; decided by the model, not by timings a crowded machine would sway); kernels not yet
-    prepared."""
+    with the SwiGLU epilogue; decided by the model, not by timings a crowded machine would sway), compiled for the
+    names in COMPILED; kernels not yet prepared."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -268,6 +272,10 @@ def load_model(model_dir, name: str, fused: bool = True):
         bitkern.quantize_model(model, dtype, group_size=group, compute_dtype=torch.bfloat16, output_layer=output_layer)
         if fused:
             bitkern.fuse(model)
+        if name in COMPILED:
+            from bitkern.integration.hf import use_grouped_attention
+
+            use_grouped_attention(model).forward = torch.compile(model.forward, dynamic=False)
     return model
 
 
