@@ -275,7 +275,8 @@ def load_model(model_dir, name: str, fused: bool = True):
         if name in COMPILED:
             from bitkern.integration.hf import use_grouped_attention
 
-            use_grouped_attention(model).forward = torch.compile(model.forward, dynamic=False)
+            use_grouped_attention(model)
+            model.forward = torch.compile(model.forward, dynamic=False)
     return model
 
 

@@ -3,9 +3,10 @@ and `AttentionMaskInterface`, no patching): one query row attends over each KV h
 heads packed as rows, so the KV cache is read once per KV head, eager or under torch.compile.
 
 Transformers' "sdpa" packs the groups in eager only; traced by torch.compile it repeats K and V for every query
-head and SDPA runs one row per head (on this repository's Llama, 2 threads, a 512-token static cache: 23 ms per
-compiled decode step against 13 ms packed, benchmarks/results/llama_decode_profile.md).  Prompts, models without
-groups and options the packing does not cover go to transformers' "sdpa" unchanged; masks are sdpa's.
+head and SDPA runs one row per head (the Llama of benchmarks/llama_cpp.py, 2 threads, after a 496-token prompt:
+25.8 ms per compiled decode step with "sdpa", 17.5 ms with "bitkern",
+benchmarks/results/llama_decode_profile_long_context.md).  Prompts, models without groups and options the packing
+does not cover go to transformers' "sdpa" unchanged; masks are sdpa's.
 
 Entry point: `use_grouped_attention(model)` (registers "bitkern", then `model.set_attn_implementation`);
 `register()` alone makes `from_pretrained(..., attn_implementation="bitkern")` work.
@@ -20,6 +21,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 NAME = "bitkern"
+# attention options the packed path does not implement: a call with any of them set goes to "sdpa"
+SDPA_ONLY_OPTIONS = ("softcap", "position_bias", "cache", "s_aux", "sinks")
 
 
 def grouped_query_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -29,8 +32,8 @@ def grouped_query_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     None); any other call is transformers' "sdpa"."""
     batch, heads, rows, dim = query.shape
     kv_heads = key.shape[1]
-    passed_on = ("softcap", "position_bias", "cache", "s_aux", "sinks")
-    if rows != 1 or kv_heads == heads or dropout != 0.0 or any(kwargs.get(name) is not None for name in passed_on):
+    if rows != 1 or kv_heads == heads or dropout != 0.0 or any(kwargs.get(name) is not None
+                                                               for name in SDPA_ONLY_OPTIONS):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups = heads // kv_heads

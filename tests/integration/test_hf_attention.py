@@ -4,8 +4,6 @@ int4 model); decode steps attend with the query groups packed over the KV heads,
 them packed (transformers' "sdpa" repeats K and V there); prompts and models without groups go to "sdpa"; a mask
 per query head is honoured; bad input is named."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,6 +132,5 @@ def test_a_mask_per_query_head_reaches_its_head():
 def test_bad_input_is_named():
     with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel"):
         use_grouped_attention(torch.nn.Linear(2, 2))
-    model = copy.deepcopy(_llama())
-    use_grouped_attention(model)
+    model = use_grouped_attention(_llama())
     assert model.model.layers[0].self_attn.config._attn_implementation == "bitkern"
