@@ -9,16 +9,18 @@ Recipe (CI does not run it; needs cmake, a C++ compiler and PyPI; everything bui
 
 1. llama.cpp: the source vendored in the sdist of llama-cpp-python (pinned: LLAMA_CPP_PYTHON; its CHANGELOG names
    the llama.cpp commit, passed to cmake as LLAMA_BUILD_COMMIT so that llama-bench reports it), built with
-   GGML_NATIVE (-march=native: AVX-512, AVX512-BF16, VNNI on Zen 4), 2 jobs, targets llama-bench and llama-quantize.
+   GGML_NATIVE (-march=native: AVX-512, AVX512-BF16, VNNI on Zen 4), 2 jobs, targets llama-bench and llama-quantize;
+   on a CPU with AMX twice, with and without AMX (NO_AMX says why).
 2. The model: LlamaForCausalLM with seed 0 in bf16, `save_pretrained` to <cache>/model, beside it a Llama-style
    byte-fallback BPE tokenizer of 32000 tokens made with the `tokenizers` library (the converter needs one).
 3. GGUF: llama.cpp's convert_hf_to_gguf.py --outtype bf16, run in a virtual environment (--venv, default
    <cache>/convert-venv) holding the vendored requirements (torch pinned to this Python's version instead, the
    vendored gguf-py instead of PyPI's gguf); then llama-quantize to Q4_0 (output layer Q6_K, its default), Q4_0
    with --output-tensor-type bf16, Q4_K_M and Q8_0.
-4. Rounds: llama-bench -t 2 -p 128,512 -n 64 -r REPETITIONS per GGUF, interleaved with bitkern through transformers
-   (one process per model, default environment, kernels prepared before the first round): prompt = one forward of
-   128 / 512 random tokens (cache on, logits of the last token only, as llama-bench and `generate` do); generation =
+4. Rounds: llama-bench -t 2 -p 128,512 -n 0, then -p 0 -n 64, -r REPETITIONS per GGUF, interleaved with bitkern
+   through transformers (one process per model, default environment, kernels prepared before the first round):
+   prompt = one forward of 128 / 512 random tokens (cache on, logits of the last token only, as llama-bench and
+   `generate` do); generation =
    `model.generate` greedy with a static KV cache and without an end-of-sequence token (as llama-bench), 65 new
    tokens after an 8-token prompt, timed from the first to the 65th new token with a stopping-criteria clock (64 decode steps, each with
    generate's own per-step work).  Every round also reads DRAM
@@ -50,6 +52,12 @@ from pathlib import Path
 from llama_threads import _environment
 
 LLAMA_CPP_PYTHON = "0.3.36"
+# On a CPU with AMX, -march=native compiles ggml's AMX kernels: generation runs on them (weights repacked for AMX;
+# measured on a 2-core Xeon VM, Q4_0 tg64 82 t/s, 44 without them), but the first prompt faults in this VM
+# (ldtilecfg, a general protection fault; ggml-org/llama.cpp PR 26954 fixes the tile configuration and permission).
+# There prompts run on a second build without them (GCC's explicit -mno-* outlast -march=native), its AVX-512
+# VNNI/BF16 kernels (pp512 381 t/s, 276 with the AMX build's repacking turned off).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 RESULTS = Path(__file__).parent / "results"
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
@@ -122,14 +130,21 @@ def llama_cpp_source(cache: Path) -> tuple[Path, str]:
     return root / "vendor" / "llama.cpp", commit.group(1)
 
 
-def build_llama_cpp(source: Path, commit: str, cache: Path) -> Path:
-    """Configure and build llama-bench and llama-quantize (incremental: quick when up to date); the bin folder."""
-    build = cache / f"build-{LLAMA_CPP_PYTHON}"
-    run(["cmake", "-S", source, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
-         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-         f"-DLLAMA_BUILD_COMMIT={commit}"])
-    run(["cmake", "--build", build, "-j", "2", "--target", "llama-bench", "llama-quantize"])
-    return build / "bin"
+def build_llama_cpp(source: Path, commit: str, cache: Path) -> tuple[Path, Path]:
+    """Configure and build llama-bench and llama-quantize (incremental: quick when up to date); the bin folders of
+    the builds that run prompts and generation (one build, or on an AMX CPU two: see NO_AMX)."""
+    amx = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+
+    def build(name: str, flags: str) -> Path:
+        folder = cache / name
+        run(["cmake", "-S", source, "-B", folder, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+             "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+             f"-DLLAMA_BUILD_COMMIT={commit}", f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"])
+        run(["cmake", "--build", folder, "-j", "2", "--target", "llama-bench", "llama-quantize"])
+        return folder / "bin"
+
+    prompts = build(f"build-{LLAMA_CPP_PYTHON}", NO_AMX if amx else "")
+    return prompts, build(f"build-{LLAMA_CPP_PYTHON}-amx", "") if amx else prompts
 
 
 def converter_python(source: Path, venv: Path) -> Path:
@@ -233,13 +248,16 @@ def gguf_tensor_bytes(path: Path, source: Path, python: Path) -> dict[str, int]:
     return json.loads(result.stdout)
 
 
-def llama_bench(bin_dir: Path, gguf: Path, repetitions: int) -> tuple[dict[str, float], dict]:
-    """tokens/s of each test (llama-bench's mean over `repetitions`) and the JSON record of the last test."""
-    result = run([bin_dir / "llama-bench", "-m", gguf, "-t", THREADS, "-p", ",".join(map(str, PROMPTS)),
-                  "-n", GENERATED, "-r", repetitions, "-o", "json"], env=_environment("default"))
-    records = json.loads(result.stdout)
+def llama_bench(builds: tuple[Path, Path], gguf: Path, repetitions: int) -> tuple[dict[str, float], dict]:
+    """tokens/s of each test (llama-bench's mean over `repetitions`; prompts with the first build, generation with
+    the second) and the JSON record of the generation test."""
+    records = []
+    for bin_dir, prompts, generated in ((builds[0], ",".join(map(str, PROMPTS)), 0), (builds[1], 0, GENERATED)):
+        result = run([bin_dir / "llama-bench", "-m", gguf, "-t", THREADS, "-p", prompts, "-n", generated,
+                      "-r", repetitions, "-o", "json"], env=_environment("default"))
+        records += json.loads(result.stdout)
     speeds = {(f"pp{r['n_prompt']}" if r["n_gen"] == 0 else f"tg{r['n_gen']}"): r["avg_ts"] for r in records}
-    return speeds | {CPU_TEST: generated_per_cpu_second(bin_dir, gguf, repetitions)}, records[-1]
+    return speeds | {CPU_TEST: generated_per_cpu_second(builds[1], gguf, repetitions)}, records[-1]
 
 
 def generated_per_cpu_second(bin_dir: Path, gguf: Path, repetitions: int) -> float:
@@ -394,10 +412,10 @@ def main() -> None:
     cache = args.cache_dir.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     source, commit = llama_cpp_source(cache)
-    bin_dir = build_llama_cpp(source, commit, cache)
+    builds = build_llama_cpp(source, commit, cache)
     python = converter_python(source, args.venv or cache / "convert-venv")
     model = make_model(cache / "model")
-    ggufs = make_ggufs(model, source, bin_dir, python, cache)
+    ggufs = make_ggufs(model, source, builds[1], python, cache)
     weight_bytes = {name: sum(size for tensor, size in gguf_tensor_bytes(path, source, python).items()
                               if tensor != "token_embd.weight") for name, path in ggufs.items()}
     workers = {}
@@ -428,7 +446,7 @@ def main() -> None:
             if system in workers:
                 speeds = workers[system].speeds()
             else:
-                speeds, info = llama_bench(bin_dir, ggufs[system], args.repetitions)
+                speeds, info = llama_bench(builds, ggufs[system], args.repetitions)
             for test in TESTS:
                 samples[system][test].append(speeds[test])
         rounds[-1] |= {key: max(value, rounds[-1][key]) for key, value in bandwidths().items()}
