@@ -58,7 +58,11 @@ class Candidate:
             self.members[:1]
 
     def _dtype(self) -> torch.dtype:
-        return self.example.dtype if self.example is not None else torch.float32
+        """x's dtype: the example's, else the layers' compute dtype (a model quantized with one runs in it), else
+        float32."""
+        if self.example is not None:
+            return self.example.dtype
+        return self._layers()[0].compute_dtype or torch.float32
 
     def variants(self) -> tuple:
         """(unfused, fused) `Variant`s."""

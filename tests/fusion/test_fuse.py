@@ -164,6 +164,21 @@ def test_groups_that_cannot_be_stacked_are_reported_not_fused():
     assert isinstance(model.q_proj, bitkern.Linear)
 
 
+def test_without_example_inputs_groups_are_priced_in_the_dtype_their_layers_compute_in(llama):
+    """A model quantized with compute_dtype=bfloat16 runs bf16 activations: the modeled decision prices the bf16
+    kernels it will call (float32 ones would be other kernels, tuned for nothing); without a compute dtype, float32."""
+    groups = [group for group in explain(llama).groups if group.kind in ("qkv", "swiglu")]
+    assert {group.kind for group in groups} == {"qkv", "swiglu"}
+    for group in groups:
+        for variant in group.variants():
+            assert {(call.activation, call.output) for call in variant.calls} == {(torch.bfloat16, torch.bfloat16)}
+    model = nn.Module()
+    model.gate_proj, model.up_proj = (bitkern.Linear(64, 96, False, "int4", 32) for _ in range(2))
+    model.down_proj, model.act_fn = bitkern.Linear(96, 64, False, "int4", 32), nn.SiLU()
+    (group,) = explain(model).groups
+    assert {(call.activation, call.output) for call in group.variants()[0].calls} == {(torch.float32, torch.float32)}
+
+
 def test_fused_mlp_compiles_fullgraph():
     gate, up = bitkern.Linear(64, 96, False, "int4", 32), bitkern.Linear(64, 96, False, "int4", 32)
     mlp = SwiGLUMLP(gate, up, bitkern.Linear(96, 64, True, "int4", 32))
