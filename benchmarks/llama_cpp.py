@@ -56,7 +56,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 # measured on a 2-core Xeon VM, Q4_0 tg64 82 t/s, 44 without them), but the first prompt faults in this VM
 # (ldtilecfg, a general protection fault; ggml-org/llama.cpp PR 26954 fixes the tile configuration and permission).
 # There prompts run on a second build without them (GCC's explicit -mno-* outlast -march=native), its AVX-512
-# VNNI/BF16 kernels (pp512 381 t/s, 276 with the AMX build's repacking turned off).
+# VNNI/BF16 kernels (pp128 392 t/s; the AMX build with its repacking turned off, --repack 0, ran 276).
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 RESULTS = Path(__file__).parent / "results"
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
