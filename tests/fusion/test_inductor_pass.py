@@ -13,7 +13,7 @@ import bitkern
 from bitkern.fusion import FusionPass, install
 from bitkern.fusion import cost, plan
 from bitkern.fusion.cost import Decision
-from bitkern.fusion.inductor import _epilogue_arguments
+from bitkern.fusion.inductor import _arguments
 from bitkern.fusion.modules import FoldedNorm
 from bitkern.fusion.stack import swiglu_ordered, unstack_swiglu
 
@@ -28,20 +28,26 @@ class Block(nn.Module):
         return self.down(torch.relu(self.up(x))) + x
 
 
+@pytest.fixture(autouse=True)
+def custom_passes():
+    """Inductor's post-grad custom passes as each test sets them, put back after it by the config's own patch
+    (pytest's monkeypatch, from 9.2, deletes such a config entry on undo: it is not in the module's __dict__)."""
+    with torch._inductor.config.patch(post_grad_custom_post_pass=None):
+        yield
+
+
 def _ops(graph_calls: list) -> list:
     return [str(node.target) for graph in graph_calls for node in graph.nodes if node.op == "call_function"]
 
 
 def test_pass_folds_activation_and_residual_into_the_kernels(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", None)
     fusion_pass = install()
     seen = []
 
     def record(graph):
         seen.append(graph)
 
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", [*torch._inductor.config.
-                                                                                post_grad_custom_post_pass, record])
+    torch._inductor.config.post_grad_custom_post_pass = [*torch._inductor.config.post_grad_custom_post_pass, record]
     # the relu fold's modeled gain (~1.02 here) sits at the margin and moves with the measured bandwidth: fuse
     # everything, so that the test checks the rewrite, not the machine (the next test checks rejections)
     monkeypatch.setattr(cost, "MIN_GAIN", 0.0)
@@ -62,7 +68,7 @@ def test_pass_keeps_what_the_cost_model_rejects_and_user_passes_stay(monkeypatch
         users_pass.calls += 1
 
     users_pass.calls = 0
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", users_pass)
+    torch._inductor.config.post_grad_custom_post_pass = users_pass
     fusion_pass = install()
     assert torch._inductor.config.post_grad_custom_post_pass == [users_pass, fusion_pass]
     assert install() is fusion_pass  # installed once
@@ -96,11 +102,10 @@ def test_pass_folds_swiglu_of_a_reordered_gate_up_layer_for_every_row_count(monk
     """The graph is traced with dynamic rows: the decision is made at one row and at the traced count, and the
     compiled graphs compute what the eager block does at 1, 16 and 128 rows (bfloat16: Inductor's silu runs in
     float32 between two conversions, the kernel's too)."""
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass", None)
     fusion_pass = install()
     seen = []
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass",
-                        [*torch._inductor.config.post_grad_custom_post_pass, seen.append])
+    config = torch._inductor.config
+    config.post_grad_custom_post_pass = [*config.post_grad_custom_post_pass, seen.append]
     monkeypatch.setattr(cost, "MIN_GAIN", 0.0)
     model = SwiGLUBlock()
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
@@ -145,7 +150,7 @@ def _norms_in(graph_calls: list) -> list:
     for graph in graph_calls:
         for node in graph.nodes:
             if node.op == "call_function" and node.target is torch.ops.bitkern.linear_epilogue.default:
-                found.append(_epilogue_arguments(node)["norm"])
+                found.append(_arguments(node)["norm"])
     return found
 
 
