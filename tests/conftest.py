@@ -21,6 +21,12 @@ def _has_avx512_bf16() -> bool:
     return "avx512_bf16" in host_cpu().flags
 
 
+def _has_avx512_vnni() -> bool:
+    from bitkern.tuner import host_cpu
+
+    return "avx512_vnni" in host_cpu().flags
+
+
 def _has_nvcc() -> bool:
     from bitkern.codegen.cuda.compile import find_nvcc
 
@@ -37,6 +43,7 @@ def _has_cuda() -> bool:
 HARDWARE = {
     "requires_amx": ("a CPU with AMX-BF16", _has_amx),
     "requires_avx512_bf16": ("a CPU with AVX512-BF16", _has_avx512_bf16),
+    "requires_avx512_vnni": ("a CPU with AVX512-VNNI", _has_avx512_vnni),
     "requires_nvcc": ("nvcc", _has_nvcc),
     "requires_cuda": ("a CUDA GPU", _has_cuda),
 }

@@ -48,7 +48,8 @@ class Template(abc.ABC):
     name: its key in the registry, the cache and tuning records; title: its name in messages; target: "cpu"
     or "cuda"; layouts: the weight layouts it reads; config_type: its configuration (a frozen dataclass,
     stored in the cache by its fields); max_rows: the largest M it is a candidate for; epilogues, residual_add: the
-    Matmul epilogues its output stage emits, norms: the norm prologues it applies (`unsupported_epilogue`);
+    Matmul epilogues its output stage emits, norms / activation_quants: the norm prologues and activation
+    quantizations it applies (`unsupported_epilogue`);
     shape_fields: the configuration fields that make two candidates differ in more than the cost model can rank
     (the tuner times such candidates first).
     """
@@ -63,10 +64,13 @@ class Template(abc.ABC):
     epilogues: tuple[str, ...] = ("none",)  # the Matmul epilogues its output stage emits
     residual_add: bool = False  # it adds a residual tensor in its output stage
     norms: tuple[str, ...] = ("none",)  # the Matmul norm prologues it applies to x
+    activation_quants: tuple[str, ...] = ("none",)  # the Matmul activation quantizations its prologue applies
 
     def unsupported_epilogue(self, spec) -> str | None:
-        """Why the template cannot emit the spec's epilogue and residual add (its output stage) or its norm
-        prologue, or None."""
+        """Why the template cannot emit the spec's epilogue and residual add (its output stage) or its prologue
+        (norm, activation quantization), or None."""
+        if spec.activation_quant not in self.activation_quants:
+            return f"activation_quant={spec.activation_quant!r} (its prologue applies {list(self.activation_quants)})"
         if spec.norm not in self.norms:
             return f"norm={spec.norm!r} (its prologue applies {list(self.norms)})"
         if spec.epilogue not in self.epilogues:

@@ -31,7 +31,7 @@ ROUNDS = 9
 class Call:
     """One bitkern kernel call: the weight's format string, activation and output dtypes, bias, epilogue, norm
     prologue (priced, with `on_plain_kernel`, on the kernel picked for the call without it: picks made by timing
-    differ by more than a prologue costs)."""
+    differ by more than a prologue costs), activation quantization."""
 
     weight_format: str
     activation: torch.dtype
@@ -42,6 +42,7 @@ class Call:
     norm: str = "none"
     norm_eps: float = 1e-6
     on_plain_kernel: bool = False  # priced on the kernel the cache runs without the norm: its prologue's own cost
+    activation_quant: str = "none"
 
     def seconds(self, m: int) -> float:
         """Modeled time of the kernel the cache runs for M rows (built on first use, as the call itself would)."""
@@ -53,7 +54,7 @@ class Call:
 
     def _spec(self, norm: str):
         return spec_of(self.weight_format, self.activation, self.output, self.bias, None, self.epilogue,
-                       self.residual, norm, self.norm_eps)
+                       self.residual, norm, self.norm_eps, self.activation_quant)
 
 
 @dataclass

@@ -35,6 +35,7 @@ _ACTIVATIONS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.gelu.
 _ADD = aten.add.Tensor
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _CONVERT = torch.ops.prims.convert_element_type.default
+_LINEAR_ARGUMENTS = ("x", "weight", "weight_format", "bias", "output_dtype", "activation_quant")
 
 
 class FusionPass(CustomGraphPass):
@@ -60,33 +61,35 @@ class FusionPass(CustomGraphPass):
                 continue
             epilogue, residual, matched = match
             user = matched[-1]
-            x, weight, weight_format, bias, output_dtype = node.args
+            arguments = _arguments(node)
+            x, weight, weight_format, bias, output_dtype, quant = (arguments[name] for name in _LINEAR_ARGUMENTS)
             rows = _rows(node)
             own_kernel = all(_leaves_inductor(u) for u in user.users)
             key = (weight_format, x.meta["val"].dtype, output_dtype, bias is not None, epilogue, residual is not None,
-                   rows, own_kernel)
+                   rows, own_kernel, quant)
             if key not in priced:
-                priced[key] = self._decide(node, epilogue, residual is not None, rows, own_kernel)
+                priced[key] = self._decide(arguments, node, epilogue, residual is not None, rows, own_kernel)
             if not priced[key]:
                 continue
             with graph.inserting_before(user):
                 fused_node = graph.call_function(torch.ops.bitkern.linear_epilogue.default,
-                                                 (x, weight, weight_format, bias, output_dtype, epilogue, residual))
+                                                 (x, weight, weight_format, bias, output_dtype, epilogue, residual),
+                                                 {"activation_quant": quant})
             fused_node.meta.update(user.meta)
             user.replace_all_uses_with(fused_node)
             for dead in sorted([*matched, node], key=position.get, reverse=True):  # users before what they use
                 if not dead.users:
                     graph.erase_node(dead)
 
-    def _decide(self, node, epilogue: str, residual: bool, rows: tuple, own_kernel: bool) -> bool:
-        """Whether to fuse: the cost model's verdict at every row count in `rows` (recorded in `decisions`)."""
-        x, _, weight_format, bias, output_dtype = node.args
-        call = Call(weight_format, x.meta["val"].dtype, output_dtype, bias is not None)
+    def _decide(self, arguments: dict, node, epilogue: str, residual: bool, rows: tuple, own_kernel: bool) -> bool:
+        """Whether to fuse the linear `node` (its `arguments`): the cost model's verdict at every row count in `rows`
+        (recorded in `decisions`)."""
+        call = _call(arguments)
         out_bytes = node.meta["val"].shape[-1] * node.meta["val"].element_size()
         # SwiGLU: the ops read gate and up, and write half as much; the others read and write the output
         traffic = 1.5 * out_bytes if epilogue == "swiglu" else 2 * out_bytes
         unfused = Variant([call], torch_ops=1 if own_kernel else 0, bytes_per_row=traffic)
-        fused = Variant([Call(weight_format, call.activation, output_dtype, bias is not None, epilogue, residual)])
+        fused = Variant([dataclasses.replace(call, epilogue=epilogue, residual=residual)])
         verdicts = [decide(unfused, fused, m) for m in rows]
         fuse = self.always or all(verdict.fuse for verdict in verdicts)
         self.decisions.append((epilogue if not residual else "residual", rows,
@@ -99,7 +102,7 @@ class FusionPass(CustomGraphPass):
         groups, priced = {}, {}
         for node in graph.nodes:
             if node.op == "call_function" and node.target is torch.ops.bitkern.linear_epilogue.default:
-                arguments = _epilogue_arguments(node)
+                arguments = _arguments(node)
                 if arguments["norm"] != "none":
                     key = tuple(arguments[name] for name in ("x", "norm", "norm_weight", "norm_bias", "norm_eps"))
                     groups.setdefault(key, []).append((node, arguments))
@@ -136,8 +139,8 @@ class FusionPass(CustomGraphPass):
         return get_hash_for_files((__file__, cost.__file__), extra=f"always={self.always}")
 
 
-def _epilogue_arguments(node) -> dict:
-    """A linear_epilogue call's arguments by name, defaults filled in."""
+def _arguments(node) -> dict:
+    """A linear or linear_epilogue call's arguments by name, defaults filled in."""
     return dict(normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs)
 
 
@@ -157,10 +160,11 @@ def _set_arguments(node, **values) -> None:
 
 
 def _call(arguments: dict) -> Call:
-    """The cost model's `Call` of a linear_epilogue call."""
+    """The cost model's `Call` of a linear or linear_epilogue call (its `_arguments`)."""
     return Call(arguments["weight_format"], arguments["x"].meta["val"].dtype, arguments["output_dtype"],
-                arguments["bias"] is not None, arguments["epilogue"], arguments["residual"] is not None,
-                arguments["norm"], arguments["norm_eps"])
+                arguments["bias"] is not None, arguments.get("epilogue", "none"),
+                arguments.get("residual") is not None, arguments.get("norm", "none"), arguments.get("norm_eps", 1e-6),
+                activation_quant=arguments["activation_quant"])
 
 
 def _is_pointwise(node) -> bool:

@@ -78,6 +78,8 @@ def fused_call(layer: Linear, x: torch.Tensor, epilogue: str = "none", residual:
                          f"layer's compute dtype")
     arguments = (x.to(compute), weight_format, layer.bias, x.dtype, epilogue, residual)
     norm_arguments = {} if norm is None else norm.arguments()
+    if layer.activation_quant != "none":
+        norm_arguments["activation_quant"] = layer.activation_quant
     others = (residual, norm_arguments.get("norm_weight"), norm_arguments.get("norm_bias"))
     plain = all(t is None or type(t) is torch.Tensor for t in others)  # a tensor subclass must see the op
     if library.eager(x, layer.bias) and plain and not (torch.is_grad_enabled() and

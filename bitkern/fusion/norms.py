@@ -123,14 +123,15 @@ class NormCandidate:
         kind, _, bias, eps = self._norm()
         inner = self.inner.signature(m) if self.inner is not None and self.inner.reason is None else None
         return ("norm", self.structure, kind, eps, bias is not None, inner, self._inner_fused(),
-                tuple(layer.op_weight()[1] for layer in self._layers()), self._dtype(), m)
+                tuple((layer.op_weight()[1], layer.activation_quant) for layer in self._layers()), self._dtype(), m)
 
     def _consumer_variant(self) -> Variant:
         """How the Linears run after their own group's decision."""
         if self.inner is not None and self.inner.decision is not None:
             return self.inner.variants()[1 if self._inner_fused() else 0]
         dtype = self._dtype()
-        return Variant([Call(layer.op_weight()[1], dtype, dtype, layer.bias is not None) for layer in self._layers()])
+        return Variant([Call(layer.op_weight()[1], dtype, dtype, layer.bias is not None,
+                             activation_quant=layer.activation_quant) for layer in self._layers()])
 
     def variants(self) -> tuple:
         """(unfused, fused) `Variant`s: the norm's torch ops and bytes before the Linears' kernels, or none."""

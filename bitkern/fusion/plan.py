@@ -24,7 +24,7 @@ from ..nn import Linear
 from .cost import Call, Decision, Variant, decide
 from .modules import EpilogueLinear, SharedInputLinears, StackedOutput, SwiGLUMLP
 from .norms import NormCandidate, norm_groups
-from .stack import stackable, stacked_layer
+from .stack import stackable
 
 ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu", nn.GELU: "gelu"}
 PATTERNS = ("qkv", "swiglu", "act", "norm")
@@ -50,8 +50,8 @@ class Candidate:
     def signature(self, m: int) -> tuple:
         layers = self._layers()
         compute = layers[0].compute_dtype or self._dtype()
-        return (self.kind, tuple(layer.op_weight()[1] for layer in layers), compute, self._dtype(), m,
-                tuple(layer.bias is not None for layer in layers))
+        return (self.kind, tuple((layer.op_weight()[1], layer.activation_quant) for layer in layers), compute,
+                self._dtype(), m, tuple(layer.bias is not None for layer in layers))
 
     def _layers(self) -> list:
         return self.members[:2] if self.kind == "swiglu" else self.members[:3] if self.kind == "qkv" else \
@@ -69,21 +69,26 @@ class Candidate:
         layers = self._layers()
         compute, output = layers[0].compute_dtype or self._dtype(), self._dtype()
 
+        quant = layers[0].activation_quant  # stacked layers share it (`stack.stackable`)
+
         def call(layer, epilogue="none"):
-            return Call(layer.op_weight()[1], compute, output, layer.bias is not None, epilogue)
+            return Call(layer.op_weight()[1], compute, output, layer.bias is not None, epilogue,
+                        activation_quant=layer.activation_quant)
 
         size = output.itemsize
         casts = int(compute != output)  # each layer converts x to its compute dtype: a torch op per kernel call
         if self.kind == "qkv":
             stacked = stacked_format(layers)
             return Variant([call(layer) for layer in layers], torch_ops=3 * casts), Variant(
-                [Call(stacked, compute, output, any(layer.bias is not None for layer in layers))], torch_ops=casts)
+                [Call(stacked, compute, output, any(layer.bias is not None for layer in layers),
+                      activation_quant=quant)], torch_ops=casts)
         if self.kind == "swiglu":
             width = layers[0].out_features
             # silu reads gate, writes its result; the product reads both and writes y
             unfused = Variant([call(layer) for layer in layers], torch_ops=2 + 2 * casts, bytes_per_row=5 * width * size)
             return unfused, Variant([Call(stacked_format(layers), compute, output, layers[0].bias is not None
-                                          or layers[1].bias is not None, "swiglu")], torch_ops=casts)
+                                          or layers[1].bias is not None, "swiglu", activation_quant=quant)],
+                                    torch_ops=casts)
         epilogue = ACTIVATIONS[type(self.members[1])]
         return (Variant([call(layers[0])], torch_ops=1 + casts, bytes_per_row=2 * layers[0].out_features * size),
                 Variant([call(layers[0], epilogue)], torch_ops=casts))

@@ -14,7 +14,8 @@ from ..ttype import QuantizedWeight
 
 def stackable(layers: list) -> str | None:
     """Why `layers` cannot be stacked into one weight, or None: bitkern Linears of one input size, weight type,
-    group size, zero mode, scale dtype and compute dtype, without permuted inputs or per-tensor scales."""
+    group size, zero mode, scale dtype, compute dtype and activation quantization, without permuted inputs or
+    per-tensor scales."""
     if len(layers) < 2 or not all(isinstance(layer, Linear) for layer in layers):
         return "not two or more bitkern.Linear layers"
     first = layers[0]
@@ -25,7 +26,8 @@ def stackable(layers: list) -> str | None:
             return "a per-tensor scale (each layer has its own)"
         if layer.qweight.is_meta:
             return "a layer without weights (meta)"
-        fields = ("in_features", "weight_dtype", "group_size", "zero_mode", "scale_dtype", "compute_dtype")
+        fields = ("in_features", "weight_dtype", "group_size", "zero_mode", "scale_dtype", "compute_dtype",
+                  "activation_quant")
         for name in fields:
             if getattr(layer, name) != getattr(first, name):
                 return f"layers with different {name}"
@@ -49,7 +51,7 @@ def stacked_layer(layers: list, swiglu: bool = False) -> Linear:
                           torch.zeros(layer.out_features, dtype=torch.float32, device=layer.qweight.device)
                           for layer in layers])
     order = swiglu_rows(layers[0].out_features) if swiglu else None
-    return _with_rows(weight, bias, order, None, layers[0].compute_dtype)
+    return _with_rows(weight, bias, order, None, layers[0])
 
 
 def swiglu_ordered(layer: Linear) -> Linear:
@@ -63,8 +65,7 @@ def swiglu_ordered(layer: Linear) -> Linear:
     if layer.tensor_scale is not None:
         raise ValueError("a layer with a per-tensor scale cannot be reordered (the scale covers gate and up)")
     bias = None if layer.bias is None else layer.bias.detach()
-    return _with_rows(layer.quantized_weight(), bias, swiglu_rows(layer.out_features // 2), layer.input_order,
-                      layer.compute_dtype)
+    return _with_rows(layer.quantized_weight(), bias, swiglu_rows(layer.out_features // 2), layer.input_order, layer)
 
 
 def unstack_swiglu(y: torch.Tensor) -> torch.Tensor:
@@ -77,11 +78,12 @@ def _cat(tensors: list):
     return None if tensors[0] is None else torch.cat(tensors, dim=0)
 
 
-def _with_rows(weight: QuantizedWeight, bias, order, input_order, compute_dtype) -> Linear:
-    """A Linear of `weight` and `bias` with their rows taken in `order` (None: as they are)."""
+def _with_rows(weight: QuantizedWeight, bias, order, input_order, like: Linear) -> Linear:
+    """A Linear of `weight` and `bias` with their rows taken in `order` (None: as they are), computing as `like`."""
     def pick(tensor):
         return tensor if tensor is None or order is None else tensor.index_select(0, order.to(tensor.device))
 
     weight = QuantizedWeight(weight.ttype, weight.shape, weight.group_size, weight.zero_mode, pick(weight.qweight),
                              pick(weight.scales), pick(weight.zeros))
-    return Linear.from_quantized(weight, pick(bias), input_order=input_order, compute_dtype=compute_dtype)
+    return Linear.from_quantized(weight, pick(bias), input_order=input_order, compute_dtype=like.compute_dtype,
+                                 activation_quant=like.activation_quant)

@@ -20,13 +20,15 @@ from .storage import QuantizedModule, check_positive
 
 class Conv2d(QuantizedModule):
     """nn.Conv2d (groups=1, padding_mode="zeros") with its weight in `dtype`; the other weight arguments
-    are those of `bitkern.Linear`, with in_features = in_channels · kernel height · kernel width."""
+    are those of `bitkern.Linear`, with in_features = in_channels · kernel height · kernel width (activation_quant:
+    "none" only)."""
 
     float_class = nn.Conv2d
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", dtype="nf4", group_size=None,
-                 zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16):
+                 zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16,
+                 activation_quant: str = "none"):
         super().__init__()
         check_positive("in_channels", in_channels)
         check_positive("out_channels", out_channels)
@@ -40,7 +42,8 @@ class Conv2d(QuantizedModule):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.dilation = source.kernel_size, source.stride, source.dilation
         self.padding = source.padding
-        self._configure(tuple(source.weight.shape), dtype, group_size, zero_mode, scale_dtype, compute_dtype)
+        self._configure(tuple(source.weight.shape), dtype, group_size, zero_mode, scale_dtype, compute_dtype,
+                        activation_quant)
         device = torch.get_default_device() if device is None else torch.device(device)
         if device.type != "meta":
             source = source.to_empty(device=device)

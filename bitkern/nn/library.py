@@ -69,7 +69,7 @@ def _float_view(bits: Optional[Tensor], dtype: str | None) -> Optional[Tensor]:
 @functools.lru_cache(maxsize=None)
 def spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool,
             geometry: ConvGeometry | None = None, epilogue: str = "none", residual: bool = False,
-            norm: str = "none", norm_eps: float = 1e-6) -> Matmul:
+            norm: str = "none", norm_eps: float = 1e-6, activation_quant: str = "none") -> Matmul:
     """The Matmul spec of an op call (a Conv2d spec when a convolution `geometry` is given); `bitkern.fusion`
     prices fused calls by it."""
     described = WeightFormat.decode(weight_format)
@@ -79,7 +79,7 @@ def spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bi
     if geometry is not None:
         return Conv2d(described.dtype, activation, geometry=geometry, **fields)
     return Matmul(described.dtype, activation, epilogue=epilogue, residual=residual, norm=norm, norm_eps=norm_eps,
-                  **fields)
+                  activation_quant=activation_quant, **fields)
 
 
 def _weight(weight: list, weight_format: str) -> PackedWeight:
@@ -96,20 +96,22 @@ def eager(x: Tensor, bias: Tensor | None) -> bool:
 
 
 def run_linear(x: Tensor, weight: PackedWeight, weight_format: str, bias: Optional[Tensor],
-               output_dtype: torch.dtype) -> Tensor:
+               output_dtype: torch.dtype, activation_quant: str = "none") -> Tensor:
     """The linear op's computation on a weight object (its `weight_format` string as the op takes it)."""
-    return spec_of(weight_format, x.dtype, output_dtype, bias is not None)(x, weight, bias)
+    return spec_of(weight_format, x.dtype, output_dtype, bias is not None, activation_quant=activation_quant)(
+        x, weight, bias)
 
 
 @torch.library.custom_op("bitkern::linear", mutates_args=())
 def linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
-           output_dtype: torch.dtype) -> Tensor:
-    """y[..., N] = x[..., K] · dequant(W)ᵀ (+ bias), computed in x's dtype, returned in `output_dtype`."""
-    return run_linear(x, _weight(weight, weight_format), weight_format, bias, output_dtype)
+           output_dtype: torch.dtype, activation_quant: str = "none") -> Tensor:
+    """y[..., N] = x[..., K] · dequant(W)ᵀ (+ bias), computed in x's dtype (quantized by `activation_quant`, a
+    `bitkern.ops.Matmul` activation quantization), returned in `output_dtype`."""
+    return run_linear(x, _weight(weight, weight_format), weight_format, bias, output_dtype, activation_quant)
 
 
 @linear.register_fake
-def _linear_fake(x, weight, weight_format, bias, output_dtype):
+def _linear_fake(x, weight, weight_format, bias, output_dtype, activation_quant="none"):
     out_features = WeightFormat.decode(weight_format).shape[0]
     return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
 
@@ -118,30 +120,30 @@ def _linear_fake(x, weight, weight_format, bias, output_dtype):
 def linear_epilogue(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
                     output_dtype: torch.dtype, epilogue: str, residual: Optional[Tensor], norm: str = "none",
                     norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
-                    norm_eps: float = 1e-6) -> Tensor:
+                    norm_eps: float = 1e-6, activation_quant: str = "none") -> Tensor:
     """y = f(x̂ · dequant(W)ᵀ (+ bias)) (+ residual) in one kernel: f a `bitkern.ops.Matmul` epilogue ("relu",
     "silu", "gelu", or "swiglu" over a stacked gate/up weight, giving half its rows as columns); the residual
     is shaped like y, in `output_dtype`; x̂ = x, or x normalized per row by the norm prologue `norm` ("rmsnorm":
     Hugging Face's LlamaRMSNorm, "torch_rmsnorm", "layernorm") with norm_weight [K] (and norm_bias [K] for
-    "layernorm") and norm_eps."""
+    "layernorm") and norm_eps; x̂ quantized by `activation_quant` as in `linear`."""
     return run_linear_epilogue(x, _weight(weight, weight_format), weight_format, bias, output_dtype, epilogue,
-                               residual, norm, norm_weight, norm_bias, norm_eps)
+                               residual, norm, norm_weight, norm_bias, norm_eps, activation_quant)
 
 
 def run_linear_epilogue(x: Tensor, weight: PackedWeight, weight_format: str, bias: Optional[Tensor],
                         output_dtype: torch.dtype, epilogue: str, residual: Optional[Tensor], norm: str = "none",
                         norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
-                        norm_eps: float = 1e-6) -> Tensor:
+                        norm_eps: float = 1e-6, activation_quant: str = "none") -> Tensor:
     """The linear_epilogue op's computation on a weight object (what fused modules run in eager inference, as
     `run_linear` for Linear)."""
     spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, None, epilogue, residual is not None,
-                   norm, norm_eps)
+                   norm, norm_eps, activation_quant)
     return spec(x, weight, bias, residual, norm_weight, norm_bias)
 
 
 @linear_epilogue.register_fake
 def _linear_epilogue_fake(x, weight, weight_format, bias, output_dtype, epilogue, residual, norm="none",
-                          norm_weight=None, norm_bias=None, norm_eps=1e-6):
+                          norm_weight=None, norm_bias=None, norm_eps=1e-6, activation_quant="none"):
     out_features = WeightFormat.decode(weight_format).shape[0] // (2 if epilogue == "swiglu" else 1)
     return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
 
@@ -197,34 +199,37 @@ def _bias_grad(ctx, grad, needed: bool):
 
 
 def _linear_setup(ctx, inputs, output) -> None:
-    x, weight, weight_format, bias, _ = inputs
+    x, weight, weight_format, bias = inputs[:4]
     _save_weight(ctx, x, weight, weight_format, bias)
 
 
 def _linear_backward(ctx, grad):
-    """dx = dy · dequant(W) (float32 sums), dbias = Σ dy; the weight tensors get none (frozen)."""
-    x_needs, _, _, bias_needs, _ = ctx.needs_input_grad
+    """dx = dy · dequant(W) (float32 sums; through an activation quantization as if it were the identity), dbias =
+    Σ dy; the weight tensors get none (frozen)."""
+    x_needs, _, _, bias_needs = ctx.needs_input_grad[:4]
     grad_x = (grad.float() @ _dequantized(ctx)).to(ctx.x_dtype) if x_needs else None
-    return grad_x, None, None, _bias_grad(ctx, grad, bias_needs), None
+    return (grad_x, None, None, _bias_grad(ctx, grad, bias_needs), None, None)[:len(ctx.needs_input_grad)]
 
 
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def _linear_epilogue_setup(ctx, inputs, output) -> None:
-    x, weight, weight_format, bias, output_dtype, epilogue, residual, norm, norm_weight, norm_bias, eps = inputs
+    x, weight, weight_format, bias, output_dtype, epilogue, residual, norm, norm_weight, norm_bias, eps = inputs[:11]
     _save_weight(ctx, x, weight, weight_format, bias)
     ctx.x, ctx.bias, ctx.epilogue, ctx.output_dtype = x, bias, epilogue, output_dtype
     ctx.norm = (norm, norm_weight, norm_bias, eps)
+    ctx.activation_quant = inputs[11] if len(inputs) > 11 else "none"
 
 
 def _linear_epilogue_backward(ctx, grad):
     """Through f: z = x̂·Wᵀ + b is recomputed by the plain kernel and f differentiated by torch
     (`ops.matmul.epilogue_reference`), then dx̂ = dz · dequant(W), dbias = Σ dz; the residual gets dy; through
-    a norm prologue, torch differentiates x̂ (`ops.matmul.norm_reference`) for x and the norm's weight and bias."""
+    a norm prologue, torch differentiates x̂ (`ops.matmul.norm_reference`) for x and the norm's weight and bias; an
+    activation quantization counts as the identity."""
     # the call's arguments, where trailing defaults may have been left out (the gradients match them)
-    needs = (*ctx.needs_input_grad, *[False] * (11 - len(ctx.needs_input_grad)))
-    x_needs, _, _, bias_needs, _, _, residual_needs, _, norm_weight_needs, norm_bias_needs, _ = needs
+    needs = (*ctx.needs_input_grad, *[False] * (12 - len(ctx.needs_input_grad)))
+    x_needs, _, _, bias_needs, _, _, residual_needs, _, norm_weight_needs, norm_bias_needs = needs[:10]
     norm, norm_weight, norm_bias, eps = ctx.norm
     through_norm = x_needs or norm_weight_needs or norm_bias_needs
     grad_z = grad_x = grad_norm_weight = grad_norm_bias = None
@@ -234,7 +239,8 @@ def _linear_epilogue_backward(ctx, grad):
             x, norm_weight, norm_bias = (None if t is None else t.detach().requires_grad_(True)
                                          for t in (ctx.x, norm_weight, norm_bias))
             x_hat = norm_reference(norm, x, norm_weight, norm_bias, eps)
-            z = torch.ops.bitkern.linear(x_hat.detach(), weight, ctx.weight_format, ctx.bias, torch.float32)
+            z = torch.ops.bitkern.linear(x_hat.detach(), weight, ctx.weight_format, ctx.bias, torch.float32,
+                                         ctx.activation_quant)
             z = z.detach().requires_grad_(True)
             (grad_z,) = torch.autograd.grad(epilogue_reference(ctx.epilogue, z), z, grad.float())
             if through_norm:
@@ -248,7 +254,8 @@ def _linear_epilogue_backward(ctx, grad):
                     grad_norm_bias = grads[2] if norm_bias is not None else None
     grad_residual = grad.to(ctx.output_dtype) if residual_needs else None
     grads = (grad_x if x_needs else None, None, None, _bias_grad(ctx, grad_z, bias_needs), None, None, grad_residual,
-             None, grad_norm_weight if norm_weight_needs else None, grad_norm_bias if norm_bias_needs else None, None)
+             None, grad_norm_weight if norm_weight_needs else None, grad_norm_bias if norm_bias_needs else None, None,
+             None)
     return grads[:len(ctx.needs_input_grad)]
 
 

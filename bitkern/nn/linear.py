@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..codegen import pack
+from ..ops.matmul import ACTIVATION_QUANTS
 from ..ttype import QuantizedWeight
 from . import library
 from .storage import QuantizedModule, check_positive
@@ -19,7 +20,10 @@ class Linear(QuantizedModule):
     zero_mode: None gives the type's default ("gptq" for unsigned integers, else "none").
     compute_dtype: the activation type the kernel multiplies in (float32, float16, bfloat16; bfloat16 is
     the fast path on AMX CPUs); None computes in x's dtype.  The output has x's dtype either way.
-    scale_dtype: storage of the scales.  device: where the layer is made; "meta" makes an empty layer
+    scale_dtype: storage of the scales.  activation_quant: "int8" quantizes x in the kernel per row and 32 inputs
+    to int8 (symmetric, a float32 scale each, as llama.cpp's Q8_0) and multiplies the weight's integer codes
+    exactly (VNNI; integer weight types, groups of a multiple of 32); "none" (default) multiplies x as it is.
+    device: where the layer is made; "meta" makes an empty layer
     to load a checkpoint into.  A new layer is initialised like nn.Linear, then quantized.
     The weight is frozen: gradients flow to x and the bias.
 
@@ -29,13 +33,16 @@ class Linear(QuantizedModule):
     """
 
     float_class = nn.Linear
+    activation_quants = ACTIVATION_QUANTS
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype="nf4", group_size=None,
-                 zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16):
+                 zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16,
+                 activation_quant: str = "none"):
         super().__init__()
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)
-        self._configure((out_features, in_features), dtype, group_size, zero_mode, scale_dtype, compute_dtype)
+        self._configure((out_features, in_features), dtype, group_size, zero_mode, scale_dtype, compute_dtype,
+                        activation_quant)
         self.register_buffer("input_order", None)
         self._take_parameters(nn.Linear(in_features, out_features, bias=bias, device=device))
 
@@ -45,7 +52,7 @@ class Linear(QuantizedModule):
 
     @classmethod
     def from_quantized(cls, weight, bias: torch.Tensor | None = None, input_order: torch.Tensor | None = None,
-                       compute_dtype=None) -> "Linear":
+                       compute_dtype=None, activation_quant: str = "none") -> "Linear":
         """A layer holding an already quantized weight (a `bitkern.QuantizedWeight`, e.g. from a checkpoint of
         another tool) as it is, laid out for its device's kernels.
 
@@ -60,7 +67,8 @@ class Linear(QuantizedModule):
                              f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
         order = None if input_order is None else check_input_order(input_order, k)
         layer = cls(k, n, bias is not None, weight.ttype.name, weight.group_size, weight.zero_mode, compute_dtype,
-                    device="meta", scale_dtype=weight.scales.dtype if weight.ttype.block_size == 1 else torch.float16)
+                    device="meta", scale_dtype=weight.scales.dtype if weight.ttype.block_size == 1 else torch.float16,
+                    activation_quant=activation_quant)
         layer._store(pack(weight))
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -76,9 +84,10 @@ class Linear(QuantizedModule):
         if order is not None:
             x = torch.gather(x, -1, order.expand(*x.shape[:-1], self.in_features))
         if library.eager(x, bias):
-            return library.run_linear(x, self.packed_weight(), self._format_text, bias, output_dtype)
+            return library.run_linear(x, self.packed_weight(), self._format_text, bias, output_dtype,
+                                      self._activation_quant)
         weight, weight_format = self.op_weight()
-        return torch.ops.bitkern.linear(x, weight, weight_format, bias, output_dtype)
+        return torch.ops.bitkern.linear(x, weight, weight_format, bias, output_dtype, self._activation_quant)
 
     def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
         return weight if self.input_order is None else weight.index_select(1, self.input_order)

@@ -22,7 +22,7 @@ _QUANTIZED = {nn.Linear: Linear, nn.Conv2d: Conv2d}
 
 def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None, compute_dtype=None,
                    scale_dtype=torch.float16, skip: Iterable[str] | Callable | None = None,
-                   output_layer: str | None = "auto") -> nn.Module:
+                   output_layer: str | None = "auto", activation_quant: str = "none") -> nn.Module:
     """Replace every nn.Linear and nn.Conv2d of `model` by a bitkern.Linear / bitkern.Conv2d in `dtype`.
 
     skip: module names to leave in float (a name covers its submodules), or a predicate
@@ -39,11 +39,16 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
     name stores it in that type, opt-in ("bfloat16" casts it, "int8" or the layers' type quantize it as
     llama.cpp's Q6_K output layer does, with `group_size` and the type's default zero mode); None quantizes it
     like any other layer.
+
+    activation_quant: "int8" makes the Linear layers quantize their input per row and 32 inputs to int8 in the
+    kernel (`bitkern.Linear`'s option, as llama.cpp's Q8_0 activations); an output layer kept in bfloat16 and the
+    convolutions multiply x as it is.
     """
     weight_type = ttype.get(check_weight_dtype(dtype))
     skipped = _skip_predicate(model, skip)
     options = {"dtype": dtype, "group_size": group_size, "zero_mode": zero_mode, "compute_dtype": compute_dtype,
-               "scale_dtype": scale_dtype}
+               "scale_dtype": scale_dtype, "activation_quant": activation_quant}
+    plain = {**options, "activation_quant": "none"}  # what convolutions take
     head, head_options = _output_layer(model, output_layer, options)
     targets = []
     for name, module in model.named_modules():
@@ -53,12 +58,12 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
             if head_options is not None:
                 targets.append((name, module, head_options))
         elif type(module) in _QUANTIZED:
-            targets.append((name, module, options))
+            targets.append((name, module, options if type(module) is nn.Linear else plain))
         else:
             log.info("bitkern: %s stays float: %s is a subclass of nn.Linear/nn.Conv2d, whose weight its owner "
                      "may read directly (as nn.MultiheadAttention does)", name or "(model)", type(module).__name__)
-    _check_group_size([(name, module) for name, module, settings in targets if settings is options], weight_type,
-                      group_size)
+    _check_group_size([(name, module) for name, module, settings in targets if settings in (options, plain)],
+                      weight_type, group_size)
     replaced = [(name, _QUANTIZED[type(module)].from_float(module, **settings)) for name, module, settings in targets]
     for name, layer in replaced:
         if name:
@@ -90,6 +95,7 @@ def _output_layer(model: nn.Module, output_layer, options: dict) -> tuple[nn.Mod
         settings["dtype"] = "bfloat16"
     if settings["dtype"] in CAST_TYPES:
         settings["group_size"] = -1  # scale 1 whatever the group: one per row is the least to store
+        settings["activation_quant"] = "none"  # a float weight multiplies x as it is
     return head, settings
 
 

@@ -138,9 +138,10 @@ def _parsed(metadata: dict, tensors: dict, path: str) -> dict:
         wrong = [field for field, kind in _SETTINGS.items()
                  if not isinstance(settings, dict) or not _is(settings.get(field), kind)]
         if wrong or not all(_is(size, int) for size in settings["weight_shape"]) or \
-                not _is(settings.get("compute_dtype"), (str, type(None))):
+                not _is(settings.get("compute_dtype"), (str, type(None))) or \
+                not _is(settings.get("activation_quant", "none"), str):
             raise ValueError(f"{path}: the settings of module {name!r} are not {_SETTINGS} (+ compute_dtype: str or "
-                             f"null); got {_clip(settings)}")
+                             f"null, activation_quant: str); got {_clip(settings)}")
     for alias, kept in header["aliases"].items():
         if not isinstance(kept, str) or kept not in tensors or alias in tensors:
             raise ValueError(f"{path}: alias {alias!r} -> {_clip(kept)} must name a tensor of the file, and be none "
@@ -174,7 +175,8 @@ def _planned_module(model: nn.Module, name: str, settings: dict, path: str) -> Q
         try:
             layer = quantized._meta_layer(module, dtype=settings["dtype"], group_size=settings["group_size"],
                                           zero_mode=settings["zero_mode"], compute_dtype=settings.get("compute_dtype"),
-                                          scale_dtype=getattr(torch, settings["scale_dtype"], settings["scale_dtype"]))
+                                          scale_dtype=getattr(torch, settings["scale_dtype"], settings["scale_dtype"]),
+                                          activation_quant=settings.get("activation_quant", "none"))
         except (TypeError, ValueError) as error:
             raise ValueError(f"{path}: module {name!r}: {error}") from None
     try:

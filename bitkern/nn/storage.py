@@ -18,6 +18,7 @@ from torch import nn
 from .. import ttype
 from ..codegen import PackedWeight, layout_for, pack, packed_class, to_layout
 from ..codegen.cpu.layout import aligned
+from ..ops import Matmul
 from ..ttype import Layout, QuantizedWeight, StoredWeight, WeightFormat, dtype_name
 from ..ttype.quantize import (CAST_TYPES, DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
                               default_zero_mode)
@@ -85,13 +86,17 @@ class QuantizedModule(nn.Module, abc.ABC):
     """Base of `bitkern.Linear` and `bitkern.Conv2d`: a weight of `weight_shape` computed as a [N, K] GEMM.
 
     Attributes: weight_dtype (type name), group_size (resolved: in_features for per-channel), zero_mode,
-    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype); float_class: the torch
-    module a subclass quantizes (`from_float`).
+    scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype), activation_quant (a
+    `bitkern.ops.Matmul` activation quantization: "int8" quantizes x per 32 inputs to int8 in the kernel);
+    float_class: the torch module a subclass quantizes (`from_float`); activation_quants: the activation
+    quantizations its kernels apply.
     """
 
     float_class: type
+    activation_quants: tuple = ("none",)
 
-    def _configure(self, weight_shape: tuple, dtype, group_size, zero_mode, scale_dtype, compute_dtype) -> None:
+    def _configure(self, weight_shape: tuple, dtype, group_size, zero_mode, scale_dtype, compute_dtype,
+                   activation_quant: str = "none") -> None:
         """Validate and record the weight settings (before any tensor is made)."""
         self.weight_shape = tuple(weight_shape)
         self.weight_dtype = check_weight_dtype(dtype)
@@ -102,6 +107,7 @@ class QuantizedModule(nn.Module, abc.ABC):
         check_zero_mode(weight_type, self.zero_mode)
         self.scale_dtype = check_float_dtype("scale_dtype", scale_dtype, SCALE_DTYPES)
         self.compute_dtype = compute_dtype
+        self.activation_quant = activation_quant
         self.layout = Layout.ROWMAJOR
 
     @property
@@ -112,6 +118,23 @@ class QuantizedModule(nn.Module, abc.ABC):
     @compute_dtype.setter
     def compute_dtype(self, dtype) -> None:
         self._compute_dtype = check_float_dtype("compute_dtype", dtype, FLOAT_DTYPES, allow_none=True)
+
+    @property
+    def activation_quant(self) -> str:
+        """How the kernel quantizes x before multiplying ("none", or "int8": per row and 32 inputs, symmetric, as
+        llama.cpp's Q8_0 activations); settable."""
+        return self._activation_quant
+
+    @activation_quant.setter
+    def activation_quant(self, value: str) -> None:
+        if value not in self.activation_quants:
+            raise ValueError(f"activation_quant={value!r} is not supported by bitkern.{type(self).__name__}; "
+                             f"accepted: {list(self.activation_quants)}")
+        if value != "none":  # the operator's own conditions (integer weight types, groups of whole blocks)
+            n, k = self.gemm_shape
+            Matmul(self.weight_dtype, "bfloat16", group_size=self.group_size, zero_mode=self.zero_mode,
+                   activation_quant=value).check_shape(n, k)
+        self._activation_quant = value
 
     @property
     def gemm_shape(self) -> tuple[int, int]:
@@ -134,13 +157,13 @@ class QuantizedModule(nn.Module, abc.ABC):
 
     @classmethod
     def from_float(cls, module: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None,
-                   compute_dtype=None, scale_dtype=torch.float16) -> "QuantizedModule":
+                   compute_dtype=None, scale_dtype=torch.float16, activation_quant: str = "none") -> "QuantizedModule":
         """Quantize a float module of `float_class` (its weight's device and values; the bias is copied as it is);
         the settings are those of the class's constructor."""
         if not isinstance(module, cls.float_class):
             raise TypeError(f"module must be a torch.nn.{cls.float_class.__name__}, got {type(module).__name__}")
         layer = cls._meta_layer(module, dtype=dtype, group_size=group_size, zero_mode=zero_mode,
-                                compute_dtype=compute_dtype, scale_dtype=scale_dtype)
+                                compute_dtype=compute_dtype, scale_dtype=scale_dtype, activation_quant=activation_quant)
         return layer._take_parameters(module)
 
     @classmethod
@@ -258,7 +281,7 @@ class QuantizedModule(nn.Module, abc.ABC):
                 "scale_dtype": dtype_name(self.scale_dtype), "layout": self.layout,
                 "weight_shape": list(self.weight_shape),
                 "compute_dtype": None if self.compute_dtype is None else dtype_name(self.compute_dtype),
-                **self.extra_settings()}
+                "activation_quant": self.activation_quant, **self.extra_settings()}
 
     def extra_settings(self) -> dict:
         """Settings of the module's class that a checkpoint must share (beyond WEIGHT_SETTINGS)."""
@@ -270,7 +293,8 @@ class QuantizedModule(nn.Module, abc.ABC):
     def settings_arguments(self) -> dict:
         """The weight settings as the constructor's and `from_float`'s keyword arguments."""
         return {"dtype": self.weight_dtype, "group_size": self.group_size, "zero_mode": self.zero_mode,
-                "compute_dtype": self.compute_dtype, "scale_dtype": self.scale_dtype}
+                "compute_dtype": self.compute_dtype, "scale_dtype": self.scale_dtype,
+                "activation_quant": self.activation_quant}
 
     def state_tensors(self) -> tuple[str, ...]:
         """Names of the tensors of this module's state that a checkpoint holds besides the bias: the weight's
@@ -379,7 +403,8 @@ class QuantizedModule(nn.Module, abc.ABC):
         text = (f"dtype={self.weight_dtype}, group_size={self.group_size}, zero_mode={self.zero_mode}, "
                 f"weight={_size(self.nbytes)} (saves {_size(float32_bytes - self.nbytes)}, "
                 f"{1 - self.nbytes / float32_bytes:.0%} of float32)")
-        return text + (f", compute_dtype={dtype_name(self.compute_dtype)}" if self.compute_dtype else "")
+        text += f", compute_dtype={dtype_name(self.compute_dtype)}" if self.compute_dtype else ""
+        return text + (f", activation_quant={self.activation_quant!r}" if self.activation_quant != "none" else "")
 
 
 def _size(nbytes: int) -> str:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ttype import QuantizedWeight, StoredWeight, dtype_name, effective_group_size, get, torch_dtype
+from ..ttype.types import INT, UINT
 from . import execution
 from ..ttype.quantize import check_zero_mode
 
@@ -29,8 +30,11 @@ SWIGLU_BLOCK = 16  # rows of gate, then of up, alternating in a SwiGLU weight (o
 # Hugging Face's LlamaRMSNorm, "torch_rmsnorm" as torch.nn.RMSNorm, "layernorm" as torch.nn.LayerNorm
 NORMS = ("none", "rmsnorm", "torch_rmsnorm", "layernorm")
 NORM_DTYPES = ("float32", "float16", "bfloat16")  # activation types a norm prologue takes
+# x̂ quantized per row before the GEMM ("int8": `quantize_activations` is the definition)
+ACTIVATION_QUANTS = ("none", "int8")
+ACTIVATION_BLOCK = 32  # consecutive k's sharing one activation scale ("int8": as llama.cpp's Q8_0 blocks)
 _SPEC_FIELDS = ("weight_dtype", "activation_dtype", "accumulate_dtype", "output_dtype", "group_size", "zero_mode",
-                "bias", "layout", "scale_dtype", "epilogue", "residual", "norm", "norm_eps")
+                "bias", "layout", "scale_dtype", "epilogue", "residual", "norm", "norm_eps", "activation_quant")
 BIAS_DTYPES = tuple(torch_dtype(name) for name in ("float32", "float16", "bfloat16"))  # added in float32: exact
 
 
@@ -48,6 +52,10 @@ class Matmul:
     norm: x is replaced by its per-row normalization x̂ before the GEMM ("rmsnorm", "torch_rmsnorm",
     "layernorm", see NORMS and `norm_reference`), with a norm weight (and for "layernorm" a norm bias) of K values
     given with each call; norm_eps: the epsilon added to the variance.
+    activation_quant: "int8" quantizes x̂ per row and per ACTIVATION_BLOCK consecutive k's to int8 with one float32
+    scale each (symmetric, as llama.cpp's Q8_0; `quantize_activations` defines it) and multiplies the integer codes
+    of the weight exactly: y = Σ_groups scale · Σ_blocks d · Σ q·code (offsets and zero points folded); for integer
+    weight types whose groups hold whole blocks (or per-channel).  "none" multiplies x̂ as it is.
     """
 
     weight_dtype: str
@@ -63,6 +71,7 @@ class Matmul:
     residual: bool = False
     norm: str = "none"
     norm_eps: float = 1e-6
+    activation_quant: str = "none"
     geometry = None  # how x's rows are gathered: None for a [M, K] matrix (see `bitkern.ops.Conv2d`)
 
     def __hash__(self) -> int:  # specs key every kernel lookup: hashed once, in __post_init__
@@ -92,6 +101,9 @@ class Matmul:
         if self.norm != "none" and activation not in NORM_DTYPES:
             raise ValueError(f"norm={self.norm!r} with activation_dtype={activation!r}: a norm prologue takes "
                              f"{list(NORM_DTYPES)} activations")
+        _choice("activation_quant", self.activation_quant, ACTIVATION_QUANTS)
+        if self.activation_quant != "none":
+            self._check_activation_quant(weight, activation)
         if weight.block_size > 1 and self.group_size != weight.block_size:
             raise ValueError(f"group_size={self.group_size}: type {weight.name!r} has a fixed block; "
                              f"accepted: {weight.block_size}")
@@ -108,6 +120,18 @@ class Matmul:
         object.__setattr__(self, "_quick", (weight.name, self.zero_mode, scale, torch_dtype(activation)))
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _SPEC_FIELDS)))
 
+    def _check_activation_quant(self, weight, activation: str) -> None:
+        """Raise naming the field unless the spec's other fields admit quantized activations."""
+        quant = f"activation_quant={self.activation_quant!r}"
+        if activation not in NORM_DTYPES:
+            raise ValueError(f"{quant} quantizes float activations; activation_dtype={activation!r} is not one of "
+                             f"{list(NORM_DTYPES)}")
+        if weight.kind not in (INT, UINT):
+            raise ValueError(f"{quant} multiplies integer weight codes exactly; weight_dtype={weight.name!r} is a "
+                             f"{weight.kind} type (accepted: int and uint types)")
+        if self.geometry is not None:
+            raise ValueError(f"{quant} is not supported for convolutions (accepted: 'none')")
+
     def check_shape(self, n: int, k: int) -> None:
         """Raise unless a [N, K] weight can have this spec (positive sizes, group size dividing K)."""
         if n < 1 or k < 1:
@@ -116,6 +140,10 @@ class Matmul:
         if k % group:
             raise ValueError(f"group_size={self.group_size} does not divide in_features={k}; accepted: a divisor "
                              f"of {k}, or -1 for per-channel")
+        if self.activation_quant != "none" and group != k and group % ACTIVATION_BLOCK:
+            raise ValueError(f"activation_quant={self.activation_quant!r} with group_size={self.group_size}: a weight "
+                             f"group must hold whole activation blocks of {ACTIVATION_BLOCK}; accepted: a multiple of "
+                             f"{ACTIVATION_BLOCK}, or per-channel")
         if self.epilogue == "swiglu" and n % (2 * SWIGLU_BLOCK):
             raise ValueError(f"epilogue='swiglu' needs a stacked weight of a multiple of {2 * SWIGLU_BLOCK} rows "
                              f"(gate and up of a multiple of {SWIGLU_BLOCK} each), got {n}")
@@ -254,7 +282,8 @@ class Matmul:
         float64 sums, torch's activations)."""
         self.check_inputs(x, weight, bias, residual, norm_weight, norm_bias)
         x = norm_reference(self.norm, x, norm_weight, norm_bias, self.norm_eps)
-        y = x.double() @ weight.to_portable().dequantize(torch.float64).T
+        x = quantize_activations(x) if self.activation_quant == "int8" else x.double()
+        y = x @ weight.to_portable().dequantize(torch.float64).T
         y = y + bias.double() if bias is not None else y
         y = epilogue_reference(self.epilogue, y)
         return y + residual.double() if residual is not None else y
@@ -293,6 +322,28 @@ def norm_reference(norm: str, x: torch.Tensor, weight: torch.Tensor | None, bias
     if norm == "rmsnorm":
         return (weight.float() * (value * rstd).to(dtype).float()).to(dtype)
     return (value * rstd * weight.float()).to(dtype)
+
+
+def activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, d) of activation_quant="int8": x's last dimension zero-padded to whole blocks of ACTIVATION_BLOCK, each
+    block's finite values v (±Inf and NaN count as 0 here) as int8 codes q = round-half-even(v / d), clamped to
+    ±127, with the float32 scale d = absmax(v) / 127 (a block of zeros: d = 0, q = 0).  q: int8 [..., blocks,
+    ACTIVATION_BLOCK]; d: float32 [..., blocks]."""
+    values = x.float()
+    values = torch.where(torch.isfinite(values), values, 0.0)
+    values = F.pad(values, (0, -values.shape[-1] % ACTIVATION_BLOCK))
+    values = values.reshape(*values.shape[:-1], -1, ACTIVATION_BLOCK)
+    d = values.abs().amax(-1) / 127
+    ratio = torch.where(d[..., None] > 0, values / d[..., None], 0.0)
+    return torch.round(ratio).clamp(-127, 127).to(torch.int8), d
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as activation_quant="int8" computes with it, in float64: d·q of `activation_blocks` (exact), with x's
+    non-finite values kept as they are (their products give torch's ±Inf and NaN)."""
+    q, d = activation_blocks(x)
+    values = (q.double() * d.double()[..., None]).flatten(-2)[..., :x.shape[-1]]
+    return torch.where(torch.isfinite(x), values, x.double())
 
 
 def _norm_vector_fits(value, k: int) -> bool:

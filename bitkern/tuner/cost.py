@@ -59,6 +59,11 @@ CPU_CYCLES = {
     "lookup_word_row": 12,  # per word and row of x: 7 shifts, 8 vpermps, 8 adds on two ports (measured 12-14 at M=1)
     "lookup_table_entry": 4,  # per 16-entry table a thread builds
     "l2_byte": 1 / 32,  # per byte re-read from L2 (32 bytes per cycle)
+    # VNNI (activation_quant="int8"): vpdpbusd one per cycle; beside them, per byte position of a word and row block,
+    # its shift, mask and the word's load; per row, tile and 32-k block, the int32 sums converted, scaled and added;
+    # per group the offset term; per activation broadcast a load; per x element quantized in the prologue (estimated)
+    "vpdpbusd": 1, "vnni_unpack": 1.5, "vnni_block_row": 4, "vnni_group_row": 2, "vnni_broadcast": 0.5,
+    "vnni_quantize_element": 0.5,
     # norm prologue, per element of x normalized: its statistics pass and x̂ (fitted on Zen 4, 3072x2048 int4 with a
     # bf16 RMSNorm against none: +15 µs at M=16, serial; +46 µs at M=128 over two cores)
     "norm_prologue_element": 1.5,

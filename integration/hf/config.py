@@ -21,8 +21,9 @@ class BitkernConfig(QuantizationConfigMixin):
 
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bitkern.BitkernConfig("nf4"))
 
-    dtype, group_size, zero_mode, scale_dtype, compute_dtype: as for `bitkern.Linear` (group_size None: the
-    type's default, -1: per channel; dtypes as torch dtypes or their names).
+    dtype, group_size, zero_mode, scale_dtype, compute_dtype, activation_quant: as for `bitkern.Linear` (group_size
+    None: the type's default, -1: per channel; dtypes as torch dtypes or their names; activation_quant="int8":
+    the layers quantize their input per 32 inputs to int8, as llama.cpp's Q8_0 activations).
     modules_to_not_convert: modules kept float besides those transformers keeps by default (the output
     embedding lm_head, tied weights).  overrides: {pattern: {setting: value}} gives the modules a pattern
     matches other settings, e.g. {"down_proj": {"dtype": "int8"}} (the first matching pattern wins).
@@ -34,7 +35,7 @@ class BitkernConfig(QuantizationConfigMixin):
 
     def __init__(self, dtype="nf4", group_size: int | None = None, zero_mode: str | None = None,
                  compute_dtype=None, scale_dtype="float16", modules_to_not_convert: list[str] | None = None,
-                 overrides: dict[str, dict] | None = None, source: str = "bitkern"):
+                 overrides: dict[str, dict] | None = None, source: str = "bitkern", activation_quant: str = "none"):
         self.quant_method = METHOD
         self.dtype = dtype.name if isinstance(dtype, TType) else dtype
         self.group_size, self.zero_mode = group_size, zero_mode
@@ -42,6 +43,7 @@ class BitkernConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = list(modules_to_not_convert or [])
         self.overrides = {pattern: dict(settings) for pattern, settings in (overrides or {}).items()}
         self.source = source
+        self.activation_quant = activation_quant
         self._check()
 
     def _check(self) -> None:
@@ -118,8 +120,8 @@ def _check_settings(where: str, settings: LayerSettings) -> None:
     the setting; the group size is checked against each layer when the model is known."""
     group = settings.group_size if isinstance(settings.group_size, int) and settings.group_size > 0 else None
     try:
-        LayerSettings(settings.dtype, group, settings.zero_mode, settings.scale_dtype,
-                      settings.compute_dtype).layer(group or 512, 16)
+        LayerSettings(settings.dtype, group, settings.zero_mode, settings.scale_dtype, settings.compute_dtype,
+                      settings.activation_quant).layer(group or 512, 16)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {error}") from None
     if settings.group_size is not None and (isinstance(settings.group_size, bool) or not isinstance(

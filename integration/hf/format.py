@@ -3,7 +3,8 @@
 
 config.json, "quantization_config" (`BitkernConfig.to_dict()`):
     quant_method "bitkern"; format "bitkern.hf/1"; source: the format of the checkpoint's tensors ("bitkern");
-    dtype, group_size, zero_mode, scale_dtype, compute_dtype: the settings of every converted nn.Linear;
+    dtype, group_size, zero_mode, scale_dtype, compute_dtype, activation_quant: the settings of every converted
+    nn.Linear (activation_quant absent: "none");
     overrides {pattern: {setting: value}}: other settings for the modules a pattern matches (the first
     matching pattern wins); modules_to_not_convert: the modules left float (`BitkernConfig.converts` says
     how names match).
@@ -35,26 +36,28 @@ FORMAT = "bitkern.hf/1"
 # QuantizedWeight field -> tensor name in the checkpoint, relative to the module
 TENSOR_NAMES = {"qweight": "weight", "scales": "weight_scale", "zeros": "weight_zero",
                 "tensor_scale": "weight_tensor_scale"}
-SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "compute_dtype")
+SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "compute_dtype", "activation_quant")
 
 
 @dataclass(frozen=True)
 class LayerSettings:
     """How one Linear is quantized: a bitkern type name, group size (None: the type's default, -1: per
     channel), zero mode (None: the type's default), scale dtype and compute dtype (names of torch dtypes;
-    compute_dtype None: the input's)."""
+    compute_dtype None: the input's), activation quantization (`bitkern.Linear`'s)."""
 
     dtype: str = "nf4"
     group_size: int | None = None
     zero_mode: str | None = None
     scale_dtype: str = "float16"
     compute_dtype: str | None = None
+    activation_quant: str = "none"
 
     def layer(self, in_features: int, out_features: int, bias: bool = False) -> Linear:
         """An empty bitkern.Linear with these settings on the meta device (ValueError naming the setting
         that does not fit this shape)."""
         return Linear(in_features, out_features, bias, self.dtype, self.group_size, self.zero_mode,
-                      self.compute_dtype, device="meta", scale_dtype=self.scale_dtype)
+                      self.compute_dtype, device="meta", scale_dtype=self.scale_dtype,
+                      activation_quant=self.activation_quant)
 
 
 def checkpoint_tensors(layer: Linear) -> dict[str, torch.Tensor]:
@@ -96,7 +99,8 @@ def linear_from_checkpoint(tensors: dict[str, torch.Tensor], settings: LayerSett
     layout = settings.layer(in_features, out_features)
     weight = QuantizedWeight(layout.weight_dtype, (out_features, in_features), layout.group_size, layout.zero_mode,
                              *(tensors.get(name) for name in TENSOR_NAMES.values()))
-    return Linear.from_quantized(weight, bias, compute_dtype=settings.compute_dtype)
+    return Linear.from_quantized(weight, bias, compute_dtype=settings.compute_dtype,
+                                 activation_quant=settings.activation_quant)
 
 
 def _describe(shape_and_dtype: tuple) -> str:

@@ -189,6 +189,28 @@ def test_load_pretrained_reads_a_save_pretrained_checkpoint(quantized, tmp_path)
     assert {m.compute_dtype for m in cast.modules() if isinstance(m, bitkern.Linear)} == {torch.bfloat16}
 
 
+def test_quantized_activations_on_load_and_through_a_checkpoint(tiny_llama, float_model, tmp_path):
+    """BitkernConfig(activation_quant="int8"): every converted layer quantizes its input (bit for bit
+    quantize_model's), save_pretrained records it and from_pretrained gives it back with the same logits."""
+    from bitkern.tuner import host_cpu
+
+    if "avx512_vnni" not in host_cpu().flags:
+        pytest.skip("needs a CPU with AVX512-VNNI")
+    config = BitkernConfig("int4", group_size=32, activation_quant="int8")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=config).eval()
+    layers = [m for m in model.modules() if isinstance(m, bitkern.Linear)]
+    assert len(layers) == 14 and {m.activation_quant for m in layers} == {"int8"}
+    expected = bitkern.quantize_model(copy.deepcopy(float_model), "int4", group_size=32, output_layer=None,
+                                      skip=["lm_head"], activation_quant="int8")
+    assert torch.equal(_logits(model), _logits(expected))
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved["activation_quant"] == "int8"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert {m.activation_quant for m in reloaded.modules() if isinstance(m, bitkern.Linear)} == {"int8"}
+    assert torch.equal(_logits(reloaded), _logits(model)) and torch.equal(_greedy(reloaded), _greedy(model))
+
+
 # -- generate, compile, dequantize, devices -------------------------------------------------------------------
 def test_generate_greedy_sampling_and_kv_caches(quantized):
     model = quantized("int4")

@@ -53,21 +53,45 @@ def test_the_bf16_output_layer_runs_on_bitkern_and_greedy_tokens_stay_the_same()
     assert torch.equal(_greedy(after), expected)
 
 
+def _logits_against(expected_model, model) -> tuple[float, float]:
+    """(relative error of the logits, share of positions whose top token agrees) of `model` against
+    `expected_model`, over 32 fixed tokens."""
+    tokens = torch.randint(3, 1000, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, got = expected_model(tokens).logits.float(), model(tokens).logits.float()
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean()
+    return float((got - expected).norm() / expected.norm()), float(agree)
+
+
 @pytest.mark.parametrize("output_layer, bound", [("int8", 0.02), ("int4", 0.2)])
 def test_a_quantized_output_layer_is_opt_in_and_its_logits_stay_close_to_float(output_layer, bound, capsys):
     model = _llama()
     quantized = bitkern.quantize_model(copy.deepcopy(model), "int8", output_layer=output_layer)
     assert isinstance(quantized.lm_head, bitkern.Linear) and quantized.lm_head.weight_dtype == output_layer
-    exact = bitkern.quantize_model(copy.deepcopy(model), "int8")
-    tokens = torch.randint(3, 1000, (1, 32), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected, got = exact(tokens).logits.float(), quantized(tokens).logits.float()
-    error = float((got - expected).norm() / expected.norm())
-    agree = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
+    error, agree = _logits_against(bitkern.quantize_model(copy.deepcopy(model), "int8"), quantized)
     with capsys.disabled():
         print(f"\ntiny Llama, output layer {output_layer} g128 against bf16: logits relative error {error:.4f}, "
               f"top-1 agreement {agree:.2f}")
     assert error <= bound
+
+
+@pytest.mark.requires_avx512_vnni
+@pytest.mark.parametrize("dtype, output_layer, bound", [("int4", "auto", 0.05), ("int8", "int8", 0.05)])
+def test_quantized_activations_are_opt_in_and_their_logits_stay_close(dtype, output_layer, bound, capsys):
+    """activation_quant="int8" against the same weights multiplying bf16 activations: the logits' relative error and
+    how often the top token agrees (printed), and greedy generation running on it."""
+    model = _llama()
+    plain = bitkern.quantize_model(copy.deepcopy(model), dtype, output_layer=output_layer,
+                                   compute_dtype=torch.bfloat16)
+    assert {m.activation_quant for m in plain.modules() if isinstance(m, bitkern.Linear)} == {"none"}
+    quantized = bitkern.quantize_model(copy.deepcopy(model), dtype, output_layer=output_layer,
+                                       compute_dtype=torch.bfloat16, activation_quant="int8")
+    error, agree = _logits_against(plain, quantized)
+    with capsys.disabled():
+        print(f"\ntiny Llama, {dtype} g128 (output layer {output_layer}), int8 activations against bf16 ones: logits "
+              f"relative error {error:.4f}, top-1 agreement {agree:.2f}")
+    assert error <= bound
+    assert _greedy(quantized, 8).shape == (2, 14)
 
 
 def test_the_output_layer_stays_float_where_bf16_would_change_it():

@@ -1,6 +1,6 @@
-"""CPU kernel templates, compiled by TVM through LLVM: AMX (`amx`), AVX512-BF16 (`dot`), table lookup (`lut`) and
-generic (`generic`), each one `CpuTemplate` object (`kernel.py`) whose TIR comes from `emit`; the tile16 weight
-layout (`layout.py`).
+"""CPU kernel templates, compiled by TVM through LLVM: AMX (`amx`), AVX512-BF16 (`dot`), table lookup (`lut`), VNNI
+for int8 activations (`vnni`) and generic (`generic`), each one `CpuTemplate` object (`kernel.py`) whose TIR comes
+from `emit`; the tile16 weight layout (`layout.py`).
 
 The registry: `TEMPLATES`, in the order the tuner lists them.  A template is a module here that defines
 `TEMPLATE`; adding one is that module and its name in the line below.
@@ -8,4 +8,4 @@ The registry: `TEMPLATES`, in the order the tuner lists them.  A template is a m
 
 from importlib import import_module
 
-TEMPLATES = [import_module(f"{__name__}.{name}").TEMPLATE for name in ("amx", "dot", "lut", "generic")]
+TEMPLATES = [import_module(f"{__name__}.{name}").TEMPLATE for name in ("amx", "dot", "lut", "vnni", "generic")]

@@ -95,7 +95,7 @@ def _decode_for(spec: Matmul, strategy: str) -> _Decode:
 class _Shape:
     """Static sizes of one kernel."""
 
-    def __init__(self, spec: Matmul, n: int, k: int, config):
+    def __init__(self, spec: Matmul, n: int, k: int, stage_steps: int):
         group = effective_group_size(spec.group_size, k)
         self.bits = get(spec.weight_dtype).bits
         self.n, self.k = n, k
@@ -107,7 +107,7 @@ class _Shape:
         self.scale_groups = k // group
         self.group_steps = self.kgroup // self.depth
         steps = self.k_pad // self.depth
-        self.stage_steps = _stage_steps(self.group_steps, steps, config.stage_steps)
+        self.stage_steps = _stage_steps(self.group_steps, steps, stage_steps)
         self.stages = steps // self.stage_steps
         self.n_tiles = -(-n // AMX_TILE_ROWS)
         self.words = self.k_pad * self.bits // 32
@@ -134,16 +134,21 @@ class Tile16Builder(abc.ABC):
 
     def __init__(self, spec: Matmul, n: int, k: int, config):
         self.spec, self.cfg = spec, config
-        self.s, self.dec = _Shape(spec, n, k, config), _decode_for(spec, config.decode)
+        self.s = _Shape(spec, n, k, config.stage_steps)
         self.ttype = get(spec.weight_dtype)
         if spec.geometry is None:
             self.batch, self.m = None, tirx.Var("M", "int32")
         else:  # a convolution: M = B · output pixels
             self.batch = tirx.Var("B", "int32")
             self.m = self.batch * spec.geometry.pixels
-        self.nibbles = nibbles(spec, config.decode)
-        # Per k pair j of a word, 128 - 2^(7-at): what its decoded values lack of the 128 offset the epilogue
-        # folds (None when every code sits at bit 0).
+        self._set_decode(config)
+
+    def _set_decode(self, config) -> None:
+        """The decode of the configuration's strategy (`dec`), the B tiles it makes per 16 columns and step
+        (`nibbles`) and, per k pair j of a word, 128 - 2^(7-at): what its decoded values lack of the 128 offset
+        the epilogue folds (`offset_shortfall`; None when every code sits at bit 0)."""
+        self.dec = _decode_for(self.spec, config.decode)
+        self.nibbles = nibbles(self.spec, config.decode)
         shortfall = [128.0 - 2.0 ** (_MANTISSA_BITS - at) for _, at in self.dec.positions(self.s.rows_per_word)]
         self.offset_shortfall = shortfall if any(shortfall) else None
 
@@ -172,17 +177,22 @@ class Tile16Builder(abc.ABC):
             if self.cfg.small_m:
                 T.evaluate(tirx.call_intrin("int32", "tirx.assume", self.m <= SMALL_M_ROWS))
             rows = self.padded_rows()
-            self.a = T.alloc_buffer((self.s.planes, rows, self.plane_pitch()), "int32")
-            self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
-            self.xd = None  # XD[row, group] = Σ x·shortfall over the group's k's
-            if self.offset_shortfall is not None:
-                self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
+            self._allocate_activations(rows)
             self.nonfinite = T.alloc_buffer((rows, LANES), "uint32")  # rows with ±Inf or NaN in x
             if self.norm is not None:
                 self.norm.allocate(rows)
             if not self.cfg.chunk_prologue:
                 self._prologue(rows)
             self._main(rows)
+
+    def _allocate_activations(self, rows) -> None:
+        """The prologue's outputs: the activation planes A, the group sums XS and, where codes sit above bit 0,
+        XD[row, group] = Σ x·shortfall over the group's k's."""
+        self.a = T.alloc_buffer((self.s.planes, rows, self.plane_pitch()), "int32")
+        self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
+        self.xd = None
+        if self.offset_shortfall is not None:
+            self.xd = T.alloc_buffer((rows, self.s.groups), "float32")
 
     # -- arguments -------------------------------------------------------------------------------------
     def _arguments(self) -> None:

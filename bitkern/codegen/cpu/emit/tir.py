@@ -105,10 +105,19 @@ def to_float32(value, dtype: str):
 
 
 def horizontal_sum(values):
-    """Sum of the lanes of a float32 vector, as a tree of halves."""
+    """Sum of the lanes of a vector, as a tree of halves."""
+    return _horizontal(values, lambda a, b: a + b)
+
+
+def horizontal_max(values):
+    """Largest lane of a vector, as a tree of halves."""
+    return _horizontal(values, tirx.max)
+
+
+def _horizontal(values, combine):
     while lanes(values) > 1:
         half = lanes(values) // 2
-        values = tirx.Shuffle([values], list(range(half))) + tirx.Shuffle([values], list(range(half, 2 * half)))
+        values = combine(tirx.Shuffle([values], list(range(half))), tirx.Shuffle([values], list(range(half, 2 * half))))
     return values
 
 

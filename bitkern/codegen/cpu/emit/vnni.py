@@ -1,0 +1,227 @@
+"""The VNNI kernel of activation_quant="int8" (W4A8, W8A8 as llama.cpp's Q4_0 x Q8_0): integer weight codes times
+int8 activations by vpdpbusd, exact in int32 per activation block.
+
+Per parallel task (16·n_tiles output columns, a chunk of rows):
+  prologue  each row's 32-k blocks of x̂ -> int8 codes q and a float32 scale d, as `ops.matmul.activation_blocks`
+            defines them (non-finite x̂ count as 0 and flag the row, see `nonfinite`); the codes are stored as the
+            4-byte groups vpdpbusd multiplies with the bytes of a masked tile16 word, so one broadcast serves a
+            whole weight vector; per quantization group the sums XS = Σ d·q (for offsets and zero points);
+  main      per block of `rows` rows, all of K: each tile16 word (16 columns) is masked per byte position (its
+            codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1)), and
+            vpdpbusd adds u·q of 4 k's per lane into int32 sums C; per activation block y += (scale·alpha·d)·C, per
+            group y += scale·beta·XS, where v = alpha·u + offset and beta = offset - zero point;
+  output    the tile16 builder's (non-finite terms, bias, epilogue, residual).
+The decode is a mask (and a shift) per byte position, so rows re-decode it per block instead of staging it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from ....ops.matmul import ACTIVATION_BLOCK
+from ....ttype import get
+from ....ttype.types import INT
+from ..layout import padded_k, tile16_shift
+from . import nonfinite
+from .tile16 import SMALL_M_ROWS, Tile16Builder, _Decode
+from .tir import LANES, horizontal_max, load, prefetch_ahead, ramp, splat, u32
+
+QUADS = ACTIVATION_BLOCK // 4  # int32 words of int8 codes per activation block
+# Independent vpdpbusd chains a row block keeps in flight (its latency, 5 cycles on Sapphire Rapids, at one per cycle,
+# rounded up to a power of two); cells with fewer split their sums by product.
+CHAINS = 8
+
+
+class _Codes:
+    """Where a tile16 word keeps its codes, as vpdpbusd reads them: `positions` byte positions (a shift by
+    bits·s and a mask give every byte's code at position s), and for each position and byte the k (within the
+    word) whose code it is."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+        self.per_word = 32 // bits
+        self.positions = 8 // bits
+        self.mask = ((1 << bits) - 1) * 0x01010101
+        at = {tile16_shift(k, bits): k for k in range(self.per_word)}
+        self.k_of = [[at[8 * byte + bits * s] for byte in range(4)] for s in range(self.positions)]
+        self.words = ACTIVATION_BLOCK // self.per_word  # words of one activation block
+
+    def quad_order(self) -> list[int]:
+        """For each of a block's 32 code bytes, in the order the kernel reads them (word, position, byte), the k
+        within the block whose activation it multiplies."""
+        return [w * self.per_word + self.k_of[s][byte] for w in range(self.words) for s in range(self.positions)
+                for byte in range(4)]
+
+
+def unsigned_decode(spec) -> _Decode:
+    """v = alpha·u + offset for the codes read as unsigned integers u (two's complement codes with their sign bit
+    flipped; int1's binary codes 0, 1 mean -1, +1), and the bits to flip (per word)."""
+    ttype = get(spec.weight_dtype)
+    if ttype.kind != INT:
+        return _Decode("unsigned", ttype.bits)
+    if ttype.bits == 1:
+        return _Decode("unsigned", 1, alpha=(2.0,), offset=-1.0)
+    half = 1 << (ttype.bits - 1)
+    flip = sum(half << (i * ttype.bits) for i in range(32 // ttype.bits))
+    return _Decode("unsigned", ttype.bits, xor=(flip,), offset=-float(half))
+
+
+class VnniBuilder(Tile16Builder):
+    """Emits one VNNI kernel: the tile16 builder's arguments, row loop and output stage around an int8 prologue and
+    vpdpbusd products."""
+
+    def __init__(self, spec, n: int, k: int, config):
+        super().__init__(spec, n, k, config)
+        self.codes = _Codes(self.ttype.bits)
+        self.blocks = padded_k(k, self.ttype.bits) // ACTIVATION_BLOCK
+        self.group_blocks = self.s.kgroup // ACTIVATION_BLOCK
+
+    def _set_decode(self, config) -> None:
+        self.dec, self.nibbles, self.offset_shortfall = unsigned_decode(self.spec), 1, None
+
+    def body_scope(self):
+        return contextlib.nullcontext()
+
+    def plane_pitch(self) -> int:
+        """int32 words of int8 codes per row, and a cache line (rows read together stay off one L1 set)."""
+        return self.blocks * QUADS + LANES
+
+    def padded_rows(self):
+        """The rows themselves: row blocks run bodies for exact row counts."""
+        return self.m
+
+    def _allocate_activations(self, rows) -> None:
+        self.a = T.alloc_buffer((rows, self.plane_pitch()), "int32")
+        self.xscale = T.alloc_buffer((rows, self.blocks), "float32")
+        self.xs = T.alloc_buffer((rows, self.s.groups), "float32")
+        self.xd = None
+
+    # -- prologue --------------------------------------------------------------------------------------------------
+    def _store_planes(self, row, chunk, even, odd) -> None:
+        """Activation block `chunk` of a row (x̂ at its even and odd k's): its int8 codes in the kernel's byte order,
+        its scale d, and d·Σq into the group's XS."""
+        (even, even_flags), (odd, odd_flags) = nonfinite.finite_part(even), nonfinite.finite_part(odd)
+        nonfinite.note(self.nonfinite, row, chunk == 0, tirx.bitwise_or(even_flags, odd_flags))
+        # values and the scale pass through local buffers (registers): an expression used twice is a tree copied
+        # twice, and TVM's passes slow down with the size of the trees (CSE is off, see kernel.compile_function)
+        values = _registers((2,), "float32")
+        for parity, value in enumerate((even, odd)):
+            T.buffer_store(values, value, [parity, ramp(0)])
+        scale = T.alloc_buffer((1,), "float32")
+        magnitudes = tirx.max(tirx.abs(load(values, 0, ramp(0))), tirx.abs(load(values, 1, ramp(0))))
+        T.buffer_store(scale, horizontal_max(magnitudes) / tirx.const(127.0, "float32"), [0])
+        d = load(scale, 0)
+        divisor = tirx.Broadcast(tirx.Select(d > tirx.const(0.0, "float32"), d, tirx.const(1.0, "float32")), LANES)
+        for parity in (0, 1):
+            code = tirx.call_llvm_pure_intrin("float32x16", "llvm.roundeven", load(values, parity, ramp(0)) / divisor)
+            T.buffer_store(values, tirx.min(tirx.max(code, splat(-127.0, "float32")), splat(127.0, "float32")),
+                           [parity, ramp(0)])
+        codes = [load(values, parity, ramp(0)) for parity in (0, 1)]
+        by_k = [2 * i + parity for parity in (0, 1) for i in range(LANES)]  # lane of each k in (even, odd)
+        order = [by_k.index(k) for k in self.codes.quad_order()]
+        packed = tirx.Shuffle([tirx.Cast("int8x16", code) for code in codes], order)
+        T.buffer_store(self.a, tirx.reinterpret(f"int32x{QUADS}", packed), [row, ramp(chunk * QUADS, QUADS)])
+        T.buffer_store(self.xscale, d, [row, chunk])
+        self._add_to_group_sums(self.xs, row, chunk, (codes[0] + codes[1]) * tirx.Broadcast(d, LANES))
+
+    # -- main loop -------------------------------------------------------------------------------------------------
+    def task(self, rows, block, row0) -> None:
+        cfg = self.cfg
+        tiles, owned = self._block_tiles(block)
+        chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
+        here = self.m if cfg.small_m else tirx.min(chunk_rows, self.m - row0)
+        yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
+        registers = (_registers((cfg.rows, cfg.n_tiles), "float32"),
+                     _registers((self._splits(1), cfg.rows, cfg.n_tiles), "int32"),
+                     _registers((2, cfg.n_tiles), "float32"))
+        with T.serial(0, tirx.floordiv(here + (cfg.rows - 1), cfg.rows)) as rb:
+            left = here - rb * cfg.rows
+            for count in range(1, cfg.rows + 1):
+                with T.If(left == count if count < cfg.rows else left >= count):
+                    with T.Then():
+                        self._rows(yacc, registers, tiles, row0, rb * cfg.rows, count)
+        self._store_output(yacc, tiles, owned, row0, chunk_rows)
+
+    def _splits(self, count: int) -> int:
+        """int32 sums per C cell of a block of `count` rows: CHAINS in flight, at most the products of a block."""
+        splits = 1
+        while count * self.cfg.n_tiles * splits < CHAINS and splits < QUADS:
+            splits *= 2
+        return splits
+
+    def _rows(self, yacc, registers, tiles, row0, local_row, count: int) -> None:
+        """yacc[local_row + r] for the `count` rows of a block: all of K, y in registers (`registers`: y, the int32
+        sums and the group's factors scale·alpha, scale·beta per tile)."""
+        cfg = self.cfg
+        splits = self._splits(count)
+        cells = [(r, c) for r in range(count) for c in range(cfg.n_tiles)]
+        y, acc, factors = registers
+        rows = [row0 + local_row + r for r in range(count)]
+        for r, c in cells:
+            T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
+        with T.serial(0, self.s.groups) as group:
+            scale_group = self._scale_group(group)
+            for c in range(cfg.n_tiles):
+                scale, beta = self._group_factors(tiles[c], scale_group)
+                alpha = self.dec.alpha[0]
+                T.buffer_store(factors, scale if alpha == 1.0 else scale * splat(alpha, "float32"), [0, c, ramp(0)])
+                if beta is not None:
+                    T.buffer_store(factors, scale * beta, [1, c, ramp(0)])
+            with T.serial(0, self.group_blocks) as inner:
+                self._block(y, acc, factors, tiles, rows, group * self.group_blocks + inner, splits)
+            if self.dec.offset != 0.0 or self.group_args.zeros is not None:
+                for r, c in cells:
+                    xs = tirx.Broadcast(load(self.xs, rows[r], group), LANES)
+                    T.buffer_store(y, load(y, r, c, ramp(0)) + load(factors, 1, c, ramp(0)) * xs, [r, c, ramp(0)])
+        for r, c in cells:
+            T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, c, ramp(0)])
+
+    def _block(self, y, acc, factors, tiles, rows, block, splits: int) -> None:
+        """One activation block: C = Σ u·q per cell in int32 (product t of the block into split t mod splits), then
+        y += (scale·alpha·d)·C."""
+        cfg, codes = self.cfg, self.codes
+        count = len(rows)
+        for split in range(splits):
+            for r in range(count):
+                for c in range(cfg.n_tiles):
+                    T.buffer_store(acc, splat(0, "int32"), [split, r, c, ramp(0)])
+        for w in range(codes.words):
+            word_index = block * codes.words + w
+            words = []
+            for c in range(cfg.n_tiles):
+                prefetch_ahead(self.qweight, tiles[c], word_index, cfg.prefetch, cfg.n_tiles)
+                word = tirx.reinterpret("uint32x16", load(self.qweight, tiles[c], word_index, ramp(0)))
+                words.append(tirx.bitwise_xor(word, u32(self.dec.xor[0])) if self.dec.xor[0] else word)
+            for s in range(codes.positions):
+                product = w * codes.positions + s
+                quads = [tirx.Broadcast(load(self.a, row, block * QUADS + product), LANES) for row in rows]
+                for c, word in enumerate(words):
+                    shifted = word if s == 0 else tirx.shift_right(word, u32(codes.bits * s))
+                    unsigned = shifted if codes.bits == 8 else tirx.bitwise_and(shifted, u32(codes.mask))
+                    for r, quad in enumerate(quads):
+                        cell = [product % splits, r, c, ramp(0)]
+                        T.buffer_store(acc, _dpbusd(load(acc, *cell), unsigned, quad), cell)
+        for r, row in enumerate(rows):
+            d = tirx.Broadcast(load(self.xscale, row, block), LANES)
+            for c in range(cfg.n_tiles):
+                total = load(acc, 0, r, c, ramp(0))
+                for split in range(1, splits):
+                    total = total + load(acc, split, r, c, ramp(0))
+                term = tirx.Cast("float32x16", total) * (load(factors, 0, c, ramp(0)) * d)
+                T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
+
+
+def _registers(shape: tuple, dtype: str):
+    """A buffer of 16-lane vectors LLVM keeps in registers: a stack array (TVM allocates "local" buffers inside
+    parallel tasks from its workspace pool, whose memory LLVM must store every update to: a store per vpdpbusd),
+    under TVM's stack limit (1 KiB)."""
+    return T.alloc_buffer((*shape, LANES), dtype, align=64)
+
+
+def _dpbusd(acc, unsigned, signed):
+    """acc + Σ of the 4 byte products per int32 lane: unsigned bytes of `unsigned` times signed bytes of `signed`."""
+    return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
+                                      tirx.reinterpret("int8x64", unsigned), tirx.reinterpret("int8x64", signed))

@@ -1,0 +1,140 @@
+"""VNNI template: y = x̂ · dequant(W)ᵀ for activation_quant="int8" specs, integer weight codes times int8 activations
+by vpdpbusd (AVX512-VNNI: Intel since Cascade Lake, AMD Zen 4 and later), for any number of rows; its code comes
+from `emit.vnni` (see there for the kernel's structure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...ops.matmul import ACTIVATION_BLOCK, ACTIVATION_QUANTS, EPILOGUES, NORMS, Matmul
+from ...ttype import effective_group_size, get
+from ...ttype.types import INT, UINT
+from ..template import Work
+from .kernel import (PREFETCH_WORDS, SMALL_M, CpuTemplate, Footprint, check_prefetch, doublings, norm_prologue,
+                     operand_bytes)
+from .layout import AMX_TILE_ROWS, padded_k
+from .matrix import PLANES, MatrixTemplate
+
+CPU_FLAG = "avx512_vnni"
+BITS = (1, 2, 4, 8)  # code widths whose tile16 words split into bytes of whole codes
+PRODUCTS = ACTIVATION_BLOCK // 4  # vpdpbusd per row, tile and activation block (4 k's per lane each)
+# vpdpbusd a kernel's bodies hold over all their row counts and tiles, per activation block: bounds LLVM's compile
+# time (the bodies are unrolled; 1 + 2 + 3 + 4 rows x 4 tiles x 8 products = 320)
+BODY = 320
+# zmm registers a row block may hold: y and an int32 sum per (row, tile); per tile its word and two group factors
+REGISTERS = 30
+
+
+def registers(rows: int, n_tiles: int) -> int:
+    """zmm registers a block of `rows` rows and `n_tiles` tiles holds (see REGISTERS)."""
+    return 2 * rows * n_tiles + 3 * n_tiles
+
+
+@dataclass(frozen=True)
+class VnniConfig:
+    """Tile configuration of the VNNI template (chosen by the tuner): n_tiles 16-column tiles per task, rows per
+    register block (each row block decodes the task's words again), small_m: one task per column block for all M
+    <= 16 rows, m_chunk: rows per task otherwise, prefetch: words ahead (0: none)."""
+
+    n_tiles: int = 4
+    small_m: bool = True
+    m_chunk: int = SMALL_M
+    rows: int = 1
+    prefetch: int = 32
+    # the tile16 builder's options this template keeps fixed: one prologue pass over all rows, nothing staged
+    chunk_prologue = False
+    stage_steps = 1
+
+    def __post_init__(self):
+        check_prefetch(self.prefetch)
+        for name in ("n_tiles", "m_chunk", "rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if registers(self.rows, self.n_tiles) > REGISTERS:
+            raise ValueError(f"rows={self.rows} x n_tiles={self.n_tiles} needs more than {REGISTERS} vector registers")
+        if self.m_chunk % self.rows or (self.small_m and self.m_chunk != SMALL_M):
+            raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of rows={self.rows} ({SMALL_M} for small_m)")
+
+
+class VnniTemplate(CpuTemplate):
+    name = "vnni"
+    title = "VNNI"
+    config_type = VnniConfig
+    shape_fields = ("n_tiles", "rows", "prefetch")
+    epilogues = EPILOGUES  # the tile16 builder's output stage
+    residual_add = True
+    norms = NORMS  # the tile16 builder's prologue
+    activation_quants = tuple(quant for quant in ACTIVATION_QUANTS if quant != "none")
+
+    def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
+        ttype = get(spec.weight_dtype)
+        if CPU_FLAG not in device.flags:
+            return "this CPU (no AVX512-VNNI)"
+        if spec.activation_quant == "none":
+            return "activation_quant='none' (it multiplies int8 activations)"
+        if ttype.kind not in (INT, UINT) or ttype.bits not in BITS:
+            return f"{ttype.name} codes (it reads int and uint codes of {list(BITS)} bits)"
+        if spec.activation_dtype not in PLANES:
+            return f"activation_dtype={spec.activation_dtype}"
+        if spec.geometry is not None:
+            return "a convolution"
+        return None
+
+    def resources(self, spec: Matmul, k: int, config: VnniConfig) -> Footprint:
+        """L2: the task's weight words, which every row block reads again."""
+        return Footprint(l2_bytes=config.n_tiles * padded_k(k, get(spec.weight_dtype).bits) * 2)
+
+    def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[VnniConfig]:
+        """Row blocks up to the bucket's rows (at most 4) and tiles that fit the registers and the body bound,
+        the task's words within half of L2, every prefetch depth; row chunks of 32 to 128 rows beyond 16."""
+        small = bucket[1] <= SMALL_M
+        found = []
+        for rows in doublings(1, min(4, bucket[1])):
+            for n_tiles in range(1, 9):
+                if registers(rows, n_tiles) > REGISTERS or rows * (rows + 1) // 2 * n_tiles * PRODUCTS > BODY:
+                    break
+                chunks = [SMALL_M] if small else [c for c in doublings(32, 128)]
+                for chunk, prefetch in ((c, p) for c in chunks for p in PREFETCH_WORDS):
+                    config = VnniConfig(n_tiles, small, chunk, rows, prefetch)
+                    if self.resources(spec, k, config).l2_bytes <= device.l2_bytes // 2:
+                        found.append(config)
+        return MatrixTemplate.for_epilogue(spec, found)
+
+    def work(self, spec: Matmul, n: int, k: int, m: int, config: VnniConfig, device) -> Work:
+        """Per call: vpdpbusd per row, tile and product; each row block's word decodes (a mask and a shift per byte
+        position) beside them; per row, tile and activation block the conversion and scaling of C; per group the
+        offset term; the serial prologue of few rows (the other cores wait for it)."""
+        bits = get(spec.weight_dtype).bits
+        tiles_n = -(-n // AMX_TILE_ROWS)
+        blocks = padded_k(k, bits) // ACTIVATION_BLOCK
+        groups = padded_k(k, bits) // min(effective_group_size(spec.group_size, k), padded_k(k, bits))
+        row_blocks = -(-m // config.rows)
+        chunks = 1 if config.small_m else -(-m // config.m_chunk)
+        column_blocks = -(-tiles_n // config.n_tiles)
+        copies = device.cores if config.small_m else 1
+        operations = {"vnni_block_row": tiles_n * blocks * m, "vnni_group_row": tiles_n * groups * m,
+                      "vnni_broadcast": column_blocks * blocks * PRODUCTS * m,
+                      "vnni_quantize_element": m * k * copies, **norm_prologue(spec, m, k, copies)}
+        bound = {"vpdpbusd": tiles_n * blocks * PRODUCTS * m, "vnni_unpack": tiles_n * blocks * PRODUCTS * row_blocks}
+        return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),
+                    streams=config.n_tiles, prefetch=config.prefetch)
+
+    def program(self, spec: Matmul, n: int, k: int, config: VnniConfig, layout, bucket, device):
+        """The PrimFunc for rows M in `bucket` (at most 16 with small_m); arguments as the tile16 templates' (no
+        constants)."""
+        from .emit.vnni import VnniBuilder
+
+        self.check_config(config)
+        reason = self.unsupported(spec, n, k, device) or self.unsupported_epilogue(spec)
+        if reason:
+            raise ValueError(f"the VNNI template does not support {reason}")
+        if config.small_m != (bucket[1] <= SMALL_M):
+            raise ValueError(f"small_m={config.small_m} does not fit rows {bucket}")
+        if not MatrixTemplate.for_epilogue(spec, [config]):
+            raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
+                             f"in pairs)")
+        return VnniBuilder(spec, n, k, config).build("main"), []
+
+
+TEMPLATE = VnniTemplate()

@@ -1,0 +1,232 @@
+"""Quantized activations (`Matmul.activation_quant="int8"`) and the VNNI template that computes them: the
+definition against an independent per-element implementation, the kernel's int8 codes read back bit for bit
+through an identity weight, every integer weight type, zero mode, activation type, norm and epilogue against the
+float64 reference, non-finite x, the tuner's choice, and the errors for what the operator does not take."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import bitkern
+from bitkern.cache import kernel_for
+from bitkern.codegen import pack
+from bitkern.codegen.cpu import vnni
+from bitkern.codegen.cpu.vnni import VnniConfig
+from bitkern.ops import Conv2d, ConvGeometry, Matmul
+from bitkern.ops.matmul import activation_blocks, quantize_activations
+from bitkern.ttype import QuantizedWeight
+from bitkern.tuner import host_cpu
+from tests.helpers import OUTPUT_EPS
+
+pytestmark = pytest.mark.requires_avx512_vnni
+
+
+def _q8_reference(row: np.ndarray) -> np.ndarray:
+    """x̃ of one row, element by element in numpy float32: blocks of 32 (zero-padded), d = amax / 127, q = the nearest
+    integer to v / d (ties to even), clamped to ±127; non-finite values count as 0 and stay as they are."""
+    out = np.empty(len(row), dtype=np.float64)
+    for start in range(0, len(row), 32):
+        block = row[start:start + 32].astype(np.float32)
+        finite = np.where(np.isfinite(block), block, np.float32(0))
+        d = np.float32(np.max(np.abs(finite)) / np.float32(127))
+        for i, (value, kept) in enumerate(zip(block, finite)):
+            q = 0.0 if d == 0 else min(127.0, max(-127.0, float(np.round(np.float32(kept / d)))))
+            out[start + i] = float(d) * q if np.isfinite(value) else float(value)
+    return out
+
+
+def _ties() -> torch.Tensor:
+    """A block whose scale is d = 1/2 (amax 63.5) and whose other ratios v / d lie halfway between integers."""
+    return torch.cat([(torch.arange(-15, 16) + 0.5) / 2, torch.tensor([63.5])])
+
+
+def test_the_definition_matches_an_element_by_element_implementation():
+    """Ties (v / d exactly half an integer), all-zero blocks, a block whose scale underflows to zero, non-finite
+    values and a tail shorter than a block."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 200, generator=generator)
+    x[0, :32] = torch.arange(-16, 16) + 0.5  # amax 15.5: d = 15.5 / 127
+    x[1, :32] = _ties()
+    x[1, 32:64] = 0
+    x[2, :32] = 1e-44  # subnormal: d = 0
+    x[3, 5], x[3, 70], x[3, 71] = float("inf"), float("nan"), float("-inf")
+    expected = np.stack([_q8_reference(row.numpy()) for row in x])
+    got = quantize_activations(x).numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(expected))
+    assert np.array_equal(np.nan_to_num(got), np.nan_to_num(expected))
+    q, d = activation_blocks(x)
+    assert q.dtype == torch.int8 and q.shape == (4, 7, 32) and d.shape == (4, 7)
+    assert int(q.abs().max()) <= 127
+
+
+def _identity(k: int) -> QuantizedWeight:
+    """A [K, K] uint8 identity (codes 1, float32 scales 1, per channel): y = x̃ as the kernel quantized it, exactly."""
+    codes = torch.eye(k, dtype=torch.int32)
+    return QuantizedWeight("uint8", (k, k), k, "none", bitkern.ttype.pack(codes, 8), torch.ones(k, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_the_kernel_quantizes_x_bit_for_bit_as_the_definition(dtype, m):
+    """K = 200 (a partial last block); blocks with ties, zeros and outliers."""
+    k = 200
+    generator = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=generator) * torch.logspace(-3, 3, m)[:, None]
+    x[0, :32] = _ties()
+    x[-1, 64:96] = 0
+    x = x.to(dtype)
+    eye = _identity(k)
+    spec = Matmul.for_weight(eye, dtype, output_dtype="float32", activation_quant="int8")
+    y = spec(x, pack(eye))
+    assert torch.equal(y, quantize_activations(x).float())
+
+
+def _bound(spec, qweight, x, reference, x_tilde) -> torch.Tensor:
+    """The kernel's error bound: float32 sums of exact int32 block sums, with offsets (up to 128·s) and zero
+    points folded out of them (c = 1e-5 of Σ|x̃|·(|w| + 136·s + 2|z|·s)), and the output's rounding."""
+    scale = qweight.scale_values().double().repeat_interleave(qweight.group_size, 1)
+    summed = qweight.dequantize(torch.float64).abs() + 136 * scale
+    if qweight.zeros is not None:
+        summed = summed + 2 * qweight.zeros.double().abs().repeat_interleave(qweight.group_size, 1) * scale
+    return 1e-5 * (x_tilde.abs() @ summed.T) + OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
+
+
+def _check(spec, qweight, x, y, bias=None, residual=None, norm=()) -> None:
+    reference = spec.exact(x, qweight, bias, residual, *norm)
+    x_hat = x if spec.norm == "none" else bitkern.ops.matmul.norm_reference(spec.norm, x, *norm, spec.norm_eps)
+    excess = (y.double() - reference).abs() - _bound(spec, qweight, x, reference, quantize_activations(x_hat))
+    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
+
+
+@pytest.mark.parametrize("name, zero_mode", [("int8", "none"), ("uint8", "gptq"), ("int4", "none"),
+                                             ("uint4", "gptq"), ("uint4", "awq"), ("uint4", "hqq"), ("int2", "none"),
+                                             ("uint2", "gptq"), ("int1", "none"), ("uint1", "none")])
+@pytest.mark.parametrize("activation, m", [("bfloat16", 1), ("bfloat16", 33), ("float16", 3), ("float32", 17)])
+def test_every_integer_weight_type(name, zero_mode, activation, m):
+    generator = torch.Generator().manual_seed(m)
+    n, k = 48, 256
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=64, zero_mode=zero_mode)
+    spec = Matmul.for_weight(qweight, activation, output_dtype="float32", activation_quant="int8")
+    x = torch.randn(m, k, generator=generator).to(getattr(torch, activation))
+    _check(spec, qweight, x, spec(x, pack(qweight)))
+
+
+@pytest.mark.parametrize("config, m", [(VnniConfig(1, True, 16, 1, 0), 1), (VnniConfig(6, True, 16, 1, 128), 2),
+                                       (VnniConfig(3, True, 16, 2, 16), 7), (VnniConfig(2, False, 32, 4, 32), 70),
+                                       (VnniConfig(3, False, 64, 2, 64), 130)])
+@pytest.mark.parametrize("group", [32, 128, -1])
+def test_register_blocks_row_chunks_and_groups(config, m, group):
+    """Tiles that do not divide N (the last block repeats a tile), row counts that do not fill a block or a chunk,
+    K not a multiple of 32 where per-channel."""
+    generator = torch.Generator().manual_seed(m)
+    n, k = 72, 256 if group != -1 else 232
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), "int4", group_size=group)
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="bfloat16", activation_quant="int8")
+    bucket = (1, 16) if config.small_m else (17, 256)
+    kernel = vnni.TEMPLATE.build(spec, n, k, config, "tile16", bucket, host_cpu())
+    x = torch.randn(m, k, generator=generator).bfloat16()
+    _check(spec, qweight, x, kernel(x, pack(qweight)))
+
+
+@pytest.mark.parametrize("norm, epilogue, residual, m", [("rmsnorm", "swiglu", False, 1),
+                                                         ("layernorm", "gelu", True, 9),
+                                                         ("torch_rmsnorm", "none", True, 40),
+                                                         ("none", "silu", False, 2)])
+def test_norm_prologue_and_epilogues(norm, epilogue, residual, m):
+    """x̂ is normalized, then quantized; the output stage applies the bias, the epilogue and the residual (SwiGLU:
+    within the bound of each of gate and up, through silu(gate)·up, as a small relative error)."""
+    generator = torch.Generator().manual_seed(m)
+    n, k = 64, 256
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), "int4", group_size=128)
+    spec = Matmul.for_weight(qweight, "bfloat16", bias=True, output_dtype="float32", epilogue=epilogue,
+                             residual=residual, norm=norm, norm_eps=1e-5, activation_quant="int8")
+    x = (2 * torch.randn(m, k, generator=generator)).bfloat16()
+    bias = torch.randn(n, generator=generator)
+    out = spec.out_features(n)
+    residual_tensor = torch.randn(m, out, generator=generator) if residual else None
+    norm_args = () if norm == "none" else (1 + 0.3 * torch.randn(k, generator=generator),
+                                           0.2 * torch.randn(k, generator=generator) if norm == "layernorm" else None)
+    y = spec(x, pack(qweight), bias, residual_tensor, *norm_args)
+    reference = spec.exact(x, qweight, bias, residual_tensor, *norm_args)
+    if epilogue in ("none",) and not residual:
+        _check(spec, qweight, x, y, bias, residual_tensor, norm_args)
+    else:
+        assert torch.allclose(y.double(), reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
+
+
+def test_nonfinite_activations_give_torch_infinities_and_nans():
+    """A row with an Inf keeps ±Inf where torch's x·Wᵀ has it (the finite rest quantized as the definition says),
+    a NaN makes its row NaN; other rows are untouched."""
+    n, k = 32, 128
+    qweight = bitkern.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(1)), "int4", group_size=32)
+    spec = Matmul.for_weight(qweight, "float32", output_dtype="float32", activation_quant="int8")
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    x[0, 7] = float("inf")
+    x[1, 100] = float("nan")
+    y = spec(x, pack(qweight))
+    reference = spec.exact(x, qweight)
+    assert torch.equal(torch.isnan(y), torch.isnan(reference)) and torch.equal(torch.isinf(y), torch.isinf(reference))
+    assert bool(torch.isnan(y[1]).all())
+    finite = torch.isfinite(reference)
+    assert torch.allclose(y.double()[finite], reference[finite], rtol=1e-5, atol=1e-4)
+
+
+def test_results_are_bitwise_deterministic():
+    qweight = bitkern.quantize(torch.randn(256, 512), "int4", group_size=128)
+    spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
+    packed = pack(qweight)
+    x = torch.randn(3, 512).bfloat16()
+    assert torch.equal(spec(x, packed), spec(x, packed))
+
+
+def test_the_tuner_runs_quantized_activations_on_the_vnni_template_only():
+    qweight = bitkern.quantize(torch.randn(64, 256), "int4", group_size=128)
+    for m in (1, 8, 100):
+        spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
+        assert kernel_for(spec, 64, 256, m, "tile16").template == "vnni"
+        assert kernel_for(dataclasses.replace(spec, activation_quant="none"), 64, 256, m, "tile16").template != "vnni"
+
+
+def test_a_cpu_without_vnni_has_no_kernel_for_quantized_activations():
+    cpu = host_cpu()
+    no_vnni = dataclasses.replace(cpu, flags=cpu.flags - {"avx512_vnni"})
+    qweight = bitkern.quantize(torch.randn(64, 256), "int4", group_size=128)
+    spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
+    assert "AVX512-VNNI" in vnni.TEMPLATE.unsupported(spec, 64, 256, no_vnni)
+    with pytest.raises(ValueError, match="VNNI"):
+        vnni.TEMPLATE.build(spec, 64, 256, VnniConfig(), "tile16", (1, 16), no_vnni)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(weight_dtype="nf4"), "integer weight codes"),
+    (dict(weight_dtype="fp4_e2m1"), "integer weight codes"),
+    (dict(activation_dtype="int8", accumulate_dtype="int32"), "quantizes float activations"),
+    (dict(activation_quant="int4"), "accepted: \\['none', 'int8'\\]"),
+])
+def test_specs_the_operator_does_not_take_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Matmul(**{"weight_dtype": "int4", "activation_dtype": "bfloat16", "activation_quant": "int8", **fields})
+
+
+def test_groups_must_hold_whole_activation_blocks_and_convolutions_are_refused():
+    spec = Matmul("int4", "bfloat16", group_size=16, activation_quant="int8")
+    with pytest.raises(ValueError, match="whole activation blocks of 32"):
+        spec.check_shape(64, 256)
+    Matmul("int4", "bfloat16", group_size=-1, activation_quant="int8").check_shape(64, 200)  # per channel: padded
+    with pytest.raises(ValueError, match="convolutions"):
+        Conv2d("int4", "bfloat16", geometry=ConvGeometry(32, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1, 1, 1)),
+               activation_quant="int8")
+
+
+def test_the_cost_model_sees_the_prologue_and_the_products():
+    """More rows cost more products; a row block decodes the words once for its rows."""
+    spec = Matmul("int4", "bfloat16", activation_quant="int8")
+    cpu = host_cpu()
+    one = vnni.TEMPLATE.work(spec, 4096, 4096, 1, VnniConfig(4, True, 16, 1, 32), cpu)
+    four = vnni.TEMPLATE.work(spec, 4096, 4096, 4, VnniConfig(2, True, 16, 4, 32), cpu)
+    assert four.bounds[0]["vpdpbusd"] == 4 * one.bounds[0]["vpdpbusd"]
+    assert four.bounds[0]["vnni_unpack"] == one.bounds[0]["vnni_unpack"]
+    assert math.isclose(one.dram_bytes, 4096 * 4096 / 2 + 4096 * 32 * 2 + 4096 * 2 + 4096 * 4)
