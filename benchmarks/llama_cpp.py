@@ -38,6 +38,7 @@ Results: printed, and written to benchmarks/results/llama_cpp.md with the llama.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -68,21 +69,37 @@ THREADS = 2
 GENERATE_OPTIONS = {"cache_implementation": "static"}
 # GGUF name -> llama-quantize options and type (None: the converter's bf16 file itself)
 GGUF_TYPES = {"Q4_0 (output Q6_K)": ["Q4_0"], "Q4_0, output bf16": ["--output-tensor-type", "bf16", "Q4_0"],
-              "Q4_K_M": ["Q4_K_M"], "Q8_0": ["Q8_0"], "bf16": None}
-# bitkern model name -> (layers' type, group size, quantize_model's output_layer) or None (None: torch bf16).
-# output_layer "auto": the bf16 output layer as it is, on bitkern's kernels; "int8": quantized (group size the same)
-BITKERN = {"bitkern int4 g128": ("int4", 128, "auto"), "bitkern int4 g128, output int8 g128": ("int4", 128, "int8"),
-           "bitkern nf4 g64": ("nf4", 64, "auto"), "bitkern int8 g128, output int8 g128": ("int8", 128, "int8"),
-           "bitkern int4 g128, compiled": ("int4", 128, "auto"), "torch bf16": None}
+              "Q4_0, output Q8_0": ["--output-tensor-type", "q8_0", "Q4_0"], "Q4_K_M": ["Q4_K_M"], "Q8_0": ["Q8_0"],
+              "bf16": None}
+# bitkern model name -> (layers' type, group size, quantize_model's output_layer, activation_quant) or None (None:
+# torch bf16).  output_layer "auto": the bf16 output layer as it is, on bitkern's kernels; "int8": quantized (group
+# size the same).  activation_quant "int8" ("a8"): the quantized layers multiply int8 activations, per 32 inputs, as
+# llama.cpp's Q4_0 and Q8_0 multiply Q8_0 activations
+BITKERN = {"bitkern int4 g128": ("int4", 128, "auto", "none"),
+           "bitkern int4 g128, output int8 g128": ("int4", 128, "int8", "none"),
+           "bitkern nf4 g64": ("nf4", 64, "auto", "none"),
+           "bitkern int8 g128, output int8 g128": ("int8", 128, "int8", "none"),
+           "bitkern int4 g128, compiled": ("int4", 128, "auto", "none"),
+           "bitkern int4 g128 a8": ("int4", 128, "auto", "int8"),
+           "bitkern int4 g128 a8, output int8 g128": ("int4", 128, "int8", "int8"),
+           "bitkern int8 g128 a8, output int8 g128": ("int8", 128, "int8", "int8"),
+           "bitkern int4 g128 a8, compiled": ("int4", 128, "auto", "int8"),
+           "bitkern int4 g128 a8, output int8 g128, compiled": ("int4", 128, "int8", "int8"),
+           "torch bf16": None}
 # bitkern models run as a user compiling the model would: bitkern's grouped-query attention
 # (`use_grouped_attention`), then `model.forward = torch.compile(model.forward, dynamic=False)` (a graph per shape,
 # compiled while the worker prepares its kernels: prompts and decode steps alike go through it)
-COMPILED = ("bitkern int4 g128, compiled",)
+COMPILED = tuple(name for name in BITKERN if name.endswith(", compiled"))
 # same-output-precision pairs compared round by round: (bitkern model, llama.cpp type); llama.cpp's Q8_0 keeps its
 # output layer in Q8_0, Q4_0 puts it in Q6_K
-PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, compiled", "Q4_0, output bf16"), ("bitkern int4 g128, output int8 g128", "Q4_0 (output Q6_K)"),
-         ("bitkern nf4 g64", "Q4_0, output bf16"), ("bitkern int8 g128, output int8 g128", "Q8_0"),
-         ("torch bf16", "bf16")]
+PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, compiled", "Q4_0, output bf16"),
+         ("bitkern int4 g128, output int8 g128", "Q4_0 (output Q6_K)"), ("bitkern nf4 g64", "Q4_0, output bf16"),
+         ("bitkern int8 g128, output int8 g128", "Q8_0"),
+         ("bitkern int4 g128 a8", "Q4_0, output bf16"), ("bitkern int4 g128 a8, compiled", "Q4_0, output bf16"),
+         ("bitkern int4 g128 a8, output int8 g128", "Q4_0, output Q8_0"),
+         ("bitkern int4 g128 a8, output int8 g128, compiled", "Q4_0, output Q8_0"),
+         ("bitkern int4 g128 a8, output int8 g128", "Q4_0 (output Q6_K)"),
+         ("bitkern int8 g128 a8, output int8 g128", "Q8_0"), ("torch bf16", "bf16")]
 CPU_TEST = f"tg{GENERATED}, 1 thread, per CPU s"  # tokens per CPU second: a crowded machine's waits do not count
 TESTS = [f"pp{n}" for n in PROMPTS] + [f"tg{GENERATED}", CPU_TEST]
 COMMANDS: list[str] = []  # every command of the recipe, in order, whether it ran now or its output was cached
@@ -286,8 +303,9 @@ def load_model(model_dir, name: str, fused: bool = True):
     if BITKERN[name] is not None:
         import bitkern
 
-        dtype, group, output_layer = BITKERN[name]
-        bitkern.quantize_model(model, dtype, group_size=group, compute_dtype=torch.bfloat16, output_layer=output_layer)
+        dtype, group, output_layer, activation_quant = BITKERN[name]
+        bitkern.quantize_model(model, dtype, group_size=group, compute_dtype=torch.bfloat16, output_layer=output_layer,
+                               activation_quant=activation_quant)
         if fused:
             bitkern.fuse(model)
         if name in COMPILED:
@@ -437,7 +455,7 @@ def main() -> None:
         finally:
             torch.set_num_threads(THREADS)
 
-    order = [system for pair in zip(GGUF_TYPES, BITKERN) for system in pair if system in chosen]
+    order = [system for pair in itertools.zip_longest(GGUF_TYPES, BITKERN) for system in pair if system in chosen]
     samples = {system: {test: [] for test in TESTS} for system in order}
     rounds, info = [], {}
     for round_ in range(args.rounds):
