@@ -5,9 +5,9 @@ above the bytes' arrival rate; at a ceiling near it, the kernel pays for both.
 
 Variants (see the C file): bitkern's bf16 dot (vdpbf16ps on decoded nibbles), llama.cpp's int8 VNNI (activations
 quantized to int8 per 32 k; vpdpbusd), and VNNI on two int8 parts of the activations (~15 bits per block).  Beside
-them, bitkern's whole tuned M=1 kernel (the Llama MLP's gate/up shape, 11264x2048 int4 g128, all threads) with its
-weight resident in the last-level cache (hot: its own compute rate) and rotating through DRAM (cold), interleaved
-with the DRAM probes, per core.
+them, bitkern's whole tuned M=1 kernel (the Llama MLP's gate/up shape, 11264x2048 int4 g128, all threads), with bf16
+activations and with int8 ones (activation_quant="int8", the VNNI template), its weight resident in the last-level
+cache (hot: its own compute rate) and rotating through DRAM (cold), interleaved with the DRAM probes, per core.
 
 Run: python benchmarks/decode_ceiling.py [--rounds 7] (needs a C compiler; cc -O2 -march=native).  Prints the
 table and writes benchmarks/results/decode_ceiling.md.
@@ -46,15 +46,18 @@ def ceilings(rounds: int) -> dict[str, list[float]]:
     return {name: [record[name] for record in records] for name in VARIANTS}
 
 
-def kernel_rates(rounds: int) -> dict[str, float]:
-    """GB/s per core of bitkern's tuned M=1 int4 kernel on SHAPE, hot (one weight, cache-resident) and cold
-    (weights rotating through DRAM), and of the faster DRAM probe, medians of interleaved rounds."""
+def kernel_rates(rounds: int, activation_quant: str) -> dict[str, float]:
+    """GB/s per core of bitkern's tuned M=1 int4 kernel on SHAPE (activations quantized by `activation_quant`), hot
+    (one weight, cache-resident) and cold (weights rotating through DRAM), and of the faster DRAM probe, medians of
+    interleaved rounds; and the template the tuner picked."""
     import copy
 
     import bitkern
+    from bitkern.cache import kernel_for
 
     n, k = SHAPE
-    layer = bitkern.Linear(k, n, bias=False, dtype="int4", group_size=128, compute_dtype=torch.bfloat16)
+    layer = bitkern.Linear(k, n, bias=False, dtype="int4", group_size=128, compute_dtype=torch.bfloat16,
+                           activation_quant=activation_quant)
     x = torch.randn(1, k, dtype=torch.bfloat16)
     probes, nbytes = read_probes()
     with torch.inference_mode():
@@ -63,9 +66,11 @@ def kernel_rates(rounds: int) -> dict[str, float]:
         medians = interleaved({"hot": lambda: layer(x), "cold": lambda: copies()(x), **probes}, rounds=rounds)
     cores = torch.get_num_threads()
     probe = [min(values) for values in zip(*(medians[name] for name in probes))]
+    spec = bitkern.ops.Matmul.for_weight(layer.quantized_weight(), "bfloat16", activation_quant=activation_quant)
     return {"hot": layer.nbytes / statistics.median(medians["hot"]) / 1e9 / cores,
             "cold": layer.nbytes / statistics.median(medians["cold"]) / 1e9 / cores,
-            "dram": nbytes / statistics.median(probe) / 1e9 / cores}
+            "dram": nbytes / statistics.median(probe) / 1e9 / cores,
+            "template": kernel_for(spec, n, k, 1, "tile16").template}
 
 
 def main() -> None:
@@ -80,7 +85,7 @@ def main() -> None:
     all_cores = best_read_gbs(probes, nbytes)
     share = all_cores / threads
     speeds = ceilings(args.rounds)
-    kernel = kernel_rates(args.rounds)
+    kernels = {quant: kernel_rates(args.rounds, quant) for quant in ("none", "int8")}
     rows = []
     for name, title in VARIANTS.items():
         weights = statistics.median(speeds[name])
@@ -97,9 +102,13 @@ def main() -> None:
         *rows,
         "",
         f"bitkern's tuned M=1 kernel, {SHAPE[0]}x{SHAPE[1]} int4 g128, {threads} threads, interleaved with the "
-        f"probes: {kernel['hot']:.1f} GB/s per core with its weight cache-resident (its compute rate), "
-        f"{kernel['cold']:.1f} from DRAM, against the probes' {kernel['dram']:.1f} GB/s per core "
-        f"({kernel['cold'] / kernel['dram']:.2f} of it; hot / DRAM share {kernel['hot'] / kernel['dram']:.2f}).",
+        f"probes (GB/s per core; hot: its weight cache-resident, its compute rate; cold: from DRAM):",
+        "",
+        "| activations | template | hot | cold | probe | cold / probe | hot / probe |",
+        "|---|---|---|---|---|---|---|",
+        *[f"| {'bf16' if quant == 'none' else 'int8 (activation_quant)'} | {k['template']} | {k['hot']:.1f} | "
+          f"{k['cold']:.1f} | {k['dram']:.1f} | {k['cold'] / k['dram']:.2f} | {k['hot'] / k['dram']:.2f} |"
+          for quant, k in kernels.items()],
         "",
     ])
     print(text)

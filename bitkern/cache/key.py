@@ -87,7 +87,8 @@ class KernelKey:
         """The kernel in words, for messages."""
         spec = self.spec
         pinned = f", configuration {self.pinned}" if self.pinned else ""
-        return (f"{spec.weight_dtype} weights x {spec.activation_dtype} activations -> {spec.output_dtype} "
+        quantized = "" if spec.activation_quant == "none" else f" quantized to {spec.activation_quant}"
+        return (f"{spec.weight_dtype} weights x {spec.activation_dtype} activations{quantized} -> {spec.output_dtype} "
                 f"(group_size={spec.group_size}, zero_mode={spec.zero_mode}, bias={spec.bias}) for N={self.n}, "
                 f"K={self.k}, M={self.bucket[0]}..{self.bucket[1]}, layout {self.layout}, target {self.target}{pinned}")
 
