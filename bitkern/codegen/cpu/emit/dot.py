@@ -16,7 +16,7 @@ from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from .tile16 import SMALL_M_ROWS, Tile16Builder, when
-from .tir import LANES, load, ramp, splat
+from .tir import LANES, load, ramp, registers, splat
 
 # vdpbf16ps through a wrapper of <16 x i32> operands: TVM legalizes bfloat16 vectors to float32 before
 # LLVM sees them, so the bf16 pairs travel as int32 lanes and are reinterpreted inside LLVM.
@@ -62,7 +62,7 @@ class DotBuilder(Tile16Builder):
         gbuf = T.alloc_buffer((1, s.stage_steps, cfg.n_tiles, self.nibbles, s.depth // 2, LANES), "int32",
                               scope="local", align=64)
         yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        acc = T.alloc_buffer((1, cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local", align=64)
+        acc = registers((1, cfg.rows, cfg.n_tiles, self.nibbles), "float32")
         stash = None
         if s.group_steps > s.stage_steps:  # a group spans stages: C leaves registers between them
             stash = T.alloc_buffer((chunk_rows, cfg.n_tiles, self.nibbles, LANES), "float32", scope="local",
@@ -110,8 +110,7 @@ class DotBuilder(Tile16Builder):
         cfg = self.cfg
         tiles, owned = self._block_tiles(block)
         yacc = T.alloc_buffer((SMALL_M_ROWS, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        acc = T.alloc_buffer((self._splits(1), cfg.rows, cfg.n_tiles, self.nibbles, LANES), "float32",
-                             scope="local", align=64)
+        acc = registers((self._splits(1), cfg.rows, cfg.n_tiles, self.nibbles), "float32")
         with T.serial(0, SMALL_M_ROWS) as r:
             for c in range(cfg.n_tiles):
                 T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])

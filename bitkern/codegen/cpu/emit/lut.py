@@ -21,7 +21,8 @@ from ..lut import MAX_ROWS, NIBBLES_PER_WORD, LutConfig
 from . import nonfinite
 from .groups import GroupArguments, biased, write_output
 from .norm import NormPrologue
-from .tir import LANES, horizontal_sum, load, prefetch, prefetch_ahead, prim_func, ramp, splat, to_float32, u32
+from .tir import (LANES, horizontal_sum, load, prefetch, prefetch_ahead, prim_func, ramp, registers, splat, to_float32,
+                  u32)
 
 
 def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int],
@@ -191,8 +192,7 @@ class _Builder:
     def _task(self, block, rows: int) -> None:
         n_tiles = self.cfg.n_tiles
         tiles = [tirx.min(block * n_tiles + c, self.n_tiles - 1) for c in range(n_tiles)]
-        yacc = T.alloc_buffer((rows, n_tiles, LANES), "float32", scope="local", align=64)
-        gacc = T.alloc_buffer((n_tiles, LANES), "float32", scope="local", align=64)
+        yacc, gacc = registers((rows, n_tiles), "float32"), registers((n_tiles,), "float32")
         for row in range(rows):
             for c in range(n_tiles):
                 T.buffer_store(yacc, splat(0.0, "float32"), [row, c, ramp(0)])

@@ -21,6 +21,14 @@ def prim_func(name: str, arguments, body):
     return builder.get()
 
 
+def registers(shape: tuple, dtype: str):
+    """A buffer of 16-lane vectors (`shape` of them) that LLVM can keep in registers: a stack array.  TVM allocates
+    "local" buffers inside parallel tasks from its workspace pool, whose memory LLVM must keep up to date (a vector
+    store per update at the end of every loop iteration: measured on a VNNI GEMV, one per product); a default-scope
+    buffer under TVM's stack limit (1 KiB) is an alloca that LLVM promotes."""
+    return T.alloc_buffer((*shape, LANES), dtype, align=64)
+
+
 def lanes(expr) -> int:
     """Vector lanes of an expression (1 for scalars)."""
     return expr.ty.dtype.lanes

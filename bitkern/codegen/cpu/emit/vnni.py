@@ -27,7 +27,7 @@ from ....ttype.types import INT
 from ..layout import padded_k, tile16_shift
 from . import nonfinite
 from .tile16 import SMALL_M_ROWS, Tile16Builder, _Decode
-from .tir import LANES, horizontal_max, load, prefetch_ahead, ramp, splat, u32
+from .tir import LANES, horizontal_max, load, prefetch_ahead, ramp, registers, splat, u32
 
 QUADS = ACTIVATION_BLOCK // 4  # int32 words of int8 codes per activation block
 # Independent vpdpbusd chains a row block keeps in flight (its latency, 5 cycles on Sapphire Rapids, at one per cycle,
@@ -107,7 +107,7 @@ class VnniBuilder(Tile16Builder):
         nonfinite.note(self.nonfinite, row, chunk == 0, tirx.bitwise_or(even_flags, odd_flags))
         # values and the scale pass through local buffers (registers): an expression used twice is a tree copied
         # twice, and TVM's passes slow down with the size of the trees (CSE is off, see kernel.compile_function)
-        values = _registers((2,), "float32")
+        values = registers((2,), "float32")
         for parity, value in enumerate((even, odd)):
             T.buffer_store(values, value, [parity, ramp(0)])
         scale = T.alloc_buffer((1,), "float32")
@@ -134,15 +134,15 @@ class VnniBuilder(Tile16Builder):
         chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
         here = self.m if cfg.small_m else tirx.min(chunk_rows, self.m - row0)
         yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        registers = (_registers((cfg.rows, cfg.n_tiles), "float32"),
-                     _registers((self._splits(1), cfg.rows, cfg.n_tiles), "int32"),
-                     _registers((2, cfg.n_tiles), "float32"))
+        block_registers = (registers((cfg.rows, cfg.n_tiles), "float32"),
+                           registers((self._splits(1), cfg.rows, cfg.n_tiles), "int32"),
+                           registers((2, cfg.n_tiles), "float32"))
         with T.serial(0, tirx.floordiv(here + (cfg.rows - 1), cfg.rows)) as rb:
             left = here - rb * cfg.rows
             for count in range(1, cfg.rows + 1):
                 with T.If(left == count if count < cfg.rows else left >= count):
                     with T.Then():
-                        self._rows(yacc, registers, tiles, row0, rb * cfg.rows, count)
+                        self._rows(yacc, block_registers, tiles, row0, rb * cfg.rows, count)
         self._store_output(yacc, tiles, owned, row0, chunk_rows)
 
     def _splits(self, count: int) -> int:
@@ -152,13 +152,13 @@ class VnniBuilder(Tile16Builder):
             splits *= 2
         return splits
 
-    def _rows(self, yacc, registers, tiles, row0, local_row, count: int) -> None:
-        """yacc[local_row + r] for the `count` rows of a block: all of K, y in registers (`registers`: y, the int32
-        sums and the group's factors scale·alpha, scale·beta per tile)."""
+    def _rows(self, yacc, block_registers, tiles, row0, local_row, count: int) -> None:
+        """yacc[local_row + r] for the `count` rows of a block: all of K, y in registers (`block_registers`: y, the
+        int32 sums and the group's factors scale·alpha, scale·beta per tile)."""
         cfg = self.cfg
         splits = self._splits(count)
         cells = [(r, c) for r in range(count) for c in range(cfg.n_tiles)]
-        y, acc, factors = registers
+        y, acc, factors = block_registers
         rows = [row0 + local_row + r for r in range(count)]
         for r, c in cells:
             T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
@@ -212,13 +212,6 @@ class VnniBuilder(Tile16Builder):
                     total = total + load(acc, split, r, c, ramp(0))
                 term = tirx.Cast("float32x16", total) * (load(factors, 0, c, ramp(0)) * d)
                 T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
-
-
-def _registers(shape: tuple, dtype: str):
-    """A buffer of 16-lane vectors LLVM keeps in registers: a stack array (TVM allocates "local" buffers inside
-    parallel tasks from its workspace pool, whose memory LLVM must store every update to: a store per vpdpbusd),
-    under TVM's stack limit (1 KiB)."""
-    return T.alloc_buffer((*shape, LANES), dtype, align=64)
 
 
 def _dpbusd(acc, unsigned, signed):
