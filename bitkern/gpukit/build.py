@@ -33,9 +33,11 @@ MANIFEST = "kit.json"
 SIZE_BUDGET = 40 << 20
 GEMLITE = "gemlite==0.6.0.post2"  # pure Python + Triton; the GPU machine has Triton
 # The modules holding the GPU tests (run there with `-m requires_cuda`), and the files they import.
-GPU_TESTS = ("tests/codegen/cuda/test_gpu.py", "tests/cache/test_dispatch_gpu.py", "tests/nn/test_compile.py")
+GPU_TESTS = ("tests/codegen/cuda/test_gpu.py", "tests/cache/test_dispatch_gpu.py", "tests/nn/test_compile.py",
+             "tests/tuner/test_profile_gpu.py")
 TEST_FILES = ("tests/__init__.py", "tests/conftest.py", "tests/helpers.py", "tests/codegen/__init__.py",
-              "tests/codegen/cuda/__init__.py", "tests/cache/__init__.py", "tests/nn/__init__.py", *GPU_TESTS)
+              "tests/codegen/cuda/__init__.py", "tests/cache/__init__.py", "tests/nn/__init__.py",
+              "tests/tuner/__init__.py", *GPU_TESTS)
 BENCHMARK_FILES = ("benchmarks/bench_gpu.py",)
 _ENTRY = '''#!/usr/bin/env python3
 """bitkern GPU kit.  ./run --dry-run: check the kit (no GPU needed).  ./run --results DIR: on a machine with an

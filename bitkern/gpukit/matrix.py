@@ -25,7 +25,7 @@ from ..ttype import get, torch_dtype
 from ..tuner.buckets import m_bucket
 
 ANY_ROWS = (1, 1 << 30)  # the rows a correctness kernel serves (M is symbolic in every CUDA kernel)
-TUNING_CANDIDATES = 4  # configurations per benchmark kernel, timed on the device
+TUNING_CANDIDATES = 8  # configurations per benchmark kernel, timed on the device (the tuner allows up to 8)
 
 BENCH_SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (28672, 8192))  # (N, K): Llama-3 8B/70B
 BENCH_ROWS = (1, 16, 64, 256, 4096)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +16,7 @@ from ..ttype import get, quantize, torch_dtype
 
 PROFILE_MAX_BYTES = 2 << 30
 NVCC_JOBS = 4  # nvcc builds run in subprocesses: a thread each
+GRAPH_CALLS = 64  # calls of a kernel in the CUDA graph a sample replays
 
 
 def profile_bytes(device) -> int:
@@ -90,45 +93,63 @@ def random_packed(spec: Matmul, n: int, k: int, layout: str, generator):
                                 like.tensor_scale)
 
 
-def wall_seconds(call) -> float:
-    """Seconds one call takes, by the wall clock (CPU kernels run to completion before returning)."""
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
+def wall_clock(calls):
+    """A sampler of host kernels: each sample is the wall-clock time of the next of `calls` (CPU kernels run to
+    completion before returning)."""
+    turn = itertools.count()
+
+    def sample() -> float:
+        call = calls[next(turn) % len(calls)]
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+    return sample
 
 
-def cuda_event_seconds(call) -> float:
-    """Seconds one call takes on the current CUDA stream, measured with CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+def cuda_graph(calls):
+    """A sampler of CUDA kernels: `calls` (at most GRAPH_CALLS) captured in one CUDA graph; each sample replays
+    it between CUDA events and gives the seconds per call.  That is the GPU's time: an eager call timed between
+    events measured the host's Python dispatch instead (~0.1 ms a call on an H100, whatever the kernel)."""
+    calls = calls[:GRAPH_CALLS]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+
+    def sample() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / len(calls)
+    return sample
 
 
-TIMERS = {"cpu": wall_seconds, "cuda": cuda_event_seconds}
+SAMPLERS = {"cpu": wall_clock, "cuda": cuda_graph}
 
 
-def time_kernels(kernels, x, copies, bias, budget_s: float = 0.15, timer=wall_seconds) -> list[float]:
+def time_kernels(kernels, x, copies, bias, budget_s: float = 0.15, sampler=wall_clock) -> list[float]:
     """Median seconds per call of each kernel (within about `budget_s` each), rotating through the weight
-    copies.  The kernels take turns call by call, so that drift in the machine's speed (other processes,
-    clocks) hits them all alike: timed one after another, candidates within ~5% were ranked by the drift."""
+    copies (each kernel's calls start at its own copy).  The kernels take turns sample by sample, so that drift
+    in the machine's speed (other processes, clocks) hits them all alike: timed one after another, candidates
+    within ~5% were ranked by the drift."""
     for kernel in kernels:
         for weight in copies[:2]:
             kernel(x, weight, bias)
-    once = max(sum(timer(lambda: kernel(x, copies[0], bias)) for kernel in kernels) / len(kernels), 1e-7)
+    samplers = [sampler([functools.partial(kernel, x, copies[(i + j) % len(copies)], bias)
+                         for i in range(len(copies))]) for j, kernel in enumerate(kernels)]
+    once = max(sum(sample() for sample in samplers) / len(samplers), 1e-7)
     samples = [[] for _ in kernels]
-    for i in range(max(5, min(200, int(budget_s / once)))):
-        for j, kernel in enumerate(kernels):
-            weight = copies[(i * len(kernels) + j) % len(copies)]
-            samples[j].append(timer(lambda: kernel(x, weight, bias)))
+    for _ in range(max(5, min(200, int(budget_s / once)))):
+        for j, sample in enumerate(samplers):
+            samples[j].append(sample())
     return [statistics.median(column) for column in samples]
 
 
-def time_kernel(kernel, x, copies, bias, budget_s: float = 0.15, timer=wall_seconds) -> float:
+def time_kernel(kernel, x, copies, bias, budget_s: float = 0.15, sampler=wall_clock) -> float:
     """Median seconds per call of one kernel (see `time_kernels`)."""
-    return time_kernels([kernel], x, copies, bias, budget_s, timer)[0]
+    return time_kernels([kernel], x, copies, bias, budget_s, sampler)[0]
 
 
 def _clone(packed):

@@ -15,7 +15,7 @@ from ..ops.matmul import Matmul
 from .buckets import TUNED_M
 from .cost import estimate
 from .hints import device_hint
-from .profile import TIMERS, build_all, inputs, stage_inputs, time_kernels
+from .profile import SAMPLERS, build_all, inputs, stage_inputs, time_kernels
 from .record import Trial, TuningRecord
 from .space import Candidate, enumerate_candidates, usable_templates
 
@@ -121,7 +121,7 @@ def _fastest(record: TuningRecord, indices: list[int], kernels: list, spec: Matm
     x, copies, bias = inputs(spec, n, k, record.tuned_m, layout, device)
     extras = stage_inputs(spec, n, k, record.tuned_m, device)
     timed = [functools.partial(kernel, **extras) for kernel in kernels] if extras else kernels
-    for i, kernel, seconds in zip(indices, kernels, time_kernels(timed, x, copies, bias, timer=TIMERS[device.kind])):
+    for i, kernel, seconds in zip(indices, kernels, time_kernels(timed, x, copies, bias, sampler=SAMPLERS[device.kind])):
         record.trials[i].measured_s = seconds
         record.trials[i].build_s = getattr(kernel, "build_seconds", None)
     fastest = min(record.trials[i].measured_s for i in indices)

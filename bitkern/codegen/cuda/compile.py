@@ -8,6 +8,7 @@ and block extents (as expressions of M) and dynamic shared memory.  No TVM is ne
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import shutil
@@ -168,14 +169,18 @@ def _expression(expr):
 
 
 def evaluate(expression, m: int) -> int:
-    """Value of an expression tree from `_expression` for M = m."""
+    """Value of an expression tree from `_expression` for M = m (only the node's own operation is computed: the
+    extents hold operands like min(M, 2**30), whose shift by the other operators would build huge integers)."""
     if isinstance(expression, int):
         return expression
     if expression == "M":
         return m
-    op, a, b = expression[0], evaluate(expression[1], m), evaluate(expression[2], m)
-    return {"+": a + b, "-": a - b, "*": a * b, "//": a // b if b else 0, "%": a % b if b else 0, "min": min(a, b),
-            "max": max(a, b), ">>": a >> b, "<<": a << b}[op]
+    return _EVALUATE[expression[0]](evaluate(expression[1], m), evaluate(expression[2], m))
+
+
+_EVALUATE = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": lambda a, b: a // b if b else 0,
+             "%": lambda a, b: a % b if b else 0, "min": min, "max": max, ">>": operator.rshift,
+             "<<": operator.lshift}
 
 
 def _tuple(value):

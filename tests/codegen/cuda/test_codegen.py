@@ -256,6 +256,25 @@ def test_launch_extents_follow_m(compiled):
     assert launch.params[-1] == "M" and {"x", "qweight", "scales", "zeros", "bias", "y"} <= set(launch.params)
 
 
+def test_launch_extents_cost_no_more_than_their_own_operations(compiled):
+    """A call evaluates its launch extents every time; the first GPU run found each call spending ~70 ms there
+    (every operator was computed for every node, so min(M, 2**30) was also shifted left by 2**30 bits)."""
+    import tracemalloc
+
+    expressions = [g for _, _, launches, _, _ in [compiled] for calls in launches.values() for launch in calls
+                   for g in (*launch.grid, *launch.block)]
+    expressions += [("<<", ("min", "M", 1 << 30), 2), (">>", ("+", ("min", "M", 1 << 30), 15), 4),
+                    ("//", "M", 0), ("%", 7, 0), ("max", ("-", "M", 3), ("*", 2, "M"))]
+    tracemalloc.start()
+    try:
+        values = [evaluate(expression, m) for expression in expressions for m in (1, 65, 4096)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, peak
+    assert values[-15:] == [4, 260, 16384, 1, 5, 256, 0, 0, 0, 0, 0, 0, 2, 130, 8192]
+
+
 def test_kernel_checks_its_inputs_before_launching():
     import torch
 
