@@ -11,10 +11,11 @@ for int8 / float8_e4m3 outputs (integer and fp8 matmuls, scaled after the produc
 How: integer codes become 16-bit float pairs by OR-ing them into the mantissa of a magic number with one
 `lop3.b32` per pair, then one fma removes the magic and the zero point exactly; fp4_e2m1 and fp8 codes
 are placed into float16 bit patterns and rescaled by a power of two (exact, subnormals included); other
-types (codebooks such as nf4, user-defined floats) read a float32 table of their values in constant
-memory.  The scale multiplies the exact pair in 16-bit arithmetic when that rounds exactly like the
-float32 formula (scale stored in the output type, integer zero point, values exact in it), else the
-pair goes through float32.
+types (codebooks such as nf4, user-defined floats) read a float32 table of their values in global memory
+through the read-only data cache (`BK_LOOKUP`: in constant memory, a warp's different codes serialize; nf4 GEMVs
+ran at 0.05 of the H100's bandwidth that way, int4 ones at up to 0.47).  The scale multiplies the exact pair
+in 16-bit arithmetic when that rounds exactly like the float32 formula (scale stored in the output type, integer
+zero point, values exact in it), else the pair goes through float32.
 Pair i of a word holds the codes at positions i and i + C/2, which the "lop3" layout fills with
 elements 2i and 2i + 1 (see `layout.py`), so outputs come out in natural order.
 """
@@ -48,7 +49,8 @@ PRELUDE = r"""
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #define BK_FN static __device__ __forceinline__
-#define BK_TABLE static __constant__ const float
+#define BK_TABLE static __device__ const float
+#define BK_LOOKUP(table, i) __ldg(&(table)[i])
 typedef __half bk_half_arg;
 typedef __nv_bfloat16 bk_bf16_arg;
 #define BK_HALF_BITS(x) ((uint32_t)__half_as_ushort(x))
@@ -56,6 +58,7 @@ typedef __nv_bfloat16 bk_bf16_arg;
 #else
 #define BK_FN static inline
 #define BK_TABLE static const float
+#define BK_LOOKUP(table, i) ((table)[i])
 typedef uint16_t bk_half_arg;
 typedef uint16_t bk_bf16_arg;
 #define BK_HALF_BITS(x) ((uint32_t)(x))
@@ -256,7 +259,7 @@ class Decoder:
     @cached_property
     def method(self) -> str:
         """How codes become values: "magic" (LOP3), "fp4", "fp8", "table" (a float32 table of the type's
-        values in constant memory), or "exact" (int8 / float8_e4m3 outputs)."""
+        values, read through `BK_LOOKUP`), or "exact" (int8 / float8_e4m3 outputs)."""
         t = self.ttype
         if self.out not in FLOAT_OUTPUTS:
             return "exact"
@@ -296,7 +299,7 @@ class Decoder:
 
     @property
     def table(self) -> str:
-        """Name of the constant table of the type's float32 values that "table" / "exact" decoders read."""
+        """Name of the table of the type's float32 values that "table" / "exact" decoders read."""
         return f"bk_values_{self.weight}"
 
     def source(self) -> str:
@@ -481,7 +484,7 @@ class _Body:
     def _table(self) -> None:
         self._scale_and_zero_f32()
         for e in range(self.per_word):
-            self._store(e, f"{self.d.table}[{self._code(e)}]")
+            self._store(e, f"BK_LOOKUP({self.d.table}, {self._code(e)})")
 
     def _exact(self) -> None:
         """int8 / float8_e4m3 outputs: the exact value (minus an integer zero point), unscaled."""
@@ -504,7 +507,7 @@ class _Body:
             elif t.kind == UINT:
                 value = f"(int32_t){code}"
             else:
-                value = f"{d.table}[{code}]"
+                value = f"BK_LOOKUP({d.table}, {code})"
             if d.out == "int8":
                 self.out.append(f"((int8_t*)out)[{e}] = (int8_t)({value});")
             else:
