@@ -33,6 +33,10 @@ BENCH_TYPE = "int4"
 BENCH_M1_TYPES = ("nf4", "int8", "int2")
 BENCH_GROUP = 128
 BENCH_ACTIVATION = "float16"
+# (type, N, K, M): the benchmark kernels the kit's ncu step profiles (the GEMV and the GEMM at both ends of the shapes)
+NCU_KERNELS = (("int4", 28672, 8192, 1), ("int4", 4096, 4096, 1), ("int4", 4096, 14336, 16),
+               ("int4", 14336, 4096, 64), ("int4", 28672, 8192, 4096), ("nf4", 28672, 8192, 1),
+               ("int2", 28672, 8192, 1))
 
 # (weight, group_size, zero_mode, activation, output, bias, N, K, M): the tuned kernels the GPU tests reach through
 # torch ops and modules; keep in step with tests/cache/test_dispatch_gpu.py and the CUDA tests of tests/nn/test_compile.py

@@ -3,7 +3,8 @@
 On a machine with an NVIDIA GPU and torch (no TVM, no nvcc, no network needed; nothing is installed), in one
 command: check the GPU against the kit and the kit itself, run the GPU tests (junit), compute-sanitizer's memcheck
 on the edge shapes, tune the benchmark's kernels on the device from the kit's candidates (the winners recorded in
-the cache), and run the benchmark; the results (at most 8 files) go to --results.  `--dry-run` checks the kit
+the cache), run the benchmark and profile a few of its kernels with Nsight Compute; the results (8 files) go to
+--results.  `--dry-run` checks the kit
 anywhere, without a GPU: every kernel found in the bundle, every launch checked against its cubin, no TVM imported.
 """
 
@@ -28,11 +29,13 @@ from .check import check
 
 BUNDLE = "kernels.tar.gz"
 TIME_LIMIT_S = 450  # the whole run, under the 8 minutes one device call may take
-CAPS_S = {"tests": 200, "memcheck": 120, "tuning": 90, "benchmark": 150}  # each step at most
+CAPS_S = {"tests": 200, "memcheck": 120, "tuning": 90, "benchmark": 150, "ncu": 60}  # each step at most
 TUNING_LIMIT_S = 10.0  # tuning one new kernel on the device
 STEPS = tuple(CAPS_S)
 LOG_BYTES = 200_000  # the end of a step's output kept in its log
 SANITIZERS = ("/usr/local/cuda/bin/compute-sanitizer", "/opt/nvidia/compute-sanitizer/compute-sanitizer")
+NCUS = ("/usr/local/cuda/bin/ncu",)
+NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "LaunchStats", "Occupancy")
 
 
 @dataclass
@@ -103,7 +106,7 @@ def _device_run(kit: dict, store: DiskStore, kit_dir: Path, results: Path, skip:
                   f"{report.kernels} kernels, {report.launches} launches checked" +
                   "".join(f"; {problem}" for problem in report.problems[:5]))]
     for name, function in (("tests", _tests), ("memcheck", _memcheck), ("tuning", _tuning),
-                           ("benchmark", _benchmark)):
+                           ("benchmark", _benchmark), ("ncu", _ncu)):
         budget = min(CAPS_S[name], TIME_LIMIT_S - (time.monotonic() - start))
         if name in skip or budget < 10:
             steps.append(Step(name, "skipped", 0.0, "--skip" if name in skip else "out of time"))
@@ -229,6 +232,21 @@ def _benchmark(kit, store, kit_dir, results, budget):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.run(results, budget)
+
+
+def _ncu(kit, store, kit_dir, results, budget):
+    """Nsight Compute's sections (`NCU_SECTIONS`) of the tuned kernels `ncu_target` calls, the GPU's clocks as they
+    are (ncu.log): what limits each kernel (bandwidth, waves, occupancy)."""
+    ncu = shutil.which("ncu") or next((p for p in NCUS if os.path.isfile(p)), None)
+    if ncu is None:
+        return "failed", "ncu not found (PATH, /usr/local/cuda/bin)"
+    sections = [option for section in NCU_SECTIONS for option in ("--section", section)]
+    command = [ncu, "--clock-control", "none", "--kernel-name", "regex:gemv|gemm", *sections,
+               sys.executable, "-m", "bitkern.gpukit.ncu_target"]
+    status, output = _subprocess(command, kit_dir, budget, results / "ncu.log", {"BITKERN_TUNING": "model"})
+    profiled = output.count("Section: GPU Speed Of Light Throughput")
+    detail = f"{profiled} kernel launches profiled; {_last_line(output)}"
+    return ("passed" if status == 0 and profiled else "failed"), detail
 
 
 def _summary(results: Path, environment: dict, steps: list, seconds: float) -> None:

@@ -176,3 +176,13 @@ assert not [name for name in sys.modules if name.split(".")[0] in ("tvm", "tvm_f
     result = _run([python_without_tvm, "-c", script], smoke_kit, cache=cache)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.startswith("2 ")
+
+
+def test_ncu_step_profiles_kernels_the_kit_ships_as_benchmark_candidates():
+    """The ncu step calls its kernels with the tuning off: each must be a benchmark kernel whose candidates the kit
+    holds (tuned on the device by then), or its lookup would need TVM and nvcc there."""
+    from bitkern.gpukit.matrix import NCU_KERNELS, requests
+    from bitkern.tuner.buckets import m_bucket
+
+    shipped = {(r.spec.weight_dtype, r.n, r.k, tuple(r.bucket)) for r in requests("sm_90") if r.candidates}
+    assert [kernel for kernel in NCU_KERNELS if (*kernel[:3], m_bucket(kernel[3])) not in shipped] == []
