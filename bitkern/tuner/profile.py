@@ -139,7 +139,10 @@ def time_kernels(kernels, x, copies, bias, budget_s: float = 0.15, sampler=wall_
             kernel(x, weight, bias)
     samplers = [sampler([functools.partial(kernel, x, copies[(i + j) % len(copies)], bias)
                          for i in range(len(copies))]) for j, kernel in enumerate(kernels)]
-    once = max(sum(sample() for sample in samplers) / len(samplers), 1e-7)
+    began = time.perf_counter()
+    for sample in samplers:
+        sample()
+    once = max((time.perf_counter() - began) / len(samplers), 1e-7)  # a sample's cost (a graph replays many calls)
     samples = [[] for _ in kernels]
     for _ in range(max(5, min(200, int(budget_s / once)))):
         for j, sample in enumerate(samplers):
