@@ -4,8 +4,8 @@ On a machine with an NVIDIA GPU and torch (no TVM, no nvcc, no network needed; n
 command: check the GPU against the kit and the kit itself, run the GPU tests (junit), compute-sanitizer's memcheck
 on the edge shapes, tune the benchmark's kernels on the device from the kit's candidates (the winners recorded in
 the cache), run the benchmark and profile a few of its kernels with Nsight Compute; the results (8 files) go to
---results.  `--dry-run` checks the kit
-anywhere, without a GPU: every kernel found in the bundle, every launch checked against its cubin, no TVM imported.
+--results.  `--dry-run` checks the kit anywhere, without a GPU: every kernel found in the bundle, every launch
+checked against its cubin, no TVM imported.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ CAPS_S = {"tests": 200, "memcheck": 120, "tuning": 90, "benchmark": 150, "ncu": 
 TUNING_LIMIT_S = 10.0  # tuning one new kernel on the device
 STEPS = tuple(CAPS_S)
 LOG_BYTES = 200_000  # the end of a step's output kept in its log
-SANITIZERS = ("/usr/local/cuda/bin/compute-sanitizer", "/opt/nvidia/compute-sanitizer/compute-sanitizer")
-NCUS = ("/usr/local/cuda/bin/ncu",)
+# where each CUDA tool is looked for beside the PATH
+TOOLS = {"compute-sanitizer": ("/usr/local/cuda/bin/compute-sanitizer",
+                               "/opt/nvidia/compute-sanitizer/compute-sanitizer"),
+         "ncu": ("/usr/local/cuda/bin/ncu",)}
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "LaunchStats", "Occupancy")
 
 
@@ -152,6 +154,11 @@ def _subprocess(command: list, kit_dir: Path, budget: float, log: Path, extra_en
     return status, output
 
 
+def _tool(name: str) -> str | None:
+    """The path of CUDA tool `name`: on the PATH, else at one of its usual places (`TOOLS`); None if neither."""
+    return shutil.which(name) or next((path for path in TOOLS[name] if os.path.isfile(path)), None)
+
+
 def _pytest(tests: list, *options) -> list:
     return [sys.executable, "-m", "pytest", *tests, "-m", "requires_cuda", "-q", "-p", "no:cacheprovider",
             "-o", "addopts=", *options]
@@ -172,7 +179,7 @@ def _tests(kit, store, kit_dir, results, budget):
 def _memcheck(kit, store, kit_dir, results, budget):
     """compute-sanitizer --tool memcheck over the edge-shape cases (torch's caching allocator off, so that every
     tensor is its own allocation and an access past one is caught)."""
-    sanitizer = shutil.which("compute-sanitizer") or next((p for p in SANITIZERS if os.path.isfile(p)), None)
+    sanitizer = _tool("compute-sanitizer")
     if sanitizer is None:
         return "failed", "compute-sanitizer not found (PATH, /usr/local/cuda/bin)"
     command = [sanitizer, "--tool", "memcheck", "--error-exitcode", "99", "--print-limit", "20",
@@ -237,7 +244,7 @@ def _benchmark(kit, store, kit_dir, results, budget):
 def _ncu(kit, store, kit_dir, results, budget):
     """Nsight Compute's sections (`NCU_SECTIONS`) of the tuned kernels `ncu_target` calls, the GPU's clocks as they
     are (ncu.log): what limits each kernel (bandwidth, waves, occupancy)."""
-    ncu = shutil.which("ncu") or next((p for p in NCUS if os.path.isfile(p)), None)
+    ncu = _tool("ncu")
     if ncu is None:
         return "failed", "ncu not found (PATH, /usr/local/cuda/bin)"
     sections = [option for section in NCU_SECTIONS for option in ("--section", section)]

@@ -121,7 +121,8 @@ def _fastest(record: TuningRecord, indices: list[int], kernels: list, spec: Matm
     x, copies, bias = inputs(spec, n, k, record.tuned_m, layout, device)
     extras = stage_inputs(spec, n, k, record.tuned_m, device)
     timed = [functools.partial(kernel, **extras) for kernel in kernels] if extras else kernels
-    for i, kernel, seconds in zip(indices, kernels, time_kernels(timed, x, copies, bias, sampler=SAMPLERS[device.kind])):
+    seconds_each = time_kernels(timed, x, copies, bias, sampler=SAMPLERS[device.kind])
+    for i, kernel, seconds in zip(indices, kernels, seconds_each):
         record.trials[i].measured_s = seconds
         record.trials[i].build_s = getattr(kernel, "build_seconds", None)
     fastest = min(record.trials[i].measured_s for i in indices)

@@ -274,8 +274,8 @@ def test_launch_extents_cost_no_more_than_their_own_operations(compiled):
     (every operator was computed for every node, so min(M, 2**30) was also shifted left by 2**30 bits)."""
     import tracemalloc
 
-    expressions = [g for _, _, launches, _, _ in [compiled] for calls in launches.values() for launch in calls
-                   for g in (*launch.grid, *launch.block)]
+    _, _, launches, _, _ = compiled
+    expressions = [g for calls in launches.values() for launch in calls for g in (*launch.grid, *launch.block)]
     expressions += [("<<", ("min", "M", 1 << 30), 2), (">>", ("+", ("min", "M", 1 << 30), 15), 4),
                     ("//", "M", 0), ("%", 7, 0), ("max", ("-", "M", 3), ("*", 2, "M"))]
     tracemalloc.start()
