@@ -186,6 +186,15 @@ def correctness_cases() -> list[Case]:
     cases += [Case("f32", "gemv", "uint4", 128, 512, 3, "float32", "gptq", output="float32")]
     cases += [Case("splitk", "gemv", "uint4", 512, 4096, m, "float16", "gptq",
                    prefer=GemvConfig(rows=rows, split_k=4, k_threads=8)) for rows, m in ((1, 1), (2, 5), (4, 4))]
+    split = GemmConfig(block_m=16, warp_m=16, block_n=64, warp_n=32, block_k=64, stages=2, split_k=4)
+    cases += [Case("splitk", "gemm", name, 256, 1024, m, activation, zero, prefer=split)
+              for name, activation, zero, m in (("int4", "float16", "none", 1), ("int4", "float16", "none", 16),
+                                                ("nf4", "bfloat16", "none", 67), ("uint4", "float16", "hqq", 16),
+                                                ("int2", "bfloat16", "none", 5))]
+    cases += [Case("splitk", "gemm", "int4", 64, 40, 130, "float16", group_size=-1,  # ragged K, K/2 per slice
+                   prefer=GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32, block_k=32, split_k=2)),
+              Case("splitk", "gemm", "uint4", 256, 2048, 20, "float16", "gptq", epilogue="gelu", residual=True,
+                   prefer=dataclasses.replace(split, split_k=8))]
     cases += [Case("outputs", template, "int4", 128, 256, 9, "float16", output=output)
               for template in ("gemm", "gemv") for output in ("float32", "float16", "bfloat16")]
     fuzz = random.Random(FUZZ_SEED)

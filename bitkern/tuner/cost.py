@@ -83,7 +83,10 @@ HARDWARE_PREFETCH_DOUBLINGS = 1.5
 MMA_EFFICIENCY = 0.6  # fraction of peak tensor throughput a hand-scheduled mma pipeline sustains
 DECODE_FLOPS_PER_WEIGHT = 4  # LOP3 + fma per decoded element, on the CUDA cores
 CUDA_CORE_SHARE = 16  # the CUDA cores' flops: the tensor throughput over this
-WAVE_LATENCY_S = 3e-6  # a block's fixed cost (pipeline fill, epilogue) per wave
+WAVE_LATENCY_S = 3e-6  # a block's fixed cost (pipeline fill, epilogue) per wave, and a further kernel's per call
+# resident warps per SM that keep its share of the HBM bandwidth busy: fewer leave it latency-bound (H100, ncu: the
+# int4 GEMM at M=16 with 128 blocks of two warps, ~2 warps per SM, read at 12% of the DRAM peak)
+MEMORY_WARPS = 16
 
 
 @dataclass(frozen=True)
@@ -125,9 +128,10 @@ def _cpu_estimate(work: Work, device) -> Estimate:
 
 
 def _cuda_estimate(work: Work, device) -> Estimate:
-    """HBM traffic at the device bandwidth (few blocks keep few SMs' worth of it busy), mma flops at the sustained
+    """HBM traffic at the device bandwidth (few resident warps keep a fraction of it busy), mma flops at the sustained
     tensor throughput, the products of the CUDA cores and the decode, per wave of resident blocks (occupancy
-    from each block's shared memory, threads and registers; a last partial wave costs a whole one)."""
+    from each block's shared memory, threads and registers; a last partial wave costs a whole one) and per further
+    kernel a call launches (split-K's reduce)."""
     used = work.per_block
     per_sm = min(device.blocks_per_sm, device.threads_per_sm // max(1, used.threads),
                  device.registers_per_sm // max(1, used.threads * used.registers),
@@ -139,8 +143,9 @@ def _cuda_estimate(work: Work, device) -> Estimate:
         operations.get("core_flop", 0) / cores + operations["decoded_weight"] * DECODE_FLOPS_PER_WEIGHT / cores
     blocks = work.tasks
     waves = -(-blocks // (device.sm_count * per_sm))
-    busy = min(1.0, blocks / device.sm_count)
+    warps_per_sm = min(blocks / device.sm_count, per_sm) * -(-used.threads // 32)
+    busy = min(1.0, warps_per_sm / MEMORY_WARPS)
     memory = work.dram_bytes / (device.memory_bandwidth() * busy)
-    seconds = max(compute, memory) + waves * WAVE_LATENCY_S
+    seconds = max(compute, memory) + (waves + operations.get("extra_launch", 0)) * WAVE_LATENCY_S
     return Estimate(seconds, {"compute_s": compute, "dram_s": memory, "dram_bytes": work.dram_bytes, "blocks": blocks,
                               "waves": waves, "blocks_per_sm": per_sm})

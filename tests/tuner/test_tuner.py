@@ -226,6 +226,32 @@ def test_cuda_candidates_respect_the_architecture_limits(arch, bucket):
             assert used.registers * used.threads <= gpu.registers_per_sm
 
 
+def test_cuda_cost_model_prices_idle_sms_and_split_k_launches():
+    """Few resident warps per SM keep a fraction of the HBM bandwidth busy (the H100's int4 GEMM at M=16 with two
+    warps per SM read at 12%), so at M=16 on a 4096-wide layer split-K ranks above the whole K per block; its reduce
+    kernel is a further launch, so the GEMV at M=1 on a small layer keeps the whole K."""
+    from bitkern.codegen.cuda import GemmConfig, GemvConfig
+
+    gpu, spec = cuda_device("sm_90"), Matmul("int4", "float16")
+    tile = GemmConfig(block_m=16, warp_m=16, block_n=32, warp_n=16, block_k=128, stages=2)
+    whole, split = (estimate("gemm", dataclasses.replace(tile, split_k=s), spec, 4096, 14336, 16, gpu) for s in (1, 4))
+    assert split.parts["blocks"] == 4 * whole.parts["blocks"]
+    assert split.seconds < whole.seconds / 2
+    small = [estimate("gemv", GemvConfig(k_threads=16, split_k=s), spec, 64, 4096, 1, gpu).seconds for s in (1, 2)]
+    assert small[0] < small[1]
+
+
+def test_cuda_candidates_for_one_row_compute_one_row_and_few_rows_try_split_k():
+    """Rows past M are computed too: an M=1 bucket's GEMVs take one row per block; buckets up to 128 rows offer
+    GEMM split-K, larger ones do not."""
+    gpu, spec = cuda_device("sm_90"), Matmul("int4", "float16")
+    one = enumerate_candidates(spec, 4096, 4096, (1, 1), "lop3", gpu)[1]
+    assert {c.config.rows for c in one if c.template == "gemv"} == {1}
+    for bucket, splits in (((5, 16), {1, 2, 4, 8}), ((129, 2**31 - 1), {1})):
+        candidates = enumerate_candidates(spec, 4096, 4096, bucket, "lop3", gpu)[1]
+        assert {c.config.split_k for c in candidates if c.template == "gemm"} == splits
+
+
 def test_cuda_limits_remove_what_a_smaller_architecture_cannot_hold():
     spec = Matmul("int4", "float16")
     big, small = ({c.config for c in enumerate_candidates(spec, 4096, 4096, (129, 2**31 - 1), "lop3", cuda_device(arch))[1]}

@@ -11,6 +11,9 @@ Per thread block (block_m x block_n outputs, warps of warp_m x warp_n), per k-st
   epilogue   accumulators -> shared -> global with the per-channel scale (int8 / fp8), bias and the cast.
 M is symbolic (rounded up to block_m inside the kernel, extra rows read row M - 1 and are not stored);
 N and K come padded by the "lop3" layout, x's columns past K are zero-filled by the copy.
+Split-K (`split_k` > 1, float activations): blockIdx.z takes a K slice, the epilogue stores the float32 partial
+sums and `splitk.build_reduce` makes the kernel that sums them and applies the output stage; few rows then fill
+the GPU (at M=16 a 4096-wide layer has 128 blocks of two warps: 12% of the HBM bandwidth on an H100).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 from ...ops.matmul import SWIGLU_BLOCK, Matmul
 from ...ttype import effective_group_size, get, itemsize
+from . import splitk
 from .decode import FLOAT_OUTPUTS, library
 from .expr import cuda_matmul_expr
 from .intrin import MMA_DTYPES, decode_intrinsic, mma_intrinsics, mma_k
@@ -33,6 +37,8 @@ log = logging.getLogger("bitkern")
 
 STATIC_SHARED_LIMIT = 48 * 1024
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_90a")
+SPLIT_K = (1, 2, 4, 8)
+SPLIT_K_ROWS = 128  # buckets of up to this many rows try split-K (more rows fill the GPU with row blocks)
 MIN_N = 16  # out_features below this fail to schedule (TIR fuse of a 1-wide axis, symbolic shared tiles)
 
 
@@ -42,7 +48,8 @@ class GemmConfig:
 
     block_m / block_n / block_k: the thread block's tile; warp_m / warp_n: one warp's tile (multiples of
     16); stages: depth of the cp.async pipeline (1 = no pipelining); decode: "lop3" (the decode functions)
-    or "tir" (the same formula as plain TIR, for group sizes the one-word decode cannot serve).
+    or "tir" (the same formula as plain TIR, for group sizes the one-word decode cannot serve); split_k: K slices
+    computed by separate blocks (1 = none).
     """
 
     block_m: int = 64
@@ -52,9 +59,10 @@ class GemmConfig:
     warp_n: int = 64
     stages: int = 3
     decode: str = "lop3"
+    split_k: int = 1
 
     def __post_init__(self):
-        check_config(self, ("block_m", "block_n", "block_k", "warp_m", "warp_n", "stages"))
+        check_config(self, ("block_m", "block_n", "block_k", "warp_m", "warp_n", "stages", "split_k"))
         for field in ("warp_m", "warp_n"):
             if getattr(self, field) % 16:
                 raise ValueError(f"{field}={getattr(self, field)} must be a multiple of 16 (the mma tile)")
@@ -65,14 +73,16 @@ class GemmConfig:
             raise ValueError(f"{self.warps} warps ({self.threads} threads) exceed {MAX_THREADS} threads per block")
         if self.block_k not in (32, 64, 128):
             raise ValueError(f"block_k={self.block_k} is not supported; accepted: 32, 64, 128")
+        if self.split_k not in SPLIT_K:
+            raise ValueError(f"split_k={self.split_k} is not supported; accepted: {', '.join(map(str, SPLIT_K))}")
 
     @property
     def warps(self) -> int:
         return (self.block_m // self.warp_m) * (self.block_n // self.warp_n)
 
     def workspace(self, n: int, k: int, m: int) -> tuple:
-        """(names, shape) of float32 buffers the launches share: none."""
-        return ()
+        """(names, shape) of the float32 buffers the launches of a call with M rows share: split-K's partial sums."""
+        return splitk.workspace(self.split_k, self.block_m, n, k, m)
 
     @property
     def threads(self) -> int:
@@ -83,7 +93,7 @@ class GemmTemplate(CudaTemplate):
     name = "gemm"
     title = "TensorCore GEMM"
     config_type = GemmConfig
-    shape_fields = ("decode",)
+    shape_fields = ("decode", "split_k", "block_m", "block_n")
 
     def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
         ttype = get(spec.weight_dtype)
@@ -119,8 +129,13 @@ class GemmTemplate(CudaTemplate):
         activation = spec.activation_dtype
         if n_pad % config.block_n:
             return f"block_n={config.block_n} does not divide the padded N={n_pad}"
-        if k_pad % config.block_k:
-            return f"block_k={config.block_k} does not divide the padded K={k_pad}"
+        if k_pad % (config.block_k * config.split_k):
+            return (f"block_k={config.block_k} x split_k={config.split_k} does not divide the padded K={k_pad}"
+                    if config.split_k > 1 else f"block_k={config.block_k} does not divide the padded K={k_pad}")
+        if config.split_k > 1 and activation not in FLOAT_OUTPUTS:
+            return f"split_k with {activation} activations (their scales apply after the whole sum)"
+        if config.split_k > 1 and spec.epilogue == "swiglu":
+            return "split_k with epilogue='swiglu' (the reduce kernel applies the output stage per column)"
         if config.block_k % mma_k(activation):
             return f"block_k={config.block_k} is not a multiple of the mma's k={mma_k(activation)}"
         per_word = 32 // get(spec.weight_dtype).bits
@@ -145,15 +160,18 @@ class GemmTemplate(CudaTemplate):
         return None
 
     def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[GemmConfig]:
-        """Warp tiles of 16 to 64 in grids of up to 4 x 2 warps, block_k 32 to 128, 2 to 4 stages, both decodes:
-        those whose block tile is a multiple of the hint's m and n, that build, and fit the architecture."""
+        """Warp tiles of 16 to 64 in grids of up to 4 x 2 warps, block_k 64 or 128 (32 lost to both in every H100
+        measurement, at small M and large), 2 to 4 stages, both decodes, split-K up to 8 for buckets of up to
+        SPLIT_K_ROWS rows: those whose block tile is a multiple of the hint's m and n, that build, and fit the
+        architecture."""
         candidates = []
-        for warp_m, warp_n, (rows_of_warps, cols_of_warps), block_k, stages, decode in itertools.product(
-                (16, 32, 64), (16, 32, 64), ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2)), (32, 64, 128),
-                (2, 3, 4), DECODES):
+        split = SPLIT_K if bucket[1] <= SPLIT_K_ROWS else (1,)
+        for warp_m, warp_n, (rows_of_warps, cols_of_warps), block_k, stages, decode, split_k in itertools.product(
+                (16, 32, 64), (16, 32, 64), ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2)), (64, 128),
+                (2, 3, 4), DECODES, split):
             try:
                 config = GemmConfig(warp_m * rows_of_warps, warp_n * cols_of_warps, block_k, warp_m, warp_n, stages,
-                                    decode)
+                                    decode, split_k)
             except ValueError:
                 continue
             if config.block_m % hint.m == 0 and config.block_n % hint.n == 0:
@@ -185,31 +203,36 @@ class GemmTemplate(CudaTemplate):
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: GemmConfig, device) -> Work:
         """Per call: the weight read once per row block unless L2 holds it, x's tiles once per column block
-        (mostly from L2 when it holds x), y; the mma flops of the padded rows and the weights each row block
-        decodes; a thread block per output tile."""
+        (mostly from L2 when it holds x), y (split-K: its partial sums written and read back); the mma flops of
+        the padded rows and the weights each row block decodes; a thread block per output tile and K slice."""
         n_pad, k_pad = padded_shape(n, k)
         activation = itemsize(spec.activation_dtype)
         weights = weight_bytes(spec, n_pad, k_pad)
         m_blocks = -(-m // config.block_m)
         dram = weights * min(m_blocks, 1 + (weights > device.l2_bytes) * (m_blocks - 1)) + \
             m * k_pad * activation * (n_pad // config.block_n) / max(1, (device.l2_bytes > m * k_pad * 2) * 8) + \
-            m * n_pad * 4
+            m * n_pad * 4 * (1 + 2 * config.split_k * (config.split_k > 1))
         operations = {"mma_flop": 2 * m_blocks * config.block_m * n_pad * k_pad,  # padded rows are computed too
-                      "decoded_weight": n_pad * k_pad * m_blocks}
-        return Work(m_blocks * (n_pad // config.block_n), dram, operations,
+                      "decoded_weight": n_pad * k_pad * m_blocks, "extra_launch": int(config.split_k > 1)}
+        return Work(m_blocks * (n_pad // config.block_n) * config.split_k, dram, operations,
                     per_block=self.resources(spec, k, config))
 
     def functions(self, spec: Matmul, n: int, k: int, config: GemmConfig, arch: str, prefix: str = "") -> dict:
         """The scheduled PrimFunc (arguments as `expr.cuda_matmul_expr`; the decode functions' C source is
-        attached with pragma_import_c)."""
+        attached with pragma_import_c); with split_k > 1 its last argument is instead the float32 partial sums
+        [split_k, M, N_pad], and the kernel that sums them (`splitk.build_reduce`) follows."""
         from tvm import s_tir, te
 
         self.checked(spec, n, k, config, arch)
         expr = cuda_matmul_expr(spec, n, k, config.block_m)
-        func = te.create_prim_func([*expr.inputs, expr.output]).with_attr("global_symbol", "main")
+        output = splitk.partial_sums(expr, config.split_k) if config.split_k > 1 else expr.output
+        func = te.create_prim_func([*expr.inputs, output]).with_attr("global_symbol", "main")
         schedule = _Schedule(s_tir.Schedule(func), spec, n, k, config, expr)
         schedule.apply()
-        return {f"{prefix}gemm": schedule.sch.mod["main"].with_attr("global_symbol", "main")}
+        funcs = {f"{prefix}gemm": schedule.sch.mod["main"].with_attr("global_symbol", "main")}
+        if config.split_k > 1:
+            funcs[f"{prefix}gemm_reduce"] = splitk.build_reduce(spec, n, config.split_k, config.block_m)
+        return funcs
 
 
 TEMPLATE = GemmTemplate()
@@ -222,7 +245,7 @@ class _Schedule:
         self.sch, self.spec, self.n, self.k, self.cfg, self.expr = sch, spec, n, k, config, expr
         self.ttype = get(spec.weight_dtype)
         self.mma = mma_intrinsics(spec.activation_dtype)
-        self.stages = min(config.stages, padded_shape(n, k)[1] // config.block_k)
+        self.stages = min(config.stages, padded_shape(n, k)[1] // (config.block_k * config.split_k))
 
     def apply(self) -> None:
         sch = self.sch
@@ -238,7 +261,7 @@ class _Schedule:
 
     def _tile(self, acc) -> None:
         sch, cfg, step = self.sch, self.cfg, self.mma.k_step
-        m, n, k = sch.get_loops(acc)
+        *piece, m, n, k = sch.get_loops(acc)
         m, m_tile = sch.split(m, [None, 16])
         n, n_tile = sch.split(n, [None, 16])
         k, k_tile = sch.split(k, [None, step])
@@ -250,6 +273,9 @@ class _Schedule:
         sch.reorder(n0, m0, m1, n1, k0, k1, m2, n2)
         sch.bind(n0, "blockIdx.x")
         sch.bind(m0, "blockIdx.y")
+        if piece:
+            sch.reorder(*piece, n0)
+            sch.bind(piece[0], "blockIdx.z")
         self.warp = sch.fuse(m1, n1)
         sch.bind(self.warp, "threadIdx.y")
         self.k0, self.k1 = k0, k1
@@ -320,6 +346,8 @@ class _Schedule:
         if self.spec.epilogue == "swiglu":  # the tile as [16-column tile, row, 16]: see `_epilogue`
             sch.transform_layout(self.c_shared, ("read", 0), lambda i, j: (j // SWIGLU_BLOCK, i, j % SWIGLU_BLOCK))
         sch.reverse_compute_at(self.c_warp, self.warp)
+        if self.cfg.split_k > 1:  # the copy to the partial sums, placed before tensorize (it cannot be after)
+            sch.reverse_compute_at(self.c_shared, self.warp)
         rows, cols = sch.get_loops(self.c_warp)[-2:]
         row_tile, rows = sch.split(rows, [None, 16])
         col_tile, cols = sch.split(cols, [None, 16])
@@ -342,18 +370,23 @@ class _Schedule:
         sch.tensorize(sch.get_loops(self.c_warp)[-2], self.mma.store)
 
     def _epilogue(self) -> None:
-        """Inline the output chain into the copy from the shared accumulator tile to y, per warp.  SwiGLU: the
-        tile is laid out [16-column tile, row, 16], so that y[r, j // 16, j % 16] reads tiles 2·(j // 16) (gate)
-        and the next (up) at its own row and lane (what compute-at can place)."""
+        """Inline the output chain into the copy from the shared accumulator tile to y, per warp (split-K: the
+        copy stores the float32 partial sums).  SwiGLU: the tile is laid out [16-column tile, row, 16], so that
+        y[r, j // 16, j % 16] reads tiles 2·(j // 16) (gate) and the next (up) at its own row and lane (what
+        compute-at can place)."""
         sch = self.sch
-        sch.compute_inline(self.c_shared)
-        store = sch.get_sblock("y")
-        if self.spec.epilogue == "swiglu":
-            _simplify_indices(sch, store)
-        sch.reverse_compute_at(store, self.warp)
-        lanes = vector_lanes(16 // itemsize(self.spec.output_dtype), self.spec.out_features(self.n))
-        if self.spec.epilogue != "none":  # TVM writes the epilogues' float32x8 constants as an invalid
-            lanes = min(lanes, 4)  # make_ulonglong4 of 8 floats; float32x4 constants are make_float4
+        if self.cfg.split_k > 1:  # the copy to the partial sums (under the warp since `_fragments`; fetched anew,
+            store = sch.get_sblock("acc_shared.dyn")  # as tensorize replaced the blocks around it)
+            lanes = vector_lanes(4, padded_shape(self.n, self.k)[0])
+        else:
+            sch.compute_inline(self.c_shared)
+            store = sch.get_sblock("y")
+            if self.spec.epilogue == "swiglu":
+                _simplify_indices(sch, store)
+            sch.reverse_compute_at(store, self.warp)
+            lanes = vector_lanes(16 // itemsize(self.spec.output_dtype), self.spec.out_features(self.n))
+            if self.spec.epilogue != "none":  # TVM writes the epilogues' float32x8 constants as an invalid
+                lanes = min(lanes, 4)  # make_ulonglong4 of 8 floats; float32x4 constants are make_float4
         fused = sch.fuse(*loops_under(sch, store, self.warp))
         _, lane, vec = sch.split(fused, [None, WARP, lanes])
         sch.bind(lane, "threadIdx.x")
@@ -389,8 +422,10 @@ def _fragment_tile(sch, block, rows: int, cols: int):
 
 
 def _tiled(layout, rows: int, cols: int):
-    """Index map (i, j) -> (tile row, tile col, thread, local) for a fragment layout of rows x cols tiles."""
-    def index_map(i, j):
-        return (i // rows, j // cols, *layout(i % rows, j % cols))
+    """Index map (..., i, j) -> (..., tile row, tile col, thread, local) for a fragment layout of rows x cols tiles
+    (leading indices, such as split-K's slice, kept)."""
+    def index_map(*indices):
+        *lead, i, j = indices
+        return (*lead, i // rows, j // cols, *layout(i % rows, j % cols))
 
     return index_map

@@ -6,8 +6,8 @@ time for rows=1) accumulated in float32 (int32 for int8 activations) for every r
 reduction across the threads of the warp and the epilogue (per-channel scale, bias, cast).  Rows are
 processed `rows` at a time (blockIdx.y covers M / rows blocks), so one kernel serves any M and is
 fastest for M <= rows.  Split-K (`split_k` > 1) cuts K into slices computed by different blocks: the
-kernel then writes float32 partial sums and `build_reduce` makes the kernel that sums them and applies
-the epilogue.
+kernel then writes float32 partial sums and `splitk.build_reduce` makes the kernel that sums them and
+applies the epilogue.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ...ops.expr import output_stage
 from ...ops.matmul import EPILOGUES, Matmul
 from ...ttype import effective_group_size, get, itemsize
+from . import splitk
 from .decode import library
-from .expr import ACCUMULATE, MAX_ROWS, cuda_matmul_expr
+from .expr import ACCUMULATE, cuda_matmul_expr
 from .intrin import decode_intrinsic
 from .layout import check_type, layout_group, padded_shape
 from ..sched import read_index, vector_lanes
@@ -70,19 +70,15 @@ class GemvConfig:
         return self.warps * self.columns_per_warp
 
     def workspace(self, n: int, k: int, m: int) -> tuple:
-        """(names, shape) of the float32 buffers the launches of a call with M rows share: split-K's partial sums
-        [split_k, M rounded up to rows, N_pad] (written as "acc", read as "partial")."""
-        if self.split_k == 1:
-            return ()
-        rows = -(-m // self.rows) * self.rows
-        return ((("acc", "partial"), (self.split_k, rows, padded_shape(n, k)[0])),)
+        """(names, shape) of the float32 buffers the launches of a call with M rows share: split-K's partial sums."""
+        return splitk.workspace(self.split_k, self.rows, n, k, m)
 
 
 class GemvTemplate(CudaTemplate):
     name = "gemv"
     title = "GEMV"
     config_type = GemvConfig
-    shape_fields = ("rows", "decode")
+    shape_fields = ("rows", "decode", "words", "k_threads")
     max_rows = FEW_ROWS
     # its output stage runs per weight row (a lane group's column): SwiGLU's gate and up rows are computed by other
     # lanes, so the GEMM serves SwiGLU at any M
@@ -120,9 +116,11 @@ class GemvTemplate(CudaTemplate):
         return None
 
     def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[GemvConfig]:
-        """1 to 4 rows per block, 2 to 8 warps, 8 to 32 threads along K, 64- or 128-bit loads, split-K 1 to 4,
-        both decodes: those that build and fit the architecture."""
-        candidates = [GemvConfig(*fields) for fields in itertools.product((1, 2, 4), (2, 4, 8), (8, 16, 32), (2, 4),
+        """1 to 4 rows per block (no more than the bucket's rows: the rows past M are computed too), 2 to 8 warps, 8
+        to 32 threads along K, 64- or 128-bit loads, split-K 1 to 4, both decodes: those that build and fit the
+        architecture."""
+        rows = [r for r in (1, 2, 4) if r <= max(1, bucket[1])]
+        candidates = [GemvConfig(*fields) for fields in itertools.product(rows, (2, 4, 8), (8, 16, 32), (2, 4),
                                                                           (1, 2, 4), DECODES)]
         return self.buildable(spec, n, k, candidates, device)
 
@@ -136,25 +134,27 @@ class GemvTemplate(CudaTemplate):
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: GemvConfig, device) -> Work:
         """Per call: the weight read (and decoded) once per block of rows, x once, y (and split-K's partial sums);
-        the products on the CUDA cores; a thread block per row block, column block and K slice."""
+        the products on the CUDA cores for every row of a block (rows past M are computed too); a thread block per
+        row block, column block and K slice."""
         n_pad, k_pad = padded_shape(n, k)
         row_blocks = -(-m // config.rows)
         dram = weight_bytes(spec, n_pad, k_pad) * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + \
             m * n_pad * 4 * config.split_k
-        operations = {"core_flop": 2 * m * n_pad * k_pad, "decoded_weight": n_pad * k_pad * row_blocks}
+        operations = {"core_flop": 2 * row_blocks * config.rows * n_pad * k_pad,
+                      "decoded_weight": n_pad * k_pad * row_blocks, "extra_launch": int(config.split_k > 1)}
         return Work(row_blocks * (n_pad // config.columns) * config.split_k, dram, operations,
                     per_block=self.resources(spec, k, config))
 
     def functions(self, spec: Matmul, n: int, k: int, config: GemvConfig, arch: str, prefix: str = "") -> dict:
         """The scheduled PrimFunc (the decode functions' C source attached with pragma_import_c; arguments as
         `expr.cuda_matmul_expr`); with split_k > 1 its last argument is instead the float32 partial sums
-        [split_k, M, N_pad], and the kernel that sums them (`build_reduce`) follows."""
+        [split_k, M, N_pad], and the kernel that sums them (`splitk.build_reduce`) follows."""
         from tvm import s_tir, te
 
         self.checked(spec, n, k, config, arch)
         expr = cuda_matmul_expr(spec, n, k, config.rows)
         if config.split_k > 1:
-            partial = _partial_sums(expr, config.split_k)
+            partial = splitk.partial_sums(expr, config.split_k)
             func = te.create_prim_func([*expr.inputs, partial])
         else:
             func = te.create_prim_func([*expr.inputs, expr.output])
@@ -162,51 +162,11 @@ class GemvTemplate(CudaTemplate):
         schedule.apply()
         funcs = {f"{prefix}gemv": schedule.sch.mod["main"].with_attr("global_symbol", "main")}
         if config.split_k > 1:
-            funcs[f"{prefix}gemv_reduce"] = build_reduce(spec, n, config)
+            funcs[f"{prefix}gemv_reduce"] = splitk.build_reduce(spec, n, config.split_k, config.rows)
         return funcs
 
 
 TEMPLATE = GemvTemplate()
-
-
-def build_reduce(spec: Matmul, n: int, config: GemvConfig, name: str = "reduce"):
-    """The kernel summing split-K partial sums [split_k, M rounded up to `rows`, N_pad] into y [M, out_features]
-    with the output stage (bias, epilogue, residual); arguments: partial, bias (bias specs), residual (residual
-    specs), y."""
-    from tvm import s_tir, te, tirx
-
-    n_pad, _ = padded_shape(n, 1)
-    m = te.var("M")
-    rows = (tirx.min(m, MAX_ROWS) + (config.rows - 1)) // config.rows * config.rows
-    partial = te.placeholder((config.split_k, rows, n_pad), "float32", name="partial")
-    bias = te.placeholder((n,), "float32", name="bias") if spec.bias else None
-    s = te.reduce_axis((0, config.split_k), name="s")
-    total = te.compute((m, n), lambda r, i: te.sum(partial[s, r, i], axis=s), name="total")
-    inputs = [partial] + ([bias] if bias is not None else [])
-    y = output_stage(spec, m, n, lambda r, i: total(r, i) + bias(i) if bias is not None else total(r, i), inputs)
-    sch = s_tir.Schedule(te.create_prim_func([*inputs, y]).with_attr("global_symbol", name))
-    rows, cols = sch.get_loops(sch.get_sblock("y"))
-    sch.compute_at(sch.get_sblock("total"), cols)
-    sch.set_scope(sch.get_sblock("total"), 0, "local")
-    fused = sch.fuse(rows, cols)
-    block, thread = sch.split(fused, [None, 256])
-    sch.bind(block, "blockIdx.x")
-    sch.bind(thread, "threadIdx.x")
-    return sch.mod["main"].with_attr("global_symbol", name)
-
-
-def _partial_sums(expr, split_k: int):
-    """part[s, m, n] = Σ_{k in slice s} x[m, k] · W[n, k] in float32."""
-    from tvm import te
-
-    xk = expr.acc.op.input_tensors[0]
-    wdec = expr.wdec
-    m_pad, k_pad = xk.shape
-    n_pad = wdec.shape[0]
-    piece = int(k_pad) // split_k
-    kk = te.reduce_axis((0, piece), name="k")
-    return te.compute((split_k, m_pad, n_pad), lambda s, r, i: te.sum(
-        xk[r, s * piece + kk].astype("float32") * wdec[i, s * piece + kk].astype("float32"), axis=kk), name="acc")
 
 
 class _Schedule:

@@ -53,8 +53,12 @@ GEMM_CASES = {  # name: (spec, N, K, config)
                   GemmConfig(block_k=64)),
     "uint4_gptq_int8": (Matmul("uint4", "int8", accumulate_dtype="int32", group_size=-1, zero_mode="gptq"), 256,
                         512, GemmConfig(block_k=64)),
+    "splitk_int4_f16": (_float("int4", bias=True), 256, 1024, GemmConfig(block_m=16, warp_m=16, block_n=64, warp_n=32,
+                                                                         block_k=64, stages=2, split_k=4)),
 }
 EPILOGUE_GEMM_CASES = {  # the fusion epilogues in the output stage
+    "splitk_uint4_gelu_res_bf16": (_float("uint4", "bfloat16", zero_mode="gptq", bias=True, epilogue="gelu",
+                                          residual=True), 128, 512, GemmConfig(block_k=64, split_k=2)),
     "int4_swiglu_f16": (_float("int4", bias=True, epilogue="swiglu"), 256, 512, GemmConfig()),
     "uint4_gptq_swiglu_res_bf16": (_float("uint4", "bfloat16", zero_mode="gptq", epilogue="swiglu", residual=True),
                                    128, 256, GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32, block_k=64)),
@@ -144,9 +148,14 @@ def test_gemm_ptx_has_mma_ldmatrix_cp_async_and_lop3(compiled, name):
     arch, cases, launches, binary, entries = compiled
     if name not in cases:
         pytest.skip(f"float8_e4m3 mma needs sm_89+, not {arch}")
-    _, spec, _, _, _ = cases[name]
-    (launch,) = launches[name]
+    _, spec, _, _, config = cases[name]
+    launch = launches[name][0]
     ptx = entries[launch.name]
+    if config.split_k > 1:  # blockIdx.z takes the K slice; the reduce kernel follows
+        assert [launch.name for launch in launches[name]] == [f"{name}_gemm_kernel", f"{name}_gemm_reduce_kernel"]
+        assert "%ctaid.z" in ptx and "acc" in launch.params and "partial" in launches[name][1].params
+    else:
+        assert len(launches[name]) == 1
     shape = "m16n8k32" if spec.activation_dtype in ("int8", "float8_e4m3") else "m16n8k16"
     kinds = {"float16": "f16.f16", "bfloat16": "bf16.bf16", "int8": "s8.s8", "float8_e4m3": "e4m3.e4m3"}
     assert re.search(rf"mma\.sync\.aligned\.{shape}\.row\.col\.\w+\.{kinds[spec.activation_dtype]}", ptx)
@@ -339,7 +348,7 @@ def test_build_errors_name_the_problem():
 @pytest.mark.parametrize("field, value, message", [
     ("warp_m", 24, "warp_m=24 must be a multiple of 16"), ("block_n", 96, "whole number of warp tiles"),
     ("block_k", 48, "block_k=48 is not supported"), ("stages", 0, "stages=0 must be a positive int"),
-    ("decode", "lut", "decode='lut' is not known")])
+    ("decode", "lut", "decode='lut' is not known"), ("split_k", 3, "split_k=3 is not supported; accepted: 1, 2, 4, 8")])
 def test_gemm_config_validation(field, value, message):
     with pytest.raises(ValueError, match=message):
         GemmConfig(**{field: value})
@@ -407,3 +416,15 @@ def test_gemm_template_refuses_fewer_than_16_output_columns_and_the_kit_leaves_t
     assert template_named("gemm").unsupported(spec, 16, 64, cuda_device("sm_90")) is None
     kept = [case for case in correctness_cases() if case.supported_on("sm_90")]
     assert kept and not any(case.template == "gemm" and case.n < 16 for case in kept)
+
+
+@pytest.mark.parametrize("spec, k, config, message", [
+    (Matmul("int4", "int8", accumulate_dtype="int32", group_size=-1, output_dtype="float16"), 512,
+     GemmConfig(block_k=64, split_k=2), "split_k with int8 activations"),
+    (_float("int4", epilogue="swiglu"), 512, GemmConfig(split_k=2), "split_k with epilogue='swiglu'"),
+    (_float("int4"), 384, GemmConfig(block_k=64, split_k=4),
+     "block_k=64 x split_k=4 does not divide the padded K=384")])
+def test_gemm_split_k_is_refused_where_the_reduce_kernel_cannot_finish_the_sum(spec, k, config, message):
+    """int8 / fp8 activations scale the whole sum after it; SwiGLU pairs columns the reduce kernel does not see;
+    every K slice must be whole block_k steps."""
+    assert message in template_named("gemm").reason(spec, 256, k, config, "sm_90")
