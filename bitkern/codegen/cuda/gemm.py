@@ -132,10 +132,8 @@ class GemmTemplate(CudaTemplate):
         if k_pad % (config.block_k * config.split_k):
             return (f"block_k={config.block_k} x split_k={config.split_k} does not divide the padded K={k_pad}"
                     if config.split_k > 1 else f"block_k={config.block_k} does not divide the padded K={k_pad}")
-        if config.split_k > 1 and activation not in FLOAT_OUTPUTS:
-            return f"split_k with {activation} activations (their scales apply after the whole sum)"
-        if config.split_k > 1 and spec.epilogue == "swiglu":
-            return "split_k with epilogue='swiglu' (the reduce kernel applies the output stage per column)"
+        if (reason := splitk.unsupported(spec, config.split_k)) is not None:
+            return reason
         if config.block_k % mma_k(activation):
             return f"block_k={config.block_k} is not a multiple of the mma's k={mma_k(activation)}"
         per_word = 32 // get(spec.weight_dtype).bits

@@ -109,8 +109,8 @@ class GemvTemplate(CudaTemplate):
                     f"{config.split_k} = {step} does not divide the padded K={k_pad}")
         if n_pad % config.columns:
             return f"{config.columns} columns per block do not divide the padded N={n_pad}"
-        if config.split_k > 1 and spec.activation_dtype == "int8":
-            return "split_k with int8 activations"
+        if (reason := splitk.unsupported(spec, config.split_k)) is not None:
+            return reason
         if config.decode == "lop3" and layout_group(effective_group_size(spec.group_size, k), k) % per_word:
             return f"decode='lop3' with group_size={spec.group_size} (a word of {per_word} codes needs one scale)"
         return None
@@ -153,11 +153,8 @@ class GemvTemplate(CudaTemplate):
 
         self.checked(spec, n, k, config, arch)
         expr = cuda_matmul_expr(spec, n, k, config.rows)
-        if config.split_k > 1:
-            partial = splitk.partial_sums(expr, config.split_k)
-            func = te.create_prim_func([*expr.inputs, partial])
-        else:
-            func = te.create_prim_func([*expr.inputs, expr.output])
+        output = splitk.partial_sums(expr, config.split_k) if config.split_k > 1 else expr.output
+        func = te.create_prim_func([*expr.inputs, output])
         schedule = _Schedule(s_tir.Schedule(func.with_attr("global_symbol", "main")), spec, n, k, config, expr)
         schedule.apply()
         funcs = {f"{prefix}gemv": schedule.sch.mod["main"].with_attr("global_symbol", "main")}

@@ -9,10 +9,23 @@ from __future__ import annotations
 
 from ...ops.expr import output_stage
 from ...ops.matmul import Matmul
+from .decode import FLOAT_OUTPUTS
 from .expr import MAX_ROWS
 from .layout import padded_shape
 
 REDUCE_THREADS = 256
+
+
+def unsupported(spec: Matmul, split_k: int) -> str | None:
+    """Why `split_k` slices cannot serve `spec`, or None: int8 / fp8 activations scale the whole sum after it, and
+    SwiGLU pairs columns the reduce kernel does not see."""
+    if split_k == 1:
+        return None
+    if spec.activation_dtype not in FLOAT_OUTPUTS:
+        return f"split_k with {spec.activation_dtype} activations (their scales apply after the whole sum)"
+    if spec.epilogue == "swiglu":
+        return "split_k with epilogue='swiglu' (the reduce kernel applies the output stage per column)"
+    return None
 
 
 def workspace(split_k: int, row_block: int, n: int, k: int, m: int) -> tuple:
