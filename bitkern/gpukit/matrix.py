@@ -117,7 +117,7 @@ class Case:
 
         chosen = template(self.template)
         configs = ([self.prefer] if self.prefer else []) + list(_CONFIGS[self.template]())
-        for config in configs + [dataclasses.replace(c, decode="tir") for c in configs]:
+        for config in configs + [dataclasses.replace(c, decode="tir") for c in configs if hasattr(c, "decode")]:
             if chosen.reason(spec, self.n, self.k, config, arch) is None:
                 return config
         return None
@@ -151,7 +151,14 @@ def _gemv_configs():
             GemvConfig(k_threads=4, words=1, warps=2), GemvConfig(k_threads=1, words=1, warps=1))
 
 
-_CONFIGS = {"gemm": _gemm_configs, "gemv": _gemv_configs}
+def _mma_gemv_configs():
+    from ..codegen.cuda import MmaGemvConfig
+
+    return (MmaGemvConfig(), MmaGemvConfig(block_m=16, n_tiles=2, words=2), MmaGemvConfig(warps=2, words=2),
+            MmaGemvConfig(warps=1, words=1), MmaGemvConfig(block_m=32, warps=2))
+
+
+_CONFIGS = {"gemm": _gemm_configs, "gemv": _gemv_configs, "mma_gemv": _mma_gemv_configs}
 
 
 def _short(config) -> str:
@@ -169,6 +176,7 @@ EDGE_SHAPES = ((1, 8, 1), (17, 40, 3), (16, 128, 65), (130, 136, 129))  # (N, K,
 EPILOGUES = (("relu", False), ("silu", True), ("gelu", False), ("swiglu", False), ("swiglu", True), ("none", True))
 EPILOGUE_TYPES = (("int4", "float16", 128, None), ("int8", "float16", 128, None), ("int4", "int8", -1, "float32"))
 FUZZ_SEED, FUZZ_CASES = 2026, 12
+MMA_FUZZ_SEED = 2027
 
 
 def correctness_cases() -> list[Case]:
@@ -214,6 +222,37 @@ def correctness_cases() -> list[Case]:
                    prefer=GemvConfig(rows=2, split_k=4, k_threads=8)),  # split-K's reduce kernel; ragged K and M:
               Case("epilogue", "gemm", "uint4", 64, 40, 130, "bfloat16", "gptq", group_size=-1, epilogue="swiglu",
                    residual=True, prefer=GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32, block_k=64))]
+    cases += _mma_gemv_cases()
+    return cases
+
+
+def _mma_gemv_cases() -> list[Case]:
+    """The TensorCore GEMV's cases: every type at 8 rows per block (3 rows) and the common ones at 16 and 32 rows
+    per block, split-K, output types, epilogues, edge shapes and fuzzed shapes."""
+    from ..codegen.cuda import MmaGemvConfig
+
+    cases = [Case("types", "mma_gemv", name, 256, 512, 3, activation, zero)
+             for activation in ("float16", "bfloat16") for name, zero in FLOAT_WEIGHTS]
+    cases += [Case("rows", "mma_gemv", name, 256, 512, m, activation, zero, prefer=MmaGemvConfig(block_m=block_m))
+              for name, zero in (("int4", "none"), ("uint4", "gptq"), ("nf4", "none"), ("int8", "none"),
+                                 ("int2", "none"), ("uint4", "hqq"))
+              for activation in ("float16", "bfloat16") for block_m, m in ((16, 20), (32, 45))]
+    cases += [Case("splitk", "mma_gemv", "uint4", 512, 4096, m, "float16", "gptq",
+                   prefer=MmaGemvConfig(block_m=block_m, split_k=split_k, words=2))
+              for block_m, m, split_k in ((8, 1, 4), (8, 7, 16), (16, 16, 2), (32, 33, 8))]
+    cases += [Case("outputs", "mma_gemv", "int4", 128, 256, 9, "float16", output=output)
+              for output in ("float32", "float16", "bfloat16")]
+    cases += [Case("epilogue", "mma_gemv", name, 256, 512, 3, activation, group_size=group, output=output,
+                   epilogue=epilogue, residual=residual)
+              for name, activation, group, output in EPILOGUE_TYPES if activation != "int8"
+              for epilogue, residual in EPILOGUES if epilogue != "swiglu"]
+    cases += [Case("edge", "mma_gemv", "int4", n, k, m, "float16", group_size=-1) for n, k, m in EDGE_SHAPES]
+    fuzz = random.Random(MMA_FUZZ_SEED)
+    for _ in range(FUZZ_CASES):
+        name = fuzz.choice(("int4", "uint4", "nf4", "int2", "fp4_e2m1"))
+        n, k, m = fuzz.randint(1, 200), 8 * fuzz.randint(1, 40), fuzz.randint(1, 64)
+        cases.append(Case("fuzz", "mma_gemv", name, n, k, m, "float16", "gptq" if name == "uint4" else "none",
+                          group_size=-1, bias=m % 2 == 0, seed=fuzz.randint(0, 1000)))
     return cases
 
 

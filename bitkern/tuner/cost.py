@@ -87,6 +87,12 @@ WAVE_LATENCY_S = 3e-6  # a block's fixed cost (pipeline fill, epilogue) per wave
 # resident warps per SM that keep its share of the HBM bandwidth busy: fewer leave it latency-bound (H100, ncu: the
 # int4 GEMM at M=16 with 128 blocks of two warps, ~2 warps per SM, read at 12% of the DRAM peak)
 MEMORY_WARPS = 16
+# an SM's L1 delivers one 128-byte wavefront to registers per clock; loads the GEMVs make through it (x, which every
+# warp reads again, and the streamed weights) took ~3 clocks a wavefront (H100 ncu, int2 28672x8192 M=1: L1 92.8% busy
+# for 4.1M wavefronts in 99K cycles on 132 SMs)
+L1_WAVEFRONT_BYTES = 128
+L1_CYCLES_PER_WAVEFRONT = 3
+CORE_FLOPS_PER_SM_CYCLE = 256  # 128 float32 lanes, an FMA each: SM cycles per second are the cores' flops over this
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,8 @@ def _cpu_estimate(work: Work, device) -> Estimate:
 
 def _cuda_estimate(work: Work, device) -> Estimate:
     """HBM traffic at the device bandwidth (few resident warps keep a fraction of it busy), mma flops at the sustained
-    tensor throughput, the products of the CUDA cores and the decode, per wave of resident blocks (occupancy
+    tensor throughput, the products of the CUDA cores and the decode, the loads through L1 into registers (the
+    GEMVs'), per wave of resident blocks (occupancy
     from each block's shared memory, threads and registers; a last partial wave costs a whole one) and per further
     kernel a call launches (split-K's reduce)."""
     used = work.per_block
@@ -146,6 +153,7 @@ def _cuda_estimate(work: Work, device) -> Estimate:
     warps_per_sm = min(blocks / device.sm_count, per_sm) * -(-used.threads // 32)
     busy = min(1.0, warps_per_sm / MEMORY_WARPS)
     memory = work.dram_bytes / (device.memory_bandwidth() * busy)
-    seconds = max(compute, memory) + (waves + operations.get("extra_launch", 0)) * WAVE_LATENCY_S
-    return Estimate(seconds, {"compute_s": compute, "dram_s": memory, "dram_bytes": work.dram_bytes, "blocks": blocks,
-                              "waves": waves, "blocks_per_sm": per_sm})
+    l1 = operations.get("l1_bytes", 0) / L1_WAVEFRONT_BYTES * L1_CYCLES_PER_WAVEFRONT / (cores / CORE_FLOPS_PER_SM_CYCLE)
+    seconds = max(compute, memory, l1) + (waves + operations.get("extra_launch", 0)) * WAVE_LATENCY_S
+    return Estimate(seconds, {"compute_s": compute, "dram_s": memory, "l1_s": l1, "dram_bytes": work.dram_bytes,
+                              "blocks": blocks, "waves": waves, "blocks_per_sm": per_sm})

@@ -275,7 +275,7 @@ def test_cuda_prebuild_cross_compiles_and_loads_without_the_compiler(tmp_path, a
                       progress=False)
     assert report.kernels == 2 and report.built == 2
     for entry in store.entries():
-        assert entry["key"]["target"] == f"cuda-{arch}" and entry["template"] in ("gemm", "gemv")
+        assert entry["key"]["target"] == f"cuda-{arch}" and entry["template"] in ("gemm", "gemv", "mma_gemv")
         files = set(entry["files"])
         assert {"kernel.cu", "kernel.cubin", "kernel.ptx", "kernel.json"} <= files
         assert "mma" in open(os.path.join(entry["directory"], "kernel.ptx")).read() or entry["template"] == "gemv"

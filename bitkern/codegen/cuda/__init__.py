@@ -1,5 +1,5 @@
-"""CUDA backend: the "lop3" weight layout, LOP3 decode functions, TensorCore GEMM (`gemm`) and decode GEMV (`gemv`)
-templates generated with TVM and compiled with nvcc, and a cubin launcher for torch tensors.
+"""CUDA backend: the "lop3" weight layout, LOP3 decode functions, TensorCore GEMM (`gemm`), decode GEMV (`gemv`) and
+TensorCore GEMV (`mma_gemv`) templates generated with TVM and compiled with nvcc, and a cubin launcher for torch tensors.
 
 The registry: `TEMPLATES`, in the order the tuner lists them (each a `CudaTemplate`, `kernel.py`).  Entry
 points: `pack(weight)` (a QuantizedWeight in the "lop3" layout); a template's `build` -> `CudaKernel` (callable,
@@ -10,10 +10,11 @@ from importlib import import_module
 
 from .gemm import GemmConfig
 from .gemv import GemvConfig
+from .mma_gemv import MmaGemvConfig
 from .kernel import CudaKernel, CudaTemplate, Resources, kernel_from_files, load_kernel
 from .layout import Lop3Weight, to_lop3
 
-TEMPLATES = [import_module(f"{__name__}.{name}").TEMPLATE for name in ("gemm", "gemv")]
+TEMPLATES = [import_module(f"{__name__}.{name}").TEMPLATE for name in ("gemm", "gemv", "mma_gemv")]
 
 
 def pack(weight) -> Lop3Weight:
@@ -21,5 +22,5 @@ def pack(weight) -> Lop3Weight:
     return to_lop3(weight)
 
 
-__all__ = ["CudaKernel", "CudaTemplate", "GemmConfig", "GemvConfig", "Lop3Weight", "Resources", "TEMPLATES",
-           "kernel_from_files", "load_kernel", "pack"]
+__all__ = ["CudaKernel", "CudaTemplate", "GemmConfig", "GemvConfig", "Lop3Weight", "MmaGemvConfig", "Resources",
+           "TEMPLATES", "kernel_from_files", "load_kernel", "pack"]

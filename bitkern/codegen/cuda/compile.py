@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 NVCC_FLAGS = ("-O3", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "-fmad=true", "-w")
@@ -49,7 +49,9 @@ class Launch:
 @dataclass(frozen=True)
 class LaunchCall:
     """One launch of a call, its extents evaluated and its arguments packed as (kind, value) pairs: kind
-    "pointer", "int32" or "float32" (what `launcher.Module.launch` takes)."""
+    "pointer", "int32" or "float32" (what `launcher.Module.launch` takes); `keep` holds the tensors the pointers point
+    into, among them those the call allocated itself (split-K's partial sums, a float32 copy of the bias), so that
+    their memory stays allocated until the launch is enqueued."""
 
     name: str
     grid: tuple[int, int, int]
@@ -57,6 +59,7 @@ class LaunchCall:
     shared_bytes: int
     static_shared_bytes: int
     arguments: list
+    keep: tuple = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -130,11 +133,11 @@ def _launch(name: str, func) -> Launch:
             for extent in node.buffer.shape:
                 size *= int(extent)
             shared[node.buffer.scope()] += size * _bytes(str(node.buffer.dtype))
-        for field in ("seq", "body", "then_case", "else_case"):
-            child = getattr(node, field, None)
+        for part in ("seq", "body", "then_case", "else_case"):
+            child = getattr(node, part, None)
             if child is None:
                 continue
-            for item in (child if field == "seq" else [child]):
+            for item in (child if part == "seq" else [child]):
                 visit(item)
 
     visit(func.body)

@@ -28,7 +28,7 @@ from . import splitk
 from .decode import FLOAT_OUTPUTS, library
 from .expr import cuda_matmul_expr
 from .intrin import MMA_DTYPES, decode_intrinsic, mma_intrinsics, mma_k
-from .layout import K_GRAIN, check_type, layout_group, padded_shape
+from .layout import K_GRAIN, layout_group, padded_shape, type_unsupported
 from ..sched import loops_under, read_index, vector_lanes
 from ..template import Work
 from .kernel import DECODES, MAX_THREADS, WARP, CudaTemplate, Resources, check_config, weight_bytes
@@ -97,10 +97,8 @@ class GemmTemplate(CudaTemplate):
 
     def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
         ttype = get(spec.weight_dtype)
-        try:
-            check_type(ttype)
-        except ValueError as error:
-            return str(error)
+        if (reason := type_unsupported(ttype)) is not None:
+            return reason
         if n < MIN_N:
             return (f"out_features={n} (the TensorCore template needs N >= {MIN_N}: its schedule fails below one "
                     f"mma tile of output columns; the GEMV template serves such layers at few rows)")
@@ -202,7 +200,8 @@ class GemmTemplate(CudaTemplate):
     def work(self, spec: Matmul, n: int, k: int, m: int, config: GemmConfig, device) -> Work:
         """Per call: the weight read once per row block unless L2 holds it, x's tiles once per column block
         (mostly from L2 when it holds x), y (split-K: its partial sums written and read back); the mma flops of
-        the padded rows and the weights each row block decodes; a thread block per output tile and K slice."""
+        the padded rows and the weights each row block decodes, which go through shared memory (L1's SRAM) and back;
+        a thread block per output tile and K slice."""
         n_pad, k_pad = padded_shape(n, k)
         activation = itemsize(spec.activation_dtype)
         weights = weight_bytes(spec, n_pad, k_pad)
@@ -211,7 +210,8 @@ class GemmTemplate(CudaTemplate):
             m * k_pad * activation * (n_pad // config.block_n) / max(1, (device.l2_bytes > m * k_pad * 2) * 8) + \
             m * n_pad * 4 * (1 + 2 * config.split_k * (config.split_k > 1))
         operations = {"mma_flop": 2 * m_blocks * config.block_m * n_pad * k_pad,  # padded rows are computed too
-                      "decoded_weight": n_pad * k_pad * m_blocks, "extra_launch": int(config.split_k > 1)}
+                      "decoded_weight": n_pad * k_pad * m_blocks, "extra_launch": int(config.split_k > 1),
+                      "l1_bytes": 2 * n_pad * k_pad * activation * m_blocks}  # the decoded tile: stored, ldmatrix'd
         return Work(m_blocks * (n_pad // config.block_n) * config.split_k, dram, operations,
                     per_block=self.resources(spec, k, config))
 

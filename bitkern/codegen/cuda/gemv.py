@@ -17,16 +17,17 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ...ops.matmul import EPILOGUES, Matmul
+from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get, itemsize
 from . import splitk
 from .decode import library
 from .expr import ACCUMULATE, cuda_matmul_expr
 from .intrin import decode_intrinsic
-from .layout import check_type, layout_group, padded_shape
+from .layout import layout_group, padded_shape, type_unsupported
 from ..sched import read_index, vector_lanes
 from ..template import Work
-from .kernel import DECODES, MAX_THREADS, WARP, CudaTemplate, Resources, check_config, weight_bytes
+from .kernel import (DECODES, MAX_THREADS, PER_COLUMN_EPILOGUES, WARP, CudaTemplate, Resources, check_config,
+                     weight_bytes)
 
 log = logging.getLogger("bitkern")
 
@@ -82,13 +83,11 @@ class GemvTemplate(CudaTemplate):
     max_rows = FEW_ROWS
     # its output stage runs per weight row (a lane group's column): SwiGLU's gate and up rows are computed by other
     # lanes, so the GEMM serves SwiGLU at any M
-    epilogues = tuple(name for name in EPILOGUES if name != "swiglu")
+    epilogues = PER_COLUMN_EPILOGUES
 
     def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
-        try:
-            check_type(get(spec.weight_dtype))
-        except ValueError as error:
-            return str(error)
+        if (reason := type_unsupported(get(spec.weight_dtype))) is not None:
+            return reason
         if spec.activation_dtype not in ACTIVATIONS:
             return f"activation_dtype={spec.activation_dtype} (the GEMV takes {list(ACTIVATIONS)})"
         if spec.accumulate_dtype != ACCUMULATE[spec.activation_dtype]:
@@ -134,14 +133,18 @@ class GemvTemplate(CudaTemplate):
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: GemvConfig, device) -> Work:
         """Per call: the weight read (and decoded) once per block of rows, x once, y (and split-K's partial sums);
-        the products on the CUDA cores for every row of a block (rows past M are computed too); a thread block per
-        row block, column block and K slice."""
+        the products on the CUDA cores for every row of a block (rows past M are computed too); the loads into
+        registers (the weights and, for every column, its rows of x); a thread block per row block, column block
+        and K slice."""
         n_pad, k_pad = padded_shape(n, k)
         row_blocks = -(-m // config.rows)
         dram = weight_bytes(spec, n_pad, k_pad) * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + \
             m * n_pad * 4 * config.split_k
+        weights = weight_bytes(spec, n_pad, k_pad)
+        x_loads = n_pad * k_pad * config.rows * itemsize(spec.activation_dtype)  # every column reads its rows of x
         operations = {"core_flop": 2 * row_blocks * config.rows * n_pad * k_pad,
-                      "decoded_weight": n_pad * k_pad * row_blocks, "extra_launch": int(config.split_k > 1)}
+                      "decoded_weight": n_pad * k_pad * row_blocks, "extra_launch": int(config.split_k > 1),
+                      "l1_bytes": (weights + x_loads) * row_blocks}
         return Work(row_blocks * (n_pad // config.columns) * config.split_k, dram, operations,
                     per_block=self.resources(spec, k, config))
 

@@ -65,8 +65,8 @@ class CudaKernel:
     def plan(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None):
         """(y, [LaunchCall]): the output allocated on x's device and the launches that compute it, arguments
-        packed; everything a call does but the driver calls (a dry run checks them against the cubin with host
-        tensors, `launcher.check_launches`)."""
+        packed (each call holds the tensors it points into); everything a call does but the driver calls (a dry
+        run checks them against the cubin with host tensors, `launcher.check_launches`)."""
         self._check_call(x, weight)
         m, device = x.shape[0], x.device
         y = torch.empty(m, self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype), device=device)
@@ -98,7 +98,7 @@ class CudaKernel:
                          for name in launch.params]
             calls.append(LaunchCall(launch.name, tuple(evaluate(g, m) for g in launch.grid),
                                     tuple(evaluate(b, m) for b in launch.block), launch.shared_bytes,
-                                    launch.static_shared_bytes, arguments))
+                                    launch.static_shared_bytes, arguments, tuple(tensors.values())))
         return y, calls
 
     def files(self) -> dict[str, bytes]:
@@ -171,6 +171,8 @@ def kernel_from_files(files: dict[str, bytes]) -> CudaKernel:
 
 
 WARP = 32
+# the epilogues an output stage computing each column on its own emits: SwiGLU pairs a gate and an up column
+PER_COLUMN_EPILOGUES = tuple(name for name in EPILOGUES if name != "swiglu")
 MAX_THREADS = 1024  # per thread block
 DECODES = ("lop3", "tir")  # the LOP3 decode functions, or the same formula as plain TIR (any group size)
 

@@ -35,11 +35,18 @@ def layout_group(group_size: int, k: int) -> int:
     return padded_shape(1, k)[1] if group_size == k else group_size
 
 
+def type_unsupported(ttype) -> str | None:
+    """Why the layout (and the LOP3 decode) cannot hold codes of this width, or None."""
+    if ttype.bits not in LOP3_BITS:
+        return (f"layout {Layout.LOP3.value!r} holds {list(LOP3_BITS)}-bit types; {ttype.name!r} has {ttype.bits} bits "
+                f"(it runs on the CPU kernels only)")
+    return None
+
+
 def check_type(ttype) -> None:
     """Raise unless the layout (and the LOP3 decode) holds codes of this width."""
-    if ttype.bits not in LOP3_BITS:
-        raise ValueError(f"layout {Layout.LOP3.value!r} holds {list(LOP3_BITS)}-bit types; {ttype.name!r} has {ttype.bits} "
-                         f"bits (it runs on the CPU kernels only)")
+    if (reason := type_unsupported(ttype)) is not None:
+        raise ValueError(reason)
 
 
 class Lop3Weight(PackedWeight):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bitkern.codegen import build_kernel, template as template_named
-from bitkern.codegen.cuda import GemmConfig, GemvConfig
+from bitkern.codegen.cuda import GemmConfig, GemvConfig, MmaGemvConfig
 from bitkern.codegen.cuda.compile import evaluate, lower, nvcc
 from bitkern.codegen.cuda.expr import decoder_for
 from bitkern.ops import Matmul
@@ -98,6 +98,17 @@ EPILOGUE_GEMV_CASES = {
                                  4096, GemvConfig(split_k=4, k_threads=8, rows=2)),
 }
 GEMV_CASES.update(EPILOGUE_GEMV_CASES)
+MMA_GEMV_CASES = {
+    "mma_gemv_int4_f16": (_float("int4"), 4096, 4096, MmaGemvConfig()),
+    "mma_gemv_uint4_gptq_bf16_rows16": (_float("uint4", "bfloat16", zero_mode="gptq", bias=True), 256, 512,
+                                        MmaGemvConfig(block_m=16, n_tiles=2, words=2)),
+    "mma_gemv_nf4_rows32_f16": (_float("nf4", group=64), 96, 256, MmaGemvConfig(block_m=32, warps=2)),
+    "mma_gemv_int8_f16": (_float("int8"), 128, 512, MmaGemvConfig(words=2)),
+    "mma_gemv_int1_bf16": (_float("int1", "bfloat16", group=-1), 128, 384, MmaGemvConfig(warps=2, words=1)),
+    "mma_gemv_splitk_gelu_res_f16": (_float("uint4", zero_mode="hqq", bias=True, epilogue="gelu", residual=True), 512,
+                                     4096, MmaGemvConfig(split_k=8)),
+    "mma_gemv_ragged_k_f16": (_float("int4", group=-1), 17, 40, MmaGemvConfig(warps=2, words=1)),
+}
 ARCHS = ("sm_80", "sm_90")
 
 
@@ -106,6 +117,7 @@ def _cases(arch):
     if arch == "sm_90":
         cases.update({name: ("gemm", *case) for name, case in FP8_GEMM_CASES.items()})
     cases.update({name: ("gemv", *case) for name, case in GEMV_CASES.items()})
+    cases.update({name: ("mma_gemv", *case) for name, case in MMA_GEMV_CASES.items()})
     return cases
 
 
@@ -181,6 +193,24 @@ def test_gemv_ptx_has_lop3_shuffles_and_wide_loads(compiled, name):
         assert [launch.name for launch in launches[name]] == [f"{name}_gemv_kernel", f"{name}_gemv_reduce_kernel"]
 
 
+@pytest.mark.parametrize("name", list(MMA_GEMV_CASES))
+def test_mma_gemv_feeds_decoded_registers_to_mma(compiled, name):
+    """The TensorCore GEMV: mma.sync on registers the decode filled (no ldmatrix, no shared memory), 128- or 64-bit
+    weight loads, lop3 for integer weights; its partial sums go to the reduce kernel, which holds the output stage."""
+    _, cases, launches, _, entries = compiled
+    _, spec, _, _, config = cases[name]
+    ptx = entries[launches[name][0].name]
+    kind = {"float16": "f16", "bfloat16": "bf16"}[spec.activation_dtype]
+    assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{kind}\.{kind}\.f32", ptx)
+    assert "ldmatrix" not in ptx and ".shared" not in ptx
+    width = {4: "v4", 2: "v2"}.get(config.words)
+    if width:
+        assert re.search(rf"ld\.global\.nc\.{width}\.(u32|b32|s32)", ptx), "no vectorized weight load"
+    assert ("lop3.b32" in ptx) == decoder_for(spec).uses_lop3
+    assert [launch.name for launch in launches[name]] == [f"{name}_mma_gemv_kernel", f"{name}_mma_gemv_reduce_kernel"]
+    assert "mma.sync" not in entries[launches[name][1].name]
+
+
 @pytest.mark.parametrize("name", ["nf4_f16", "nf4_silu_bf16", "gemv_nf4_f16"])
 def test_value_tables_are_read_through_the_read_only_cache_not_constant_memory(compiled, name):
     """Codebook types (nf4) look their values up per code.  From constant memory a warp's different codes
@@ -199,7 +229,7 @@ def _float32_constant(value: float) -> str:
     return "0f" + struct.pack(">f", value).hex().upper()
 
 
-@pytest.mark.parametrize("name", list(GEMM_CASES) + list(GEMV_CASES))
+@pytest.mark.parametrize("name", list(GEMM_CASES) + list(GEMV_CASES) + list(MMA_GEMV_CASES))
 def test_output_stage_holds_the_epilogue(compiled, name):
     """The PTX of the launch that writes y holds the spec's epilogue: exp for SiLU, GELU and SwiGLU (and none
     elsewhere), ReLU's float max, GELU's erf polynomial; a residual is one more kernel parameter, read there."""
@@ -215,15 +245,16 @@ def test_output_stage_holds_the_epilogue(compiled, name):
     assert [launch.name for launch in launches[name]][:1] == [f"{name}_{cases[name][0]}_kernel"]
 
 
-def test_templates_serve_the_epilogues_and_the_gemv_leaves_swiglu_to_the_gemm():
+def test_templates_serve_the_epilogues_and_the_gemvs_leave_swiglu_to_the_gemm():
     from bitkern.tuner.space import enumerate_candidates, usable_templates
 
     sm_90 = cuda_device("sm_90")
     for epilogue in ("relu", "silu", "gelu", "swiglu"):
         spec = _float("int4", epilogue=epilogue, residual=True)
         usable, unused = usable_templates(spec, 256, 512, (1, 1), "lop3", sm_90)
-        assert {t.name for t in usable} == ({"gemm"} if epilogue == "swiglu" else {"gemm", "gemv"}), unused
-    assert "epilogue='swiglu'" in unused["gemv"]
+        assert {t.name for t in usable} == ({"gemm"} if epilogue == "swiglu" else {"gemm", "gemv", "mma_gemv"}), \
+            unused
+    assert "epilogue='swiglu'" in unused["gemv"] and "epilogue='swiglu'" in unused["mma_gemv"]
     _, candidates = enumerate_candidates(spec, 256, 512, (1, 16), "lop3", sm_90)
     assert candidates and all(c.template == "gemm" and c.config.warp_n % 32 == 0 for c in candidates)
     with pytest.raises(ValueError, match="warp_n=16 with epilogue='swiglu'"):
@@ -318,6 +349,39 @@ def test_kernel_checks_its_inputs_before_launching():
         kernel(x, pack_for_cpu(q))
 
 
+@pytest.mark.parametrize("template, config", [("mma_gemv", MmaGemvConfig(warps=2, words=2)),
+                                              ("gemm", GemmConfig(block_m=16, warp_m=16, block_n=64, warp_n=32,
+                                                                  block_k=64, stages=2, split_k=2))])
+def test_planned_calls_hold_every_tensor_they_point_into(template, config):
+    """Every pointer a planned launch carries points into a tensor the launch holds, so that tensors `plan` makes
+    itself (the partial sums, a float32 copy of a float16 bias) live until the launch is enqueued.  The first GPU
+    memcheck of the TensorCore GEMV found its kernel writing freed memory: `plan` dropped the partial sums before the
+    launch (torch's caching allocator only returns such a block to its pool, so no other test saw it)."""
+    import gc
+    import weakref
+
+    import torch
+
+    import bitkern
+    from bitkern.codegen.cuda import pack
+
+    spec = Matmul("int4", "float16", group_size=-1, bias=True)
+    kernel = build_kernel(spec, 64, 256, template, config, "lop3", (1, 16), cuda_device("sm_90"))
+    q = bitkern.quantize(torch.randn(64, 256), "int4", group_size=-1)
+    y, calls = kernel.plan(torch.randn(3, 256).half(), pack(q), torch.randn(64).half())
+    gc.collect()
+    assert len(calls) == 2
+    for call in calls:
+        held = {tensor.data_ptr() for tensor in call.keep}
+        pointers = [value for kind, value in call.arguments if kind == "pointer"]
+        assert pointers and set(pointers) <= held, call.name
+    partial_sums = next(t for t in calls[0].keep if t.dtype == torch.float32 and t.dim() == 3)
+    released = weakref.ref(partial_sums)
+    del partial_sums, calls, call
+    gc.collect()
+    assert released() is None  # held by the calls alone: freed with them, after the launches
+
+
 def test_build_errors_name_the_problem():
     spec = Matmul("int4", "float16", group_size=128)
     sm_80, sm_90 = cuda_device("sm_80"), cuda_device("sm_90")
@@ -360,6 +424,27 @@ def test_gemm_config_validation(field, value, message):
 def test_gemv_config_validation(field, value, message):
     with pytest.raises(ValueError, match=message):
         GemvConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("block_m", 128, "block_m=128 is not supported; accepted: 8, 16, 32, 64"), ("words", 8, "words=8 is not supported"),
+    ("split_k", 3, "split_k=3 is not supported"), ("warps", 33, "warps=33 exceed 1024 threads"),
+    ("n_tiles", 0, "n_tiles=0 must be a positive int")])
+def test_mma_gemv_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        MmaGemvConfig(**{field: value})
+
+
+def test_mma_gemv_refuses_what_its_fragments_cannot_hold():
+    """Named reasons before any build: float32 / int8 activations (no 16-bit mma), a group smaller than a word,
+    a thread's k-step below one 128-bit load of x (int8 at one word), K or N not divisible by the block's step."""
+    mma_gemv, sm_90 = template_named("mma_gemv"), "sm_90"
+    assert "activation_dtype=float32" in mma_gemv.reason(Matmul("int4", "float32"), 64, 256, MmaGemvConfig(), sm_90)
+    assert "group_size=8" in mma_gemv.reason(_float("int2", group=8), 64, 256, MmaGemvConfig(), sm_90)
+    assert "words=1 x 4 codes" in mma_gemv.reason(_float("int8"), 64, 256, MmaGemvConfig(words=1), sm_90)
+    assert "does not divide the padded K=128" in mma_gemv.reason(_float("int4"), 64, 128, MmaGemvConfig(split_k=2),
+                                                                   sm_90)
+    assert "64 columns per block" in mma_gemv.reason(_float("int4"), 48, 256, MmaGemvConfig(warps=8), sm_90)
 
 
 def test_saved_kernel_loads_without_tvm(tmp_path):
