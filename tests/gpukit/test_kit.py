@@ -186,3 +186,15 @@ def test_ncu_step_profiles_kernels_the_kit_ships_as_benchmark_candidates():
 
     shipped = {(r.spec.weight_dtype, r.n, r.k, tuple(r.bucket)) for r in requests("sm_90") if r.candidates}
     assert [kernel for kernel in NCU_KERNELS if (*kernel[:3], m_bucket(kernel[3])) not in shipped] == []
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_case_gets_the_configuration_it_prefers(arch):
+    """A correctness case that names a configuration (split-K, rows per block, a ragged K slice) tests that one: if its
+    template refused it, `Case.config` would fall back to another and the case would test something else unnoticed."""
+    from bitkern.gpukit.matrix import correctness_cases
+
+    preferring = [case for case in correctness_cases() if case.prefer is not None and case.supported_on(arch)]
+    assert len(preferring) >= 20
+    refused = [str(case) for case in preferring if case.config(case.spec(), arch) != case.prefer]
+    assert not refused, refused
