@@ -153,7 +153,8 @@ def _cuda_estimate(work: Work, device) -> Estimate:
     warps_per_sm = min(blocks / device.sm_count, per_sm) * -(-used.threads // 32)
     busy = min(1.0, warps_per_sm / MEMORY_WARPS)
     memory = work.dram_bytes / (device.memory_bandwidth() * busy)
-    l1 = operations.get("l1_bytes", 0) / L1_WAVEFRONT_BYTES * L1_CYCLES_PER_WAVEFRONT / (cores / CORE_FLOPS_PER_SM_CYCLE)
+    sm_cycles_per_s = cores / CORE_FLOPS_PER_SM_CYCLE
+    l1 = operations.get("l1_bytes", 0) / L1_WAVEFRONT_BYTES * L1_CYCLES_PER_WAVEFRONT / sm_cycles_per_s
     seconds = max(compute, memory, l1) + (waves + operations.get("extra_launch", 0)) * WAVE_LATENCY_S
     return Estimate(seconds, {"compute_s": compute, "dram_s": memory, "l1_s": l1, "dram_bytes": work.dram_bytes,
                               "blocks": blocks, "waves": waves, "blocks_per_sm": per_sm})

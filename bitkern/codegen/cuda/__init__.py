@@ -1,5 +1,6 @@
 """CUDA backend: the "lop3" weight layout, LOP3 decode functions, TensorCore GEMM (`gemm`), decode GEMV (`gemv`) and
-TensorCore GEMV (`mma_gemv`) templates generated with TVM and compiled with nvcc, and a cubin launcher for torch tensors.
+TensorCore GEMV (`mma_gemv`) templates generated with TVM and compiled with nvcc, and a cubin launcher for torch
+tensors.
 
 The registry: `TEMPLATES`, in the order the tuner lists them (each a `CudaTemplate`, `kernel.py`).  Entry
 points: `pack(weight)` (a QuantizedWeight in the "lop3" layout); a template's `build` -> `CudaKernel` (callable,

@@ -3,8 +3,9 @@
 The decode GEMV (`gemv.py`) multiplies on the CUDA cores, converting every x and weight to float32 (~150
 instructions per 32 codes and thread), and loads x again for every column it computes.  Here each m16n8k16 mma
 takes its B operand (16 k x 8 columns) from registers the LOP3 decode has just filled and accumulates in float32
-on the tensor cores (~80 instructions per 32 codes), and a warp's x registers serve up to 8 column tiles.  A k-step of a warp: the 4 threads of a quad read `words` 32-bit words of one weight
-row each (128-bit loads at words=4), the 8 quads 8 rows (an mma's columns).  The k order inside an mma is free
+on the tensor cores (~80 instructions per 32 codes), and a warp's x registers serve up to 8 column tiles.  A
+k-step of a warp: the 4 threads of a quad read `words` 32-bit words of one weight row each (128-bit loads at
+words=4), the 8 quads 8 rows (an mma's columns).  The k order inside an mma is free
 (the sum does not depend on it), so each thread feeds the mma the k it loaded itself: per 8 consecutive k of a
 thread (an "octet": one 128-bit load of x, four decoded pairs P0..P3) two mmas, one with B = (P0, P2), one with
 B = (P1, P3), and A from the matching x pairs.
@@ -53,8 +54,8 @@ class MmaGemvConfig:
 
     block_m: rows of x per block (8: one mma tile's upper rows, see the module docstring; 16 to 64: whole tiles);
     warps: warps per block, each on its own columns; n_tiles: 8-column mma tiles per warp (they share x's
-    registers, see `N_TILES`); words: 32-bit words of codes each thread loads per row and step (4 = 128-bit loads); split_k: K
-    slices computed by separate blocks.
+    registers, see `N_TILES`); words: 32-bit words of codes each thread loads per row and step (4 = 128-bit
+    loads); split_k: K slices computed by separate blocks.
     """
 
     block_m: int = 8
@@ -130,6 +131,7 @@ class MmaGemvTemplate(CudaTemplate):
         return self.buildable(spec, n, k, candidates, device)
 
     def buildable(self, spec: Matmul, n: int, k: int, candidates, device) -> list:
+        """The candidates that build `spec` and fit the device (one decode: no plain-TIR twins to drop)."""
         return [config for config in candidates if self.config_unsupported(spec, n, k, config, device.arch) is None
                 and self.resources(spec, k, config).unfit(device) is None]
 
