@@ -138,9 +138,8 @@ class GemvTemplate(CudaTemplate):
         and K slice."""
         n_pad, k_pad = padded_shape(n, k)
         row_blocks = -(-m // config.rows)
-        dram = weight_bytes(spec, n_pad, k_pad) * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + \
-            m * n_pad * 4 * config.split_k
         weights = weight_bytes(spec, n_pad, k_pad)
+        dram = weights * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + m * n_pad * 4 * config.split_k
         x_loads = n_pad * k_pad * config.rows * itemsize(spec.activation_dtype)  # every column reads its rows of x
         operations = {"core_flop": 2 * row_blocks * config.rows * n_pad * k_pad,
                       "decoded_weight": n_pad * k_pad * row_blocks, "extra_launch": int(config.split_k > 1),

@@ -177,13 +177,18 @@ MAX_THREADS = 1024  # per thread block
 DECODES = ("lop3", "tir")  # the LOP3 decode functions, or the same formula as plain TIR (any group size)
 
 
-def check_config(config, positive: tuple[str, ...]) -> None:
-    """Raise unless the `positive` fields of a CUDA template configuration are positive ints and its decode is
-    known."""
-    for name in positive:
+def check_positive(config, names: tuple[str, ...]) -> None:
+    """Raise unless the fields `names` of a CUDA template configuration are positive ints."""
+    for name in names:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def check_config(config, positive: tuple[str, ...]) -> None:
+    """Raise unless the `positive` fields of a CUDA template configuration are positive ints and its decode is
+    known."""
+    check_positive(config, positive)
     if config.decode not in DECODES:
         raise ValueError(f"decode={config.decode!r} is not known; accepted: {list(DECODES)}")
 

@@ -33,7 +33,7 @@ from .expr import MAX_ROWS, decoder_for
 from .layout import layout_group, padded_shape, type_unsupported
 from ..sched import vector_lanes
 from ..template import Work
-from .kernel import MAX_THREADS, PER_COLUMN_EPILOGUES, WARP, CudaTemplate, Resources, weight_bytes
+from .kernel import MAX_THREADS, PER_COLUMN_EPILOGUES, WARP, CudaTemplate, Resources, check_positive, weight_bytes
 
 ACTIVATIONS = {"float16": "fp16", "bfloat16": "bf16"}  # mma input types, as PTX names them
 MMA_N = 8  # columns of an m16n8k16 tile
@@ -65,10 +65,7 @@ class MmaGemvConfig:
     split_k: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "warps", "n_tiles", "words", "split_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+        check_positive(self, ("block_m", "warps", "n_tiles", "words", "split_k"))
         if self.block_m not in BLOCK_M:
             raise ValueError(f"block_m={self.block_m} is not supported; accepted: {', '.join(map(str, BLOCK_M))}")
         if self.words not in (1, 2, 4):
@@ -83,10 +80,30 @@ class MmaGemvConfig:
         """Output columns (weight rows) one block computes."""
         return self.warps * self.n_tiles * MMA_N
 
+    @property
+    def half(self) -> bool:
+        """Whether a block takes 8 rows: the upper rows of one mma tile (see the module docstring)."""
+        return self.block_m == 8
+
+    @property
+    def tiles(self) -> int:
+        """16-row mma tiles per block."""
+        return 1 if self.half else self.block_m // 16
+
+    @property
+    def x_rows(self) -> int:
+        """Rows of x a thread loads per step: g, and g + 8 of each whole tile."""
+        return 1 if self.half else 2 * self.tiles
+
+    @property
+    def c_tiles(self) -> int:
+        """Accumulator sets per column tile: one per mma of the octet at block_m=8, else one per row tile."""
+        return 2 if self.half else self.tiles
+
     def workspace(self, n: int, k: int, m: int) -> tuple:
-        """(names, shape) of the float32 partial sums the kernel writes and the reduce kernel reads."""
-        rows = -(-m // self.block_m) * self.block_m
-        return ((("acc", "partial"), (self.split_k, rows, padded_shape(n, k)[0])),)
+        """(names, shape) of the float32 partial sums the kernel writes and the reduce kernel reads (even without
+        split-K: the reduce kernel applies the output stage)."""
+        return (splitk.partial_sums_buffer(self.split_k, self.block_m, n, k, m),)
 
 
 class MmaGemvTemplate(CudaTemplate):
@@ -139,9 +156,8 @@ class MmaGemvTemplate(CudaTemplate):
         """Threads, no shared memory, and a register estimate: accumulators, x's registers, every tile's words and
         one tile's decoded weights (ptxas' count after the build is in `CudaKernel.binary.registers`)."""
         codes = config.words * codes_per_word(get(spec.weight_dtype).bits)
-        tiles = max(1, config.block_m // 16)
-        accumulators = 4 * config.n_tiles * (2 if config.block_m == 8 else tiles)
-        x_registers = codes // 2 * (1 if config.block_m == 8 else 2 * tiles)
+        accumulators = 4 * config.n_tiles * config.c_tiles
+        x_registers = codes // 2 * config.x_rows
         registers = 24 + accumulators + x_registers + config.n_tiles * config.words + codes // 2
         return Resources(0, config.warps * WARP, registers)
 
@@ -152,13 +168,13 @@ class MmaGemvTemplate(CudaTemplate):
         n_pad, k_pad = padded_shape(n, k)
         row_blocks = -(-m // config.block_m)
         rows = row_blocks * config.block_m
-        dram = weight_bytes(spec, n_pad, k_pad) * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + \
+        weights = weight_bytes(spec, n_pad, k_pad)
+        dram = weights * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + \
             rows * n_pad * 4 * config.split_k * 2 + m * n * itemsize(spec.output_dtype)
-        x_rows = 1 if config.block_m == 8 else config.block_m // 8
-        x_loads = n_pad * k_pad * x_rows * itemsize(spec.activation_dtype) / config.n_tiles  # per column tile
+        x_loads = n_pad * k_pad * config.x_rows * itemsize(spec.activation_dtype) / config.n_tiles  # per column tile
         operations = {"mma_flop": 2 * row_blocks * max(16, config.block_m) * n_pad * k_pad,
                       "decoded_weight": n_pad * k_pad * row_blocks, "extra_launch": 1,
-                      "l1_bytes": (weight_bytes(spec, n_pad, k_pad) + x_loads) * row_blocks}
+                      "l1_bytes": (weights + x_loads) * row_blocks}
         return Work(row_blocks * (n_pad // config.columns) * config.split_k, dram, operations,
                     per_block=self.resources(spec, k, config))
 
@@ -199,11 +215,8 @@ class _Kernel:
         self.codes = config.words * self.per_word  # k a thread covers per row and step
         self.octets = self.codes // OCTET
         self.slice_k = self.k_pad // config.split_k
-        self.half = config.block_m == 8
-        self.tiles = 1 if self.half else config.block_m // 16
-        self.x_rows = 1 if self.half else 2 * self.tiles  # rows g (and g + 8) of each 16-row tile
+        self.half, self.tiles, self.x_rows, self.c_tiles = config.half, config.tiles, config.x_rows, config.c_tiles
         self.a_sets = 1 if self.half else 2  # A registers per octet: one set serves both mmas at block_m=8
-        self.c_tiles = 2 if self.half else self.tiles  # accumulators per column tile
         self.lanes = vector_lanes(OCTET, math.gcd(OCTET, k))  # x's rows start on a vector boundary
 
     def emit(self) -> None:
