@@ -15,12 +15,13 @@ Groups with the same signature (pattern, weight formats, dtypes, rows) are price
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from ..nn import Linear
+from ..ttype import WeightFormat
 from .cost import Call, Decision, Variant, decide
 from .modules import EpilogueLinear, SharedInputLinears, StackedOutput, SwiGLUMLP
 from .norms import NormCandidate, norm_groups
@@ -119,11 +120,8 @@ class Candidate:
 
 def stacked_format(layers: list) -> str:
     """The weight format string of the layers' stacked weight (rows added up; the rest is theirs)."""
-    import json
-
-    described = json.loads(layers[0].op_weight()[1])
-    described["shape"] = [sum(layer.out_features for layer in layers), layers[0].in_features]
-    return json.dumps(described)
+    described = WeightFormat.decode(layers[0].op_weight()[1])
+    return replace(described, shape=(sum(layer.out_features for layer in layers), layers[0].in_features)).encode()
 
 
 def candidates(model: nn.Module, patterns: tuple = PATTERNS) -> list:

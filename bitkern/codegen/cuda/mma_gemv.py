@@ -14,8 +14,9 @@ B = (P1, P3), and A from the matching x pairs.
   halves of its accumulators (both are its own registers).  The other halves hold products of unmatched pairs
   and are dropped.
 - block_m = 16·t: rows g and g+8 are rows of x, A interleaves their pairs, every accumulator row is a result.
-The kernel writes float32 partial sums [split_k, M, N_pad] (blockIdx.z takes a K slice) and
-`splitk.build_reduce` makes the kernel that sums them and applies the output stage (bias, epilogue, cast).
+Without split-K the kernel applies the output stage (bias, epilogue, residual, cast) to its accumulators and writes
+y: one launch per call.  With split-K it writes float32 partial sums [split_k, M, N_pad] (blockIdx.z takes a K
+slice) and `splitk.build_reduce` makes the kernel that sums them and applies the output stage.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ...ops.expr import scale_storage, zero_storage
+from ...ops.expr import apply_epilogue, scale_storage, zero_storage
 from ...ops.matmul import Matmul
 from ...ttype import codes_per_word, effective_group_size, get, itemsize, tvm_dtype
 from . import splitk
@@ -101,9 +102,9 @@ class MmaGemvConfig:
         return 2 if self.half else self.tiles
 
     def workspace(self, n: int, k: int, m: int) -> tuple:
-        """(names, shape) of the float32 partial sums the kernel writes and the reduce kernel reads (even without
-        split-K: the reduce kernel applies the output stage)."""
-        return (splitk.partial_sums_buffer(self.split_k, self.block_m, n, k, m),)
+        """(names, shape) of the float32 partial sums the kernel writes and the reduce kernel reads; none without
+        split-K."""
+        return splitk.workspace(self.split_k, self.block_m, n, k, m)
 
 
 class MmaGemvTemplate(CudaTemplate):
@@ -112,7 +113,7 @@ class MmaGemvTemplate(CudaTemplate):
     config_type = MmaGemvConfig
     shape_fields = ("block_m", "n_tiles", "words", "split_k")
     max_rows = FEW_ROWS
-    epilogues = PER_COLUMN_EPILOGUES  # the reduce kernel's output stage
+    epilogues = PER_COLUMN_EPILOGUES  # applied per column: by the kernel, or by split-K's reduce kernel
 
     def spec_unsupported(self, spec: Matmul, n: int, k: int, arch: str) -> str | None:
         if (reason := type_unsupported(get(spec.weight_dtype))) is not None:
@@ -162,35 +163,39 @@ class MmaGemvTemplate(CudaTemplate):
         return Resources(0, config.warps * WARP, registers)
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: MmaGemvConfig, device) -> Work:
-        """Per call: the weight read once per row block, x once, the partial sums written and read back, y; the mma
-        flops of whole 16-row tiles; the weights each row block decodes; the loads into registers (the weights, and x
-        once per column tile of a warp); the reduce kernel's launch."""
+        """Per call: the weight read once per row block, x once, y (and split-K's partial sums, written and read
+        back); the mma flops of whole 16-row tiles; the weights each row block decodes; the loads into registers (the
+        weights, and x once per column tile of a warp); split-K's reduce kernel launch."""
         n_pad, k_pad = padded_shape(n, k)
         row_blocks = -(-m // config.block_m)
         rows = row_blocks * config.block_m
         weights = weight_bytes(spec, n_pad, k_pad)
-        dram = weights * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + \
-            rows * n_pad * 4 * config.split_k * 2 + m * n * itemsize(spec.output_dtype)
+        partial_sums = rows * n_pad * 4 * config.split_k * 2 if config.split_k > 1 else 0
+        dram = weights * row_blocks + m * k_pad * itemsize(spec.activation_dtype) + partial_sums + \
+            m * n * itemsize(spec.output_dtype)
         x_loads = n_pad * k_pad * config.x_rows * itemsize(spec.activation_dtype) / config.n_tiles  # per column tile
         operations = {"mma_flop": 2 * row_blocks * max(16, config.block_m) * n_pad * k_pad,
-                      "decoded_weight": n_pad * k_pad * row_blocks, "extra_launch": 1,
+                      "decoded_weight": n_pad * k_pad * row_blocks, "extra_launch": int(config.split_k > 1),
                       "l1_bytes": (weights + x_loads) * row_blocks}
         return Work(row_blocks * (n_pad // config.columns) * config.split_k, dram, operations,
                     per_block=self.resources(spec, k, config))
 
     def functions(self, spec: Matmul, n: int, k: int, config: MmaGemvConfig, arch: str, prefix: str = "") -> dict:
-        """The kernel writing the partial sums [split_k, M rounded up to block_m, N_pad] (arguments: x, qweight,
-        scales, zeros, tensor_scale as the spec has them, then the sums as "acc"), and the reduce kernel."""
+        """The kernel (arguments: x, qweight, scales, zeros, tensor_scale as the spec has them, then bias, residual
+        as it has them and y; with split-K instead the partial sums [split_k, M rounded up to block_m, N_pad] as
+        "acc", followed by the reduce kernel)."""
         self.checked(spec, n, k, config, arch)
-        return {f"{prefix}mma_gemv": _kernel(spec, n, k, config),
-                f"{prefix}mma_gemv_reduce": splitk.build_reduce(spec, n, config.split_k, config.block_m)}
+        functions = {f"{prefix}mma_gemv": _kernel(spec, n, k, config)}
+        if config.split_k > 1:
+            functions[f"{prefix}mma_gemv_reduce"] = splitk.build_reduce(spec, n, config.split_k, config.block_m)
+        return functions
 
 
 TEMPLATE = MmaGemvTemplate()
 
 
 def _kernel(spec: Matmul, n: int, k: int, config: MmaGemvConfig):
-    """The PrimFunc of the partial sums, written with TVM's IR builder (threads bound by hand)."""
+    """The PrimFunc of y (or of split-K's partial sums), written with TVM's IR builder (threads bound by hand)."""
     from tvm.script.ir_builder import IRBuilder
 
     with IRBuilder() as builder:
@@ -206,7 +211,7 @@ class _Kernel:
         from tvm.script.ir_builder import tirx as T
 
         self.T, self.tirx = T, tirx
-        self.spec, self.k, self.cfg = spec, k, config
+        self.spec, self.n, self.k, self.cfg = spec, n, k, config
         self.decoder = decoder_for(spec)
         self.per_word = codes_per_word(get(spec.weight_dtype).bits)
         self.n_pad, self.k_pad = padded_shape(n, k)
@@ -247,7 +252,8 @@ class _Kernel:
                 self._store()
 
     def _arguments(self) -> None:
-        """x, qweight, scales, zeros and tensor_scale as the spec has them, the partial sums "acc"; M symbolic."""
+        """x, qweight, scales, zeros and tensor_scale as the spec has them, then bias, residual and y (split-K: the
+        partial sums "acc"); M symbolic."""
         from tvm.script.ir_builder import IRBuilder
 
         T, tirx, spec = self.T, self.tirx, self.spec
@@ -267,7 +273,13 @@ class _Kernel:
             self.extra["tensor_scale"] = argument("tensor_scale", (1,), "float32")
         block_m = self.cfg.block_m
         self.rows = (tirx.min(m, MAX_ROWS) + (block_m - 1)) // block_m * block_m
-        self.acc = argument("acc", (self.cfg.split_k, self.rows, self.n_pad), "float32")
+        if self.cfg.split_k > 1:
+            self.acc = argument("acc", (self.cfg.split_k, self.rows, self.n_pad), "float32")
+            return
+        output = tvm_dtype(spec.output_dtype)
+        self.bias = argument("bias", (self.n,), "float32") if spec.bias else None
+        self.residual = argument("residual", (m, self.n), output) if spec.residual else None
+        self.y = argument("y", (m, self.n), output)
 
     def _registers(self) -> None:
         """A thread's local buffers: the words of codes, their decoded values, B in mma order, x, A, accumulators."""
@@ -354,15 +366,35 @@ class _Kernel:
                         t * self.codes + o * OCTET + 4 * which, self.c_frag.data, c_offset, False))
 
     def _store(self) -> None:
-        """The accumulators into the partial sums, two columns per store: at block_m=8 rows g of the first mma plus
-        rows g + 8 of the second, else both halves of every row tile."""
+        """The accumulators, two columns per thread and row: at block_m=8 rows g of the first mma plus rows g + 8 of
+        the second, else both halves of every row tile; into the partial sums (split-K, one store per pair), else
+        through the output stage into y."""
         T = self.T
         for t in range(self.cfg.n_tiles):
             column = self.first_column + t * MMA_N + self.quad_lane * 2
             for tile in range(self.tiles):
                 for upper in range(1 if self.half else 2):
                     row = self.first_row + tile * 16 + upper * MMA_N + self.quad_row
-                    with T.vectorized(0, 2) as e:
-                        value = self.c_frag[t, 0, e] + self.c_frag[t, 1, 2 + e] if self.half else \
+
+                    def value(e):
+                        return self.c_frag[t, 0, e] + self.c_frag[t, 1, 2 + e] if self.half else \
                             self.c_frag[t, tile, 2 * upper + e]
-                        T.buffer_store(self.acc, value, [self.piece, row, column + e])
+
+                    if self.cfg.split_k == 1:
+                        for e in range(2):
+                            self._store_output(row, column + e, value(e))
+                        continue
+                    with T.vectorized(0, 2) as e:
+                        T.buffer_store(self.acc, value(e), [self.piece, row, column + e])
+
+    def _store_output(self, row, column, total) -> None:
+        """y[row, column] = cast(f(total + bias) (+ residual)), f the spec's epilogue, where y has the row and the
+        column (rows past M and columns past N are the padding's)."""
+        T, tirx = self.T, self.tirx
+        with T.If(tirx.all(row < self.m, column < self.n)):
+            with T.Then():
+                value = total + self.bias[column] if self.bias is not None else total
+                value = apply_epilogue(self.spec.epilogue, value)
+                if self.residual is not None:
+                    value = value + self.residual[row, column].astype("float32")
+                T.buffer_store(self.y, value.astype(self.y.dtype), [row, column])

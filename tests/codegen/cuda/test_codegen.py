@@ -108,6 +108,9 @@ MMA_GEMV_CASES = {
     "mma_gemv_splitk_gelu_res_f16": (_float("uint4", zero_mode="hqq", bias=True, epilogue="gelu", residual=True), 512,
                                      4096, MmaGemvConfig(split_k=8)),
     "mma_gemv_ragged_k_f16": (_float("int4", group=-1), 17, 40, MmaGemvConfig(warps=2, words=1)),
+    "mma_gemv_silu_res_bf16": (_float("int4", "bfloat16", bias=True, epilogue="silu", residual=True), 256, 512,
+                               MmaGemvConfig(block_m=16, n_tiles=2)),
+    "mma_gemv_relu_f32": (_float("nf4", epilogue="relu", output_dtype="float32"), 96, 256, MmaGemvConfig()),
 }
 ARCHS = ("sm_80", "sm_90")
 
@@ -196,7 +199,8 @@ def test_gemv_ptx_has_lop3_shuffles_and_wide_loads(compiled, name):
 @pytest.mark.parametrize("name", list(MMA_GEMV_CASES))
 def test_mma_gemv_feeds_decoded_registers_to_mma(compiled, name):
     """The TensorCore GEMV: mma.sync on registers the decode filled (no ldmatrix, no shared memory), 128- or 64-bit
-    weight loads, lop3 for integer weights; its partial sums go to the reduce kernel, which holds the output stage."""
+    weight loads, lop3 for integer weights; one launch that writes y, or with split-K partial sums for the reduce
+    kernel, which then holds the output stage."""
     _, cases, launches, _, entries = compiled
     _, spec, _, _, config = cases[name]
     ptx = entries[launches[name][0].name]
@@ -207,6 +211,9 @@ def test_mma_gemv_feeds_decoded_registers_to_mma(compiled, name):
     if width:
         assert re.search(rf"ld\.global\.nc\.{width}\.(u32|b32|s32)", ptx), "no vectorized weight load"
     assert ("lop3.b32" in ptx) == decoder_for(spec).uses_lop3
+    if config.split_k == 1:
+        assert [launch.name for launch in launches[name]] == [f"{name}_mma_gemv_kernel"]
+        return
     assert [launch.name for launch in launches[name]] == [f"{name}_mma_gemv_kernel", f"{name}_mma_gemv_reduce_kernel"]
     assert "mma.sync" not in entries[launches[name][1].name]
 
@@ -349,10 +356,10 @@ def test_kernel_checks_its_inputs_before_launching():
         kernel(x, pack_for_cpu(q))
 
 
-@pytest.mark.parametrize("template, config", [("mma_gemv", MmaGemvConfig(warps=2, words=2)),
-                                              ("gemm", GemmConfig(block_m=16, warp_m=16, block_n=64, warp_n=32,
-                                                                  block_k=64, stages=2, split_k=2))])
-def test_planned_calls_hold_every_tensor_they_point_into(template, config):
+@pytest.mark.parametrize("template, config, launches", [
+    ("mma_gemv", MmaGemvConfig(warps=2, words=2), 1), ("mma_gemv", MmaGemvConfig(warps=2, words=2, split_k=2), 2),
+    ("gemm", GemmConfig(block_m=16, warp_m=16, block_n=64, warp_n=32, block_k=64, stages=2, split_k=2), 2)])
+def test_planned_calls_hold_every_tensor_they_point_into(template, config, launches):
     """Every pointer a planned launch carries points into a tensor the launch holds, so that tensors `plan` makes
     itself (the partial sums, a float32 copy of a float16 bias) live until the launch is enqueued.  The first GPU
     memcheck of the TensorCore GEMV found its kernel writing freed memory: `plan` dropped the partial sums before the
@@ -370,16 +377,18 @@ def test_planned_calls_hold_every_tensor_they_point_into(template, config):
     q = bitkern.quantize(torch.randn(64, 256), "int4", group_size=-1)
     y, calls = kernel.plan(torch.randn(3, 256).half(), pack(q), torch.randn(64).half())
     gc.collect()
-    assert len(calls) == 2
+    assert len(calls) == launches
     for call in calls:
         held = {tensor.data_ptr() for tensor in call.keep}
         pointers = [value for kind, value in call.arguments if kind == "pointer"]
         assert pointers and set(pointers) <= held, call.name
-    partial_sums = next(t for t in calls[0].keep if t.dtype == torch.float32 and t.dim() == 3)
-    released = weakref.ref(partial_sums)
-    del partial_sums, calls, call
+    # the bias's float32 copy and split-K's partial sums (under both of its names)
+    made = list({id(t): t for t in calls[0].keep if t.dtype == torch.float32}.values())
+    assert sorted(t.dim() for t in made) == ([1] if launches == 1 else [1, 3])
+    released = [weakref.ref(t) for t in made]
+    del made, calls, call
     gc.collect()
-    assert released() is None  # held by the calls alone: freed with them, after the launches
+    assert all(ref() is None for ref in released)  # held by the calls alone: freed with them, after the launches
 
 
 def test_build_errors_name_the_problem():
