@@ -85,6 +85,7 @@ BITKERN = {"bitkern int4 g128": ("int4", 128, "auto", "none"),
            "bitkern int8 g128 a8, output int8 g128": ("int8", 128, "int8", "int8"),
            "bitkern int4 g128 a8, compiled": ("int4", 128, "auto", "int8"),
            "bitkern int4 g128 a8, output int8 g128, compiled": ("int4", 128, "int8", "int8"),
+           "bitkern int8 g128 a8, output int8 g128, compiled": ("int8", 128, "int8", "int8"),
            "torch bf16": None}
 # bitkern models run as a user compiling the model would: bitkern's grouped-query attention
 # (`use_grouped_attention`), then `model.forward = torch.compile(model.forward, dynamic=False)` (a graph per shape,
@@ -99,7 +100,8 @@ PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, compil
          ("bitkern int4 g128 a8, output int8 g128", "Q4_0, output Q8_0"),
          ("bitkern int4 g128 a8, output int8 g128, compiled", "Q4_0, output Q8_0"),
          ("bitkern int4 g128 a8, output int8 g128", "Q4_0 (output Q6_K)"),
-         ("bitkern int8 g128 a8, output int8 g128", "Q8_0"), ("torch bf16", "bf16")]
+         ("bitkern int8 g128 a8, output int8 g128", "Q8_0"),
+         ("bitkern int8 g128 a8, output int8 g128, compiled", "Q8_0"), ("torch bf16", "bf16")]
 CPU_TEST = f"tg{GENERATED}, 1 thread, per CPU s"  # tokens per CPU second: a crowded machine's waits do not count
 TESTS = [f"pp{n}" for n in PROMPTS] + [f"tg{GENERATED}", CPU_TEST]
 COMMANDS: list[str] = []  # every command of the recipe, in order, whether it ran now or its output was cached

@@ -15,6 +15,8 @@ Sections (each printed as a table; all in one process, default environment, medi
    weight peeled layer by layer (module -> custom op -> spec -> kernel object -> compiled function).
 5. kernels alone: each layer shape and the lm_head at M=1 with weights rotating through DRAM, against their bytes:
    GB/s and fraction of the DRAM read bandwidth measured in the same run (conftest's streaming probes).
+6. glue: generate steps with the kernels and with every kernel call returning zeros (interleaved), so the glue
+   (transformers, torch ops, bitkern's dispatch) and the kernels' share are measured, not inferred from hooks.
 
 Run: python benchmarks/llama_decode_profile.py [--dtype "bitkern int4 g128"] [--steps 32] [--rounds 5] [--compile]
 [--prompt 8] (the context a step attends over: prompt + steps)
@@ -280,6 +282,31 @@ def _copy(module):
         return copy.deepcopy(module)
 
 
+def glue_table(model, prompt, steps: int, rounds: int) -> None:
+    """ms per generate step with the kernels, and with every bitkern CPU kernel call returning zeros of y's shape
+    (interleaved per round): what transformers, torch and bitkern's dispatch cost without the kernels' work."""
+    from bitkern.codegen.cpu.kernel import CpuKernel
+    from bitkern.ttype import torch_dtype
+
+    def no_op(kernel, x, weight, bias=None, residual=None, norm=()):
+        return torch.zeros(kernel.spec.rows(x), kernel.spec.out_features(kernel.n),
+                           dtype=torch_dtype(kernel.spec.output_dtype))
+
+    real, samples = CpuKernel.__call__, defaultdict(list)
+    try:
+        for _ in range(rounds):
+            for name, call in (("with the kernels", real), ("kernels as no-ops (glue and dispatch)", no_op)):
+                CpuKernel.__call__ = call
+                samples[name].append(1000 * statistics.median(
+                    generation_steps(model, prompt, steps + 1, **GENERATE_OPTIONS)))
+    finally:
+        CpuKernel.__call__ = real
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    section("6. the step without the kernels' work (ms, median over rounds of the median step)", ["decoding", "ms"],
+            [*medians.items(), ("difference: the kernels", medians["with the kernels"] -
+                                medians["kernels as no-ops (glue and dispatch)"])])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bitkern int4 g128", choices=list(BITKERN))
@@ -312,6 +339,8 @@ def main() -> None:
         op_table(model, prompt, args.steps)
     call_costs(args.rounds)
     kernel_table(model, args.rounds, probes)
+    with torch.inference_mode():
+        glue_table(model, prompt, args.steps, args.rounds)
     print(f"\nload average at the end {os.getloadavg()}")
 
 
