@@ -149,10 +149,16 @@ def output_stage(spec: Matmul, m, n: int, z, inputs: list, tiled: bool = False):
             value = apply_epilogue("silu", z(r, gate)) * z(r, gate + SWIGLU_BLOCK)
         else:
             value = apply_epilogue(spec.epilogue, z(r, *j))
-        value = value + residual[(r, *j)].astype("float32") if residual is not None else value
-        return value.astype(out_dtype)
+        return output_value(spec, value, None if residual is None else residual[(r, *j)])
 
     return te.compute(shape, y, name="y")
+
+
+def output_value(spec: Matmul, value, residual=None):
+    """The end of every output stage, after the epilogue: the residual (in the output type; None: no residual)
+    added in float32 to `value`, then the cast to the spec's output type."""
+    value = value + residual.astype("float32") if residual is not None else value
+    return value.astype(tvm_dtype(spec.output_dtype))
 
 
 _ERF_P = 0.3275911

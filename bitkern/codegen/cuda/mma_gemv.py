@@ -25,7 +25,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ...ops.expr import apply_epilogue, scale_storage, zero_storage
+from ...ops.expr import apply_epilogue, output_value, scale_storage, zero_storage
 from ...ops.matmul import Matmul
 from ...ttype import codes_per_word, effective_group_size, get, itemsize, tvm_dtype
 from . import splitk
@@ -393,8 +393,7 @@ class _Kernel:
         T, tirx = self.T, self.tirx
         with T.If(tirx.all(row < self.m, column < self.n)):
             with T.Then():
-                value = total + self.bias[column] if self.bias is not None else total
-                value = apply_epilogue(self.spec.epilogue, value)
-                if self.residual is not None:
-                    value = value + self.residual[row, column].astype("float32")
-                T.buffer_store(self.y, value.astype(self.y.dtype), [row, column])
+                biased = total + self.bias[column] if self.bias is not None else total
+                value = apply_epilogue(self.spec.epilogue, biased)
+                residual = None if self.residual is None else self.residual[row, column]
+                T.buffer_store(self.y, output_value(self.spec, value, residual), [row, column])

@@ -29,15 +29,12 @@ def unsupported(spec: Matmul, split_k: int) -> str | None:
 
 
 def workspace(split_k: int, row_block: int, n: int, k: int, m: int) -> tuple:
-    """The `partial_sums_buffer` of a call with M rows; none without split-K."""
-    return () if split_k == 1 else (partial_sums_buffer(split_k, row_block, n, k, m),)
-
-
-def partial_sums_buffer(split_k: int, row_block: int, n: int, k: int, m: int) -> tuple:
     """(names, shape) of the partial sums of a call with M rows: [split_k, M rounded up to row_block, N_pad], written
-    by the matmul as "acc" and read by the reduce kernel as "partial"."""
+    by the matmul as "acc" and read by the reduce kernel as "partial"; none without split-K."""
+    if split_k == 1:
+        return ()
     rows = -(-m // row_block) * row_block
-    return ("acc", "partial"), (split_k, rows, padded_shape(n, k)[0])
+    return ((("acc", "partial"), (split_k, rows, padded_shape(n, k)[0])),)
 
 
 def partial_sums(expr, split_k: int):
