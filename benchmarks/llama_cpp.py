@@ -87,9 +87,9 @@ BITKERN = {"bitkern int4 g128": ("int4", 128, "auto", "none"),
            "bitkern int4 g128 a8, output int8 g128, compiled": ("int4", 128, "int8", "int8"),
            "bitkern int8 g128 a8, output int8 g128, compiled": ("int8", 128, "int8", "int8"),
            "torch bf16": None}
-# bitkern models run as a user compiling the model would: bitkern's grouped-query attention
-# (`use_grouped_attention`), then `model.forward = torch.compile(model.forward, dynamic=False)` (a graph per shape,
-# compiled while the worker prepares its kernels: prompts and decode steps alike go through it)
+# bitkern models decode with bitkern's attention (`use_grouped_attention`: the decode-attention kernel); these also
+# run as a user compiling the model would: `model.forward = torch.compile(model.forward, dynamic=False)` (a graph
+# per shape, compiled while the worker prepares its kernels: prompts and decode steps alike go through it)
 COMPILED = tuple(name for name in BITKERN if name.endswith(", compiled"))
 # same-output-precision pairs compared round by round: (bitkern model, llama.cpp type); llama.cpp's Q8_0 keeps its
 # output layer in Q8_0, Q4_0 puts it in Q6_K
@@ -296,8 +296,9 @@ def generated_per_cpu_second(bin_dir: Path, gguf: Path, repetitions: int) -> flo
 def load_model(model_dir, name: str, fused: bool = True):
     """The saved model in bf16 with bitkern's quantization `name` of BITKERN applied and, when `fused`, the fusions
     the cost model prices as wins for one row (`bitkern.fuse` without example inputs: q/k/v as one GEMM, gate/up
-    with the SwiGLU epilogue; decided by the model, not by timings a crowded machine would sway), compiled for the
-    names in COMPILED; kernels not yet prepared."""
+    with the SwiGLU epilogue; decided by the model, not by timings a crowded machine would sway), bitkern's attention
+    (`use_grouped_attention`: its decode-attention kernel), compiled for the names in COMPILED; kernels not yet
+    prepared."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -310,10 +311,10 @@ def load_model(model_dir, name: str, fused: bool = True):
                                activation_quant=activation_quant)
         if fused:
             bitkern.fuse(model)
-        if name in COMPILED:
-            from bitkern.integration.hf import use_grouped_attention
+        from bitkern.integration.hf import use_grouped_attention
 
-            use_grouped_attention(model)
+        use_grouped_attention(model)
+        if name in COMPILED:
             model.forward = torch.compile(model.forward, dynamic=False)
     return model
 

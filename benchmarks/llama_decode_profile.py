@@ -3,9 +3,10 @@ bitkern's layers, through `model.generate`: the diagnosis behind "generation at 
 
 Sections (each printed as a table; all in one process, default environment, medians; the load is printed):
 1. steps: ms per decode step of greedy `generate` (stopping-criteria clock), of a bare loop of forwards on a
-   DynamicCache (the same work without generate's), with a static cache, and with torch.compile of the forward on
-   the static cache (--compile; compile time printed), once with the model's attention ("sdpa") and once with
-   bitkern's grouped-query attention ("bitkern", `bitkern.integration.hf.use_grouped_attention`).
+   DynamicCache (the same work without generate's), with a static cache (bitkern's attention, as the benchmark's
+   models; and with transformers' "sdpa" instead), and with torch.compile of the forward on the static cache
+   (--compile; compile time printed), once with "sdpa" and once with bitkern's attention ("bitkern",
+   `bitkern.integration.hf.use_grouped_attention`: its decode-attention kernel).
 2. modules (2 and 3 decode as benchmarks/llama_cpp.py's generate does: GENERATE_OPTIONS, a static cache): the
    step split by forward hooks into self times per module kind (bitkern Linears, lm_head, attention
    core = rope + cache update + SDPA + reshapes, RMSNorm, SwiGLU elementwise, residual adds, model glue, generate's
@@ -77,6 +78,16 @@ def _compiled_generate(model, forward, switch, prompt, steps: int) -> list[float
         model.set_attn_implementation(attention)
 
 
+def _with_attention(model, attention: str, run):
+    """run() with the model's attention implementation switched to `attention`, then switched back."""
+    own = model.config._attn_implementation
+    model.set_attn_implementation(attention)
+    try:
+        return run()
+    finally:
+        model.set_attn_implementation(own)
+
+
 def step_table(model, prompt, steps: int, rounds: int, compile_forward: bool) -> dict[str, float]:
     """Median ms per decode step of each way of decoding, interleaved over rounds."""
     length = prompt.shape[1] + steps + 1
@@ -86,14 +97,17 @@ def step_table(model, prompt, steps: int, rounds: int, compile_forward: bool) ->
             "generate, static cache": lambda: generation_steps(model, prompt, steps + 1, clock=CLOCK,
                                                                cache_implementation="static"),
             "bare forwards, static cache": lambda: forward_steps(
-                model, prompt, steps, StaticCache(config=model.config, max_cache_len=length))}
+                model, prompt, steps, StaticCache(config=model.config, max_cache_len=length)),
+            "generate, static cache, attention 'sdpa' (transformers' own)": lambda: _with_attention(
+                model, "sdpa", lambda: generation_steps(model, prompt, steps + 1, clock=CLOCK,
+                                                        cache_implementation="static"))}
     compiled = {}
     if compile_forward:
         from bitkern.integration.hf import use_grouped_attention
 
         eager, attention = model.forward, model.config._attn_implementation
         start = time.perf_counter()
-        for name, switch in ((attention, lambda: model.set_attn_implementation(attention)),
+        for name, switch in (("sdpa", lambda: model.set_attn_implementation("sdpa")),
                              ("bitkern", lambda: use_grouped_attention(model))):
             switch()
             model.forward = torch.compile(eager, dynamic=False)

@@ -1,8 +1,9 @@
 """The attention implementation "bitkern" (`bitkern.integration.hf.attention`): greedy generation gives
 transformers' "sdpa" tokens and logits (left padding, static and dynamic caches, float32 and bfloat16, a bitkern
-int4 model); decode steps attend with the query groups packed over the KV heads, and torch.compile's graph keeps
-them packed (transformers' "sdpa" repeats K and V there); prompts and models without groups go to "sdpa"; a mask
-per query head is honoured; bad input is named."""
+int4 model); eager decode steps run bitkern's decode-attention kernel with the query groups packed over the KV
+heads (SDPA on the packed groups where it does not apply), and torch.compile's graph keeps them packed
+(transformers' "sdpa" repeats K and V there); prompts and models without groups go to "sdpa"; a mask per query
+head is honoured; bad input is named."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 import bitkern
 from bitkern.integration.hf import attention
 from bitkern.integration.hf.attention import grouped_query_attention, use_grouped_attention
+from bitkern.nn.attention import decode_attention
 
 HEADS, KV_HEADS, DIM = 8, 2, 16
 
@@ -35,6 +37,19 @@ def _generate(model, **options):
 
 
 @pytest.fixture
+def kernel_calls(monkeypatch):
+    """The (query, key) shapes of every call of bitkern's decode-attention kernel."""
+    calls = []
+
+    def spy(query, key, value, mask=None, scale=None):
+        calls.append((tuple(query.shape), tuple(key.shape)))
+        return decode_attention(query, key, value, mask, scale)
+
+    monkeypatch.setattr(attention, "decode_attention", spy)
+    return calls
+
+
+@pytest.fixture
 def sdpa_calls(monkeypatch):
     """The (query, key) shapes of every SDPA call the "bitkern" function makes itself."""
     calls = []
@@ -49,7 +64,7 @@ def sdpa_calls(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache", ["static", "dynamic"])
-def test_generation_matches_sdpa_with_the_groups_packed(dtype, cache, sdpa_calls):
+def test_generation_matches_sdpa_with_the_groups_packed(dtype, cache, kernel_calls, sdpa_calls):
     model = _llama(dtype=dtype)
     options = {"cache_implementation": "static"} if cache == "static" else {}
     reference = _generate(model, **options)
@@ -59,10 +74,10 @@ def test_generation_matches_sdpa_with_the_groups_packed(dtype, cache, sdpa_calls
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for ours, theirs in zip(grouped.logits, reference.logits):
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
-    # each of the 9 decode steps of each layer attended with [batch, KV heads, group, dim] queries
-    assert sdpa_calls and all(q == (2, KV_HEADS, HEADS // KV_HEADS, DIM) and k[1] == KV_HEADS
-                              for q, k in sdpa_calls)
-    assert len(sdpa_calls) == 9 * 2
+    # each of the 9 decode steps of each layer ran the kernel on [batch x KV heads, group, dim] queries
+    assert kernel_calls and all(q == (2 * KV_HEADS, HEADS // KV_HEADS, DIM) and k[0] == 2 * KV_HEADS
+                                for q, k in kernel_calls)
+    assert len(kernel_calls) == 9 * 2 and sdpa_calls == []
 
 
 def test_a_bitkern_int4_model_generates_the_same_tokens():
@@ -74,8 +89,9 @@ def test_a_bitkern_int4_model_generates_the_same_tokens():
 
 
 def test_torch_compile_keeps_the_groups_packed():
-    """The compiled decode step's graph calls SDPA on [B, KV heads, group, D] queries and the cache's own KV heads
-    (under "sdpa" the same graph holds K and V repeated to every query head), and computes what eager does."""
+    """The compiled decode step's graph calls bitkern's decode-attention op on [B x KV heads, group, D] queries and
+    the cache's own KV heads (under "sdpa" the same graph holds K and V repeated to every query head), and computes
+    what eager does."""
     from transformers import StaticCache
 
     model = use_grouped_attention(_llama())
@@ -98,8 +114,9 @@ def test_torch_compile_keeps_the_groups_packed():
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     shapes = [(tuple(node.args[0].meta["example_value"].shape), tuple(node.args[1].meta["example_value"].shape))
               for graph in graphs for node in graph.graph.nodes
-              if node.op == "call_function" and node.target is F.scaled_dot_product_attention]
-    assert shapes == [((1, KV_HEADS, HEADS // KV_HEADS, DIM), (1, KV_HEADS, 32, DIM))] * 2
+              if node.op == "call_function" and "bitkern.decode_attention" in str(node.target)]
+    assert shapes == [((KV_HEADS, HEADS // KV_HEADS, DIM), (KV_HEADS, 32, DIM))] * 2
+    assert not any(node.target is F.scaled_dot_product_attention for graph in graphs for node in graph.graph.nodes)
     torch._dynamo.reset()
 
 
