@@ -1,13 +1,16 @@
 """torch.nn modules over bitkern's kernels: quantized Linear and Conv2d, whole-model quantization, files.
 
-Entry points: `Linear`, `Conv2d`, `quantize_model` / `dequantize_model`, `save` / `load` (safetensors).
-The kernels are torch custom ops (`torch.ops.bitkern.linear`, `torch.ops.bitkern.dequantize`).
+Entry points: `Linear`, `Conv2d`, `quantize_model` / `dequantize_model`, `save` / `load` (safetensors),
+`decode_attention` (one query row per head over a KV cache, on bitkern's CPU kernel).
+The kernels are torch custom ops (`torch.ops.bitkern.linear`, `torch.ops.bitkern.dequantize`,
+`torch.ops.bitkern.decode_attention`).
 """
 
 from . import library  # noqa: F401  (registers the custom ops)
+from .attention import decode_attention
 from .conv import Conv2d
 from .linear import Linear
 from .model import dequantize_model, quantize_model
 from .serialization import load, save
 
-__all__ = ["Conv2d", "Linear", "dequantize_model", "load", "quantize_model", "save"]
+__all__ = ["Conv2d", "Linear", "decode_attention", "dequantize_model", "load", "quantize_model", "save"]

@@ -1,6 +1,7 @@
 """CPU kernel templates, compiled by TVM through LLVM: AMX (`amx`), AVX512-BF16 (`dot`), table lookup (`lut`), VNNI
 for int8 activations (`vnni`) and generic (`generic`), each one `CpuTemplate` object (`kernel.py`) whose TIR comes
-from `emit`; the tile16 weight layout (`layout.py`).
+from `emit`; the tile16 weight layout (`layout.py`); the decode-attention kernel (`attention.py`, not a template: one
+kernel per spec, nothing to tune).
 
 The registry: `TEMPLATES`, in the order the tuner lists them.  A template is a module here that defines
 `TEMPLATE`; adding one is that module and its name in the line below.
