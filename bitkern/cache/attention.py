@@ -10,10 +10,13 @@ from ..ops.attention import DecodeAttention
 from .lookup import KernelNotFound
 
 
+CAN_BUILD = importlib.util.find_spec("tvm") is not None  # this process can compile the kernels
+
+
 @functools.lru_cache(maxsize=None)
 def attention_kernel(spec: DecodeAttention):
     """The compiled kernel of `spec` for this CPU; KernelNotFound where this process cannot compile (no TVM)."""
-    if importlib.util.find_spec("tvm") is None:
+    if not CAN_BUILD:
         raise KernelNotFound(f"no decode-attention kernel for {spec}: TVM (apache-tvm) is not installed")
     from ..codegen.cpu.attention import build
     from ..tuner.device import host_cpu

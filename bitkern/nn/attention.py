@@ -16,6 +16,7 @@ from ..ops.attention import ATTENTION_DTYPES, LANES, DecodeAttention
 from ..ttype.dtypes import torch_dtype
 
 _DTYPES = {torch_dtype(name): name for name in ATTENTION_DTYPES}
+KERNEL_DTYPES = tuple(_DTYPES)  # the torch dtypes the kernel takes
 
 
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,

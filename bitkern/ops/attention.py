@@ -44,10 +44,8 @@ class DecodeAttention:
 def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:
     """softmax(scale · q·kᵀ (+ mask)) · v in float64, per row and group; shapes as in the module docstring."""
-    rows, groups, dim = query.shape
-    batches = rows if mask is None else mask.shape[0]
     scores = torch.einsum("rgd,rld->rgl", query.double(), key.double()) * scale
     if mask is not None:
-        per_row = mask.repeat_interleave(rows // batches, dim=0)[:, None, :]
+        per_row = mask.repeat_interleave(query.shape[0] // mask.shape[0], dim=0)[:, None, :]
         scores = scores.masked_fill(~per_row, -math.inf) if mask.dtype == torch.bool else scores + per_row.double()
     return torch.einsum("rgl,rld->rgd", scores.softmax(-1), value.double()).to(query.dtype)

@@ -18,7 +18,6 @@ Entry point: `use_grouped_attention(model)` (registers "bitkern", then `model.se
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 
 import torch
@@ -28,12 +27,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from ...cache import KernelNotFound
-from ...nn.attention import decode_attention
+from ...cache.attention import CAN_BUILD
+from ...nn.attention import KERNEL_DTYPES, decode_attention
+from ...ops.attention import LANES
 
 log = logging.getLogger("bitkern")
 NAME = "bitkern"
-KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the decode-attention kernel's
-CAN_BUILD = importlib.util.find_spec("tvm") is not None  # this process can compile the kernel
 # attention options the packed path does not implement: a call with any of them set goes to "sdpa"
 SDPA_ONLY_OPTIONS = ("softcap", "position_bias", "cache", "s_aux", "sinks")
 
@@ -79,7 +78,8 @@ def _kernel_applies(query, key, value, mask) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return False
-    if key.dtype != query.dtype or value.dtype != query.dtype or query.shape[-1] % 16 or value.shape != key.shape:
+    if key.dtype != query.dtype or value.dtype != query.dtype or query.shape[-1] % LANES \
+            or value.shape != key.shape:
         return False
     return mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
                             and mask.shape[-1] == key.shape[2] and mask.shape[0] in (1, query.shape[0])
