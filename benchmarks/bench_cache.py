@@ -87,7 +87,7 @@ def test_loading_from_the_verified_bytes(benchmark, record, tmp_path):
     import statistics
 
     from bitkern.cache.private import load_library
-    from bitkern.cache.runtime import load_function
+    from bitkern.codegen.cpu import runtime
 
     forget()
     store = DiskStore(tmp_path / "cache")
@@ -100,7 +100,7 @@ def test_loading_from_the_verified_bytes(benchmark, record, tmp_path):
         copy.write_bytes(library)
         start = time.perf_counter()
         hashlib.sha256(copy.read_bytes()).hexdigest()
-        load_function(str(copy))
+        runtime.load_library(str(copy))
         by_path.append(time.perf_counter() - start)
         start = time.perf_counter()
         data = copy.read_bytes()

@@ -30,6 +30,14 @@ FINALISTS = 5  # the exhaustive search's fastest, timed again against the pick
 RETIME_S = 0.35  # per finalist: single timings are noisy, and the exhaustive minimum of them is biased low
 
 
+def built(results: list) -> list:
+    """The kernels of `build_all`, raising the first build failure (every candidate is timed here)."""
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (average ranks for ties)."""
     def ranks(values):
@@ -60,14 +68,15 @@ def evaluate(spec, n, k, bucket, quick: bool) -> dict:
     x, copies, bias = inputs(spec, n, k, m, "tile16", device)
     measured = []
     for start in range(0, len(candidates), 8):
-        kernels = build_all(candidates[start:start + 8], spec, n, k, "tile16", bucket, device)
+        kernels = built(build_all(candidates[start:start + 8], spec, n, k, "tile16", bucket, device))
         measured += time_kernels(kernels, x, copies, bias)
     began = time.perf_counter()
     tuned = tune(spec, n, k, bucket, "tile16", device)
     tuning_seconds = time.perf_counter() - began
     pick = tuned.record.choice
     finalists = sorted(range(len(candidates)), key=measured.__getitem__)[:FINALISTS]
-    kernels = [tuned.kernel] + build_all([candidates[i] for i in finalists], spec, n, k, "tile16", bucket, device)
+    finalist_kernels = build_all([candidates[i] for i in finalists], spec, n, k, "tile16", bucket, device)
+    kernels = [tuned.kernel] + built(finalist_kernels)
     retimed = time_kernels(kernels, x, copies, bias, budget_s=RETIME_S)
     best = min(range(len(finalists)), key=lambda i: retimed[i + 1])
     return {"case": f"{spec.weight_dtype} {n}x{k} M={bucket[0]}..{bucket[1]} (tuned at {m})",

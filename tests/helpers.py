@@ -29,7 +29,7 @@ def matrix_device(template: str):
     cpu = host_cpu()
     if template == "amx":
         return cpu
-    return dataclasses.replace(cpu, llvm_cpu="cooperlake", has_amx_bf16=False, flags=cpu.flags - {"amx_tile", "amx_bf16"})
+    return cpu.at_level("avx512-bf16")
 
 
 def matmul_case(name, n, k, m, activation="bfloat16", output="float32", group=128, zero_mode=None, bias=False,

@@ -23,13 +23,13 @@ import torch  # noqa: E402
 
 from bitkern.ops import Conv2d, ConvGeometry, Matmul  # noqa: E402
 from bitkern.tuner import device as device_module  # noqa: E402
+from bitkern.codegen.cpu.isa import level  # noqa: E402
+from bitkern.codegen.cpu.kernel import disassembly  # noqa: E402
 from bitkern.tuner.device import CpuDevice, cuda_device  # noqa: E402
 
 BANDWIDTH = 30e9  # bytes/s: the fixed devices' DRAM bandwidth (the host's would be measured)
-ZEN4 = CpuDevice("fixed Zen 4", "cooperlake", 2, 64, 32 << 10, 1 << 20, 32 << 20, False,
-                 frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2", "fma"}), 3.5e9)
-SPR = CpuDevice("fixed Sapphire Rapids", "sapphirerapids", 2, 64, 48 << 10, 2 << 20, 105 << 20, True,
-                ZEN4.flags | {"amx_tile", "amx_bf16"}, 2.0e9)
+ZEN4 = CpuDevice("fixed Zen 4", level("avx512-bf16"), 2, 32 << 10, 1 << 20, 32 << 20, 3.5e9)
+SPR = CpuDevice("fixed Sapphire Rapids", level("amx"), 2, 48 << 10, 2 << 20, 105 << 20, 2.0e9)
 
 
 # -- what this tree calls to generate, rank and pick (the only part a refactor edits) ------------------------
@@ -189,7 +189,7 @@ def main() -> None:
         kernel = cpu_kernel(spec, n, k, template, config, layout, bucket, device)
         out["cpu"][name] = {"tir": sha(func.script()), "constants": sha(tensor_bytes(constants)),
                             "kernel_constants": sha(tensor_bytes(kernel.constants)),
-                            "asm": sha(kernel.module.mod.inspect_source("asm"))}
+                            "asm": sha(disassembly(kernel.library).split("\n", 2)[2])}
         print(f"cpu {name}: done", file=sys.stderr)
     for name, (spec, n, k, template, config, arch) in cuda_cases().items():
         out["cuda"][name] = sha(cuda_source(spec, n, k, template, config, arch))

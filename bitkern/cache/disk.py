@@ -307,7 +307,7 @@ class DiskStore:
         elif key.target.startswith("cuda-"):
             files = kernel.files()  # cubin, PTX, the .cu source and the launch description
         else:
-            files[LIBRARY] = _exported_library(kernel.module, final.parent)
+            files[LIBRARY] = Path(kernel.library).read_bytes()
             if kernel.constants:
                 files[CONSTANTS] = save_tensors({f"c{i}": c.contiguous() for i, c in enumerate(kernel.constants)})
         manifest = {"key": key.to_dict(), "versions": versions(), "template": kernel.template,
@@ -371,16 +371,6 @@ def _temporary_beside(final: Path) -> Path:
     os.mkdir(temporary, 0o700)
     os.chmod(temporary, 0o700)
     return temporary
-
-
-def _exported_library(module, directory: Path) -> bytes:
-    """The bytes of `module` exported as a shared library (TVM writes it to a path: a private temporary one)."""
-    temporary = _temporary_beside(directory / "export")
-    try:
-        module.export_library(str(temporary / LIBRARY))
-        return (temporary / LIBRARY).read_bytes()
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
 
 
 def _remove_stale(directory: Path) -> None:

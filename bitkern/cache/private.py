@@ -123,7 +123,7 @@ def load_library(data: bytes, name: str = "main"):
     """The function `name` of a TVM kernel library given as bytes (already verified).  The bytes go into an
     anonymous memory file (memfd) that only this process holds; TVM picks its loader by the file name's
     suffix, so it is reached through a link named *.so in this process's private 0700 directory."""
-    from .runtime import load_function
+    from ..codegen.cpu import runtime
 
     descriptor = os.memfd_create("bitkern-kernel", os.MFD_CLOEXEC)
     try:
@@ -133,7 +133,7 @@ def load_library(data: bytes, name: str = "main"):
         link = Path(_process_directory()) / f"kernel-{uuid.uuid4().hex}.so"  # the loader reuses a known name's library
         os.symlink(f"/proc/self/fd/{descriptor}", link)
         try:
-            return load_function(str(link), name)
+            return runtime.load_library(str(link), name)
         finally:
             os.unlink(link)
     finally:

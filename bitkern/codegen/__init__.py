@@ -3,13 +3,13 @@
 Entry points: `pack(weight)` (a QuantizedWeight in its device's kernel layout) and `PackedWeight.to_portable()`;
 the templates of a target, `templates("cpu")` / `templates("cuda")` (the registries `cpu.TEMPLATES`,
 `cuda.TEMPLATES`), each one object behind the protocol of `template.Template`; `template(name)`;
-`build_kernel(spec, n, k, template, config, layout, bucket, device)`.
+`build_kernel(spec, n, k, template, config, layout, bucket, device)` (KernelBuildError where the compiler fails).
 """
 
 from ..ttype import Layout
 from .cpu.layout import AMX_TILE_ROWS, PackedWeight
 from .cpu.layout import to_layout as cpu_to_layout
-from .template import Template, Work
+from .template import KernelBuildError, Template, Work
 
 TARGETS = ("cpu", "cuda")
 
@@ -92,5 +92,5 @@ def pack(weight) -> PackedWeight:
     return to_layout(weight, layout_for(weight.ttype, weight.device.type))
 
 
-__all__ = ["PackedWeight", "Template", "Work", "build_kernel", "layout_for", "pack", "packed_class", "template",
-           "templates", "tensor_rows", "to_layout"]
+__all__ = ["KernelBuildError", "PackedWeight", "Template", "Work", "build_kernel", "layout_for", "pack", "packed_class",
+           "template", "templates", "tensor_rows", "to_layout"]

@@ -19,6 +19,10 @@ from ..ttype import Layout
 ANY_ROWS = 2**31 - 1
 
 
+class KernelBuildError(RuntimeError):
+    """A kernel failed to compile: the compiler refused it, or ended the process compiling it."""
+
+
 @dataclass(frozen=True)
 class Work:
     """What one call of a template configuration does, for the tuner's cost model.
@@ -49,7 +53,7 @@ class Template(abc.ABC):
     or "cuda"; layouts: the weight layouts it reads; config_type: its configuration (a frozen dataclass,
     stored in the cache by its fields); max_rows: the largest M it is a candidate for; epilogues, residual_add: the
     Matmul epilogues its output stage emits, norms / activation_quants: the norm prologues and activation
-    quantizations it applies (`unsupported_epilogue`);
+    quantizations it applies (`unsupported_epilogue`); requires: the CPU features its code needs (`missing_features`);
     shape_fields: the configuration fields that make two candidates differ in more than the cost model can rank
     (the tuner times such candidates first).
     """
@@ -65,6 +69,15 @@ class Template(abc.ABC):
     residual_add: bool = False  # it adds a residual tensor in its output stage
     norms: tuple[str, ...] = ("none",)  # the Matmul norm prologues it applies to x
     activation_quants: tuple[str, ...] = ("none",)  # the Matmul activation quantizations its prologue applies
+    requires: frozenset = frozenset()  # the CPU features its code needs (`codegen.cpu.isa`, /proc/cpuinfo names)
+
+    def missing_features(self, device) -> str | None:
+        """Why the device's instruction-set level cannot run the template's code (the features it lacks), or
+        None."""
+        missing = self.requires - device.flags if device.kind == "cpu" else ()
+        if missing:
+            return f"the {device.level.name} level (it needs {', '.join(sorted(missing))})"
+        return None
 
     def unsupported_epilogue(self, spec) -> str | None:
         """Why the template cannot emit the spec's epilogue and residual add (its output stage) or its prologue

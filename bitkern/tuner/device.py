@@ -8,40 +8,50 @@ it); `cuda_device()` reads the present GPU through torch's device properties.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 import platform
 from dataclasses import dataclass
 
-# LLVM CPU names that enable the features bitkern's CPU templates use, most capable first.
-_LLVM_CPUS = (
-    ({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw"}, "sapphirerapids"),
-    ({"avx512_bf16", "avx512bw", "avx512vl", "avx512_vnni"}, "cooperlake"),  # also AMD Zen 4 and later
-    ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, "icelake-server"),
-    ({"avx512f", "avx512bw"}, "skylake-avx512"),
-    ({"avx2", "fma"}, "haswell"),
-)
+from ..codegen.cpu import isa
+from ..codegen.cpu.isa import IsaLevel
+
+log = logging.getLogger("bitkern")
+
+LEVEL_VARIABLE = "BITKERN_CPU_LEVEL"  # names a lower instruction-set level for this process's kernels
 
 
 @dataclass(frozen=True)
 class CpuDevice:
-    """An x86-64 CPU: vector width, cache capacities, matrix units, cores."""
+    """An x86-64 CPU at one instruction-set level (`codegen.cpu.isa`): the level, cache capacities, cores."""
 
     name: str
-    llvm_cpu: str
+    level: IsaLevel
     cores: int
-    vector_bytes: int
     l1_bytes: int
     l2_bytes: int
     llc_bytes: int
-    has_amx_bf16: bool
-    flags: frozenset
     clock_hz: float = 3.0e9
     prefetch_bytes: int = 4096  # memory latency x per-core bandwidth: how far ahead streams must prefetch
 
     @property
     def kind(self) -> str:
         return "cpu"
+
+    @property
+    def flags(self) -> frozenset:
+        """The CPU features the kernels may use: the level's (/proc/cpuinfo names)."""
+        return self.level.features
+
+    @property
+    def vector_bytes(self) -> int:
+        return self.level.vector_bytes
+
+    @property
+    def has_amx_bf16(self) -> bool:
+        return "amx_bf16" in self.level.features
 
     def memory_bandwidth(self) -> float:
         """DRAM read bandwidth with all cores (bytes/s), measured once per process."""
@@ -50,29 +60,45 @@ class CpuDevice:
     @property
     def key(self) -> str:
         """Identifies the code this device runs: the cache key's target part."""
-        return f"cpu-{self.llvm_cpu}-{self.cores}c"
+        return f"cpu-{self.level.name}-{self.cores}c"
+
+    def at_level(self, name: str) -> CpuDevice:
+        """This CPU with its kernels compiled for the level `name` (a lower one runs here; a higher one only
+        compiles, for another machine)."""
+        return dataclasses.replace(self, level=isa.level(name))
+
+    def runs_here(self) -> bool:
+        """Whether this machine's CPU runs code of this device's level."""
+        return self.level.runs_on(_cpu_flags())
 
     def tvm_target(self):
-        """The TVM LLVM target for this CPU (triple and CPU given explicitly, as TVM needs)."""
+        """The TVM LLVM target for this CPU's level."""
         import tvm
 
-        return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu", "mcpu": self.llvm_cpu,
-                                  "num-cores": self.cores})
+        return tvm.target.Target(self.level.target_dict(self.cores))
 
 
 @functools.lru_cache(maxsize=None)
 def host_cpu() -> CpuDevice:
-    """The CPU this process runs on."""
+    """The CPU this process runs on, at its highest instruction-set level, or at the lower level that
+    $BITKERN_CPU_LEVEL names (refused, naming what is missing, where this CPU cannot run it)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"bitkern's CPU kernels need an x86-64 CPU; this machine is {platform.machine()}")
     flags = _cpu_flags()
-    llvm_cpu = next((cpu for needed, cpu in _LLVM_CPUS if needed <= flags), "x86-64")
-    vector_bytes = 64 if "avx512f" in flags else 32 if "avx2" in flags else 16
-    return CpuDevice(
-        name=_cpu_model(), llvm_cpu=llvm_cpu, cores=_usable_cores(), vector_bytes=vector_bytes,
-        l1_bytes=_cache_bytes(1, "Data", 48 << 10), l2_bytes=_cache_bytes(2, "Unified", 2 << 20),
-        llc_bytes=_cache_bytes(3, "Unified", 32 << 20),
-        has_amx_bf16={"amx_tile", "amx_bf16"} <= flags, flags=frozenset(flags), clock_hz=_cpu_mhz() * 1e6)
+    device = CpuDevice(name=_cpu_model(), level=isa.best_level(flags), cores=_usable_cores(),
+                       l1_bytes=_cache_bytes(1, "Data", 48 << 10), l2_bytes=_cache_bytes(2, "Unified", 2 << 20),
+                       llc_bytes=_cache_bytes(3, "Unified", 32 << 20), clock_hz=_cpu_mhz() * 1e6)
+    forced = os.environ.get(LEVEL_VARIABLE)
+    if not forced:
+        return device
+    device = device.at_level(forced)
+    if not device.runs_here():
+        missing = sorted(device.level.features - flags)
+        runnable = [level.name for level in isa.LEVELS if level.runs_on(flags)]
+        raise ValueError(f"{LEVEL_VARIABLE}={forced!r}: this CPU ({device.name}) lacks {', '.join(missing)}; "
+                         f"it runs the levels {runnable}")
+    log.info("bitkern: CPU kernels compiled for %s (%s=%s)", forced, LEVEL_VARIABLE, forced)
+    return device
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,15 +140,16 @@ def _usable_cores() -> int:
     return max(1, min(len(os.sched_getaffinity(0)), torch.get_num_threads()))
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _cpu_model() -> str:
@@ -250,9 +277,13 @@ def cuda_device(arch: str | None = None) -> CudaDevice:
 
 
 def device_for(target: str):
-    """A device description from a target name: "cpu" (the host) or a CUDA arch like "sm_90"."""
+    """A device description from a target name: "cpu" (the host), "cpu:<level>" (the host's cores and caches at
+    an instruction-set level of `codegen.cpu.isa.LEVELS`, e.g. "cpu:x86-64-v3" to prebuild for a fleet), or a CUDA
+    arch like "sm_90"."""
     if target == "cpu":
         return host_cpu()
+    if target.startswith("cpu:"):
+        return host_cpu().at_level(target[len("cpu:"):])
     if target == "cuda":
         return cuda_device()
     return cuda_device(target)

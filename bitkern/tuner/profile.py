@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..codegen import build_kernel, packed_class, tensor_rows, to_layout
+from ..codegen import KernelBuildError, build_kernel, packed_class, tensor_rows, to_layout
 from ..ops.matmul import Matmul
 from ..ttype import get, quantize, torch_dtype
+
+log = logging.getLogger("bitkern")
 
 PROFILE_MAX_BYTES = 2 << 30
 NVCC_JOBS = 4  # nvcc builds run in subprocesses: a thread each
@@ -29,14 +32,26 @@ def profile_bytes(device) -> int:
 
 
 def build_all(candidates, spec: Matmul, n: int, k: int, layout: str, bucket, device) -> list:
-    """Compile every candidate, in parallel: TVM releases the interpreter while compiling (a thread per CPU core),
-    nvcc runs in subprocesses."""
+    """Compile every candidate, in parallel (LLVM and nvcc run in subprocesses, a thread waits on each).  A candidate
+    the compiler refuses, or whose compiling process dies, is logged with the reason and is its KernelBuildError
+    in the list."""
     def build(candidate):
-        return build_kernel(spec, n, k, candidate.template, candidate.config, layout, bucket, device)
+        try:
+            return build_kernel(spec, n, k, candidate.template, candidate.config, layout, bucket, device)
+        except KernelBuildError as error:
+            log.warning("bitkern: skipped the %s candidate %s of %s: it failed to build: %s", candidate.template,
+                        candidate.config, describe(spec, n, k, bucket, device), error)
+            return error
 
     workers = max(1, device.cores) if device.kind == "cpu" else NVCC_JOBS
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(build, candidates))
+
+
+def describe(spec: Matmul, n: int, k: int, bucket, device) -> str:
+    """A kernel in words, for messages: its types, weight shape, rows and target."""
+    return (f"the {spec.weight_dtype} x {spec.activation_dtype} kernel of a [{n}, {k}] weight for rows {bucket[0]}.."
+            f"{bucket[1]} on {device.key}")
 
 
 def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):

@@ -12,6 +12,7 @@ class Trial:
     modeled_s: float
     measured_s: float | None = None
     build_s: float | None = None
+    failed: str | None = None  # why it did not build, where it was tried and failed
 
 
 @dataclass
@@ -56,7 +57,7 @@ class TuningRecord:
                 continue
             measured = f"{trial.measured_s * 1e3:11.3f}" if trial.measured_s is not None else f"{'-':>11}"
             built = f"{trial.build_s:7.2f}" if trial.build_s is not None else f"{'-':>7}"
-            mark = " <= chosen" if i == self.chosen else ""
+            mark = " <= chosen" if i == self.chosen else f" (failed to build: {trial.failed})" if trial.failed else ""
             lines.append(f"{rank:>4} {trial.modeled_s * 1e3:10.3f} {measured} {built}  {trial.template} "
                          f"{trial.config}{mark}")
         hidden = sum(1 for r, i in enumerate(ranked) if r >= 12 and self.trials[i].measured_s is None and i != self.chosen)

@@ -10,12 +10,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ..codegen import KernelBuildError
 from ..codegen import template as template_named
 from ..ops.matmul import Matmul
 from .buckets import TUNED_M
 from .cost import estimate
 from .hints import device_hint
-from .profile import SAMPLERS, build_all, inputs, stage_inputs, time_kernels
+from .profile import SAMPLERS, build_all, describe, inputs, stage_inputs, time_kernels
 from .record import Trial, TuningRecord
 from .space import Candidate, enumerate_candidates, usable_templates
 
@@ -39,15 +40,40 @@ def tune(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, dev
     start = time.perf_counter()
     record, candidates, order = _considered(spec, n, k, bucket, layout, device, top_k)
     if profile and is_present(device):
-        shortlist = _shortlist(record.trials, order, top_k)
-        kernels = build_all([candidates[i] for i in shortlist], spec, n, k, layout, bucket, device)
-        kernel = _fastest(record, shortlist, kernels, spec, n, k, layout, device)
+        built = _build(record, _shortlist(record.trials, order, top_k), candidates, spec, n, k, layout, bucket, device)
+        if not built:  # the model's next candidates, one at a time, until one builds
+            built = [_first_that_builds(record, order, candidates, spec, n, k, layout, bucket, device)]
+        kernel = _fastest(record, [i for i, _ in built], [kernel for _, kernel in built], spec, n, k, layout, device)
     else:
-        record.chosen = order[0]
+        record.chosen, kernel = _first_that_builds(record, order, candidates, spec, n, k, layout, bucket, device)
         record.notes.append(_model_note(device))
-        kernel = build_all([candidates[order[0]]], spec, n, k, layout, bucket, device)[0]
-        record.trials[order[0]].build_s = getattr(kernel, "build_seconds", None)
+        record.trials[record.chosen].build_s = getattr(kernel, "build_seconds", None)
     return _done(kernel, record, start)
+
+
+def _first_that_builds(record: TuningRecord, order: list[int], candidates: list, spec: Matmul, n: int, k: int,
+                       layout: str, bucket: tuple[int, int], device) -> tuple[int, object]:
+    """(index, kernel) of the best modeled candidate that builds (the failures logged and noted); KernelBuildError
+    naming the kernel and every reason where none does."""
+    for index in order:
+        if record.trials[index].failed is None:
+            built = _build(record, [index], candidates, spec, n, k, layout, bucket, device)
+            if built:
+                return built[0]
+    reasons = "; ".join(f"{trial.template} {trial.config}: {trial.failed}" for trial in record.trials if trial.failed)
+    raise KernelBuildError(f"no candidate of {describe(spec, n, k, bucket, device)} built: {reasons}")
+
+
+def _build(record: TuningRecord, indices: list[int], candidates: list, spec: Matmul, n: int, k: int, layout: str,
+           bucket: tuple[int, int], device) -> list[tuple[int, object]]:
+    """[(index, kernel)] of the candidates at `indices` that built; each failure's reason goes into its trial."""
+    built = []
+    for index, result in zip(indices, build_all([candidates[i] for i in indices], spec, n, k, layout, bucket, device)):
+        if isinstance(result, KernelBuildError):
+            record.trials[index].failed = str(result)
+        else:
+            built.append((index, result))
+    return built
 
 
 def shortlist(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: str, device,
@@ -89,6 +115,8 @@ def build_pinned(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: 
     record.trials = [Trial(template, config, estimate(template, config, spec, n, k, record.tuned_m, device).seconds)]
     record.notes.append("a pinned configuration, not tuned")
     kernel = build_all([Candidate(template, config)], spec, n, k, layout, bucket, device)[0]
+    if isinstance(kernel, KernelBuildError):
+        raise kernel
     record.trials[0].build_s = getattr(kernel, "build_seconds", None)
     return _done(kernel, record, start)
 
@@ -196,7 +224,7 @@ def is_present(device) -> bool:
     if device.kind == "cpu":
         from .device import host_cpu
 
-        return device.key == host_cpu().key
+        return device.runs_here() and device.cores == host_cpu().cores
     import torch
 
     if not torch.cuda.is_available():

@@ -86,14 +86,11 @@ def test_bad_epilogue_is_named_before_any_kernel_is_built():
 def test_amx_kernels_build_with_epilogues(epilogue, residual):
     """The AMX template shares the tile16 output stage: its epilogue kernels compile for an AMX CPU (run where
     one is present, by the matrix-template tests); SwiGLU configurations pair their tiles."""
-    import dataclasses
-
     from bitkern.codegen.cpu import amx
     from bitkern.tuner import host_cpu
 
     cpu = host_cpu()
-    device = dataclasses.replace(cpu, llvm_cpu="sapphirerapids", has_amx_bf16=True,
-                                 flags=cpu.flags | {"amx_tile", "amx_bf16"})
+    device = cpu.at_level("amx")
     spec, *_ = _case("int4", epilogue, 1, residual)
     configs = amx.TEMPLATE.configs(spec, N, K, (1, 16), device, None)
     assert configs and (epilogue != "swiglu" or all(c.n_tiles % 2 == 0 for c in configs))

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get
+from ..template import Work
+from . import isa
 from .kernel import LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, doublings, norm_prologue, operand_bytes
 from .layout import AMX_TILE_ROWS, padded_k
 from .matrix import PLANES, TILE_BYTES, MatrixConfig, MatrixTemplate, decode_strategies, nibbles
-from ..template import Work
 
 TILE_REGISTERS = 8  # AMX tile registers
 PIPELINE_TILES = 4  # decoded tiles between a tile's stores and its AMX load that keep the load from stalling
@@ -42,10 +43,9 @@ class AmxTemplate(MatrixTemplate):
     config_type = AmxConfig
     amx_tiles = True
     shape_fields = ("n_tiles", "m_tiles", "prefetch", "decode", "chunk_prologue")
+    requires = isa.level("amx").features
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
-        if not device.has_amx_bf16:
-            return "this CPU (no AMX-BF16)"
         return self.unsupported_spec(spec, k)
 
     def builder(self):

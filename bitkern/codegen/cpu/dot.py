@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get
 from ..template import Work
+from . import isa
 from .kernel import (FEW_ROWS, LARGE_M, PREFETCH_WORDS, SMALL_M, Footprint, doublings, norm_prologue,
                      operand_bytes)
 from .layout import AMX_TILE_ROWS, padded_k
 from .matrix import PLANES, TILE_BYTES, MatrixConfig, MatrixTemplate, decode_strategies, nibbles
 
-CPU_FLAG = "avx512_bf16"
 # zmm registers a register block may hold (C rows and the task's decoded weight rows, of 32): measured on
 # AMD Zen 4, 3 rows x 7 tiles (28) ran at half the speed of 4 x 5 (25)
 REGISTERS = 27
@@ -58,10 +58,9 @@ class DotTemplate(MatrixTemplate):
     title = "AVX512-BF16"
     config_type = DotConfig
     shape_fields = ("n_tiles", "rows", "prefetch", "decode", "chunk_prologue")
+    requires = isa.level("avx512-bf16").features
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
-        if CPU_FLAG not in device.flags:
-            return "this CPU (no AVX512-BF16)"
         if device.has_amx_bf16:
             return "this CPU has AMX (the AVX512-BF16 template serves CPUs without it)"
         return self.unsupported_spec(spec, k)

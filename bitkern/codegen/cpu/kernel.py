@@ -5,6 +5,7 @@ place, and the pieces of their configuration spaces and cost counts that are the
 from __future__ import annotations
 
 import abc
+import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +15,8 @@ from ...ops.matmul import Matmul
 from ...ttype import Layout, effective_group_size, get, itemsize, torch_dtype
 from ..template import Template
 from .layout import PackedWeight, aligned
-from .runtime import enable_amx, load_runtime
+from .compiler import compile_library
+from .runtime import enable_amx, load_library
 
 PREFETCH_WORDS = (0, 16, 32, 64, 128)  # software prefetch depths the tuner may pick; 0: the hardware prefetchers
 FEW_ROWS = 4  # rows up to which the few-row kernels compete (the lookup template, direct AVX512-BF16 blocks)
@@ -40,7 +42,7 @@ class CpuKernel:
     function: object
     constants: list = field(default_factory=list)
     record: object = None
-    module: object = None  # the TVM module, while it lives in the process that compiled it (for export)
+    library: str | None = None  # its shared library's path, where this process compiled it (for the disk cache)
     build_seconds: float | None = None  # code generation and compilation, where this process compiled it
     amx_tiles: bool = False
 
@@ -94,12 +96,15 @@ class CpuTemplate(Template):
         """Generate the template's code for `config` and compile it for `device` (a tuner CpuDevice)."""
         start = time.perf_counter()
         spec.check_shape(n, k)
+        missing = self.missing_features(device)
+        if missing:
+            raise ValueError(f"the {self.title} template cannot build for {missing}")
         if layout not in self.layouts:
             raise ValueError(f"the {self.name} template reads the {' or '.join(self.layouts)} layout, not {layout!r}")
         func, constants = self.program(spec, n, k, config, layout, bucket, device)
-        module = compile_function(func, device, self.exact_buffers)
-        return CpuKernel(spec, n, k, self.name, config, layout, bucket, module["main"], constants, module=module,
-                         build_seconds=time.perf_counter() - start, amx_tiles=self.amx_tiles)
+        library = compile_function(func, device, self.exact_buffers)
+        return CpuKernel(spec, n, k, self.name, config, layout, bucket, load_library(library), constants,
+                         library=library, build_seconds=time.perf_counter() - start, amx_tiles=self.amx_tiles)
 
     def restore(self, spec: Matmul, n: int, k: int, fields: dict, layout: str, m_range: tuple[int, int], function,
                 constants: list) -> CpuKernel:
@@ -108,17 +113,25 @@ class CpuTemplate(Template):
                          amx_tiles=self.amx_tiles)
 
 
-def compile_function(func, device, exact_buffers: bool):
-    """The TVM module LLVM makes of a kernel's PrimFunc for `device`.  LLVM eliminates common subexpressions
-    itself; TVM's pass is slow on the unrolled templates.  Compacting the IR-builder templates' exact buffers is a
-    no-op that took ~40% of a large-M AVX512-BF16 kernel's compile (measured: 0.74 -> 0.50 s, the same results
-    bitwise)."""
-    load_runtime()  # before TVM's compiler loads: the compiled module's parallel loops then run on torch's threads
-    import tvm
-
+def compile_function(func, device, exact_buffers: bool) -> str:
+    """The path of the shared library LLVM makes of a kernel's PrimFunc for `device`'s instruction-set level,
+    compiled out of this process (`compiler`: an LLVM abort raises KernelBuildError here instead of ending it).
+    LLVM eliminates common subexpressions itself; TVM's pass is slow on the unrolled templates.  Compacting the
+    IR-builder templates' exact buffers is a no-op that took ~40% of a large-M AVX512-BF16 kernel's compile
+    (measured: 0.74 -> 0.50 s, the same results bitwise)."""
     skipped = ["s_tir.CompactBufferAllocation"] if exact_buffers else []
-    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}, disabled_pass=skipped):
-        return tvm.compile(tvm.IRModule({"main": func}), target=device.tvm_target())
+    return compile_library(func, device.level.target_dict(device.cores), {"tirx.disable_cse_tir": True}, skipped)
+
+
+def disassembly(library: str) -> str:
+    """The machine code of a compiled kernel library, disassembled by binutils' objdump (AT&T syntax)."""
+    import subprocess
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        raise RuntimeError("objdump (binutils) is needed to disassemble a kernel library; install binutils")
+    return subprocess.run([objdump, "-d", "--no-show-raw-insn", library], check=True, capture_output=True,
+                          text=True).stdout
 
 
 def doublings(start: int, limit: int) -> list[int]:

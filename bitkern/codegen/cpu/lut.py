@@ -1,5 +1,6 @@
 """Table-lookup template for few rows (T-MAC style): y = x · dequant(W)ᵀ without decoding the weights: per nibble
-of 16 weight rows, one vpermps looks the partial sums of x up in a 16-entry table; its code comes from
+of 16 weight rows, one lookup (a vpermps with AVX-512, three instructions per 8 lanes with AVX2) finds the partial
+sums of x in a 16-entry table; its code comes from
 `emit.lut` (see there for the kernel's structure).  Cost grows with the number of rows: it serves M <= 4."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from ...ops.matmul import EPILOGUES, NORMS, Matmul
 from ...ttype import codes_per_word, effective_group_size, get
 from ..template import Work
+from . import isa
 from .kernel import (FEW_ROWS, PREFETCH_WORDS, CpuTemplate, Footprint, check_prefetch, doublings, norm_prologue,
                      operand_bytes)
 from .layout import AMX_TILE_ROWS, TILE16_BITS, padded_k
@@ -21,6 +23,8 @@ NIBBLES_PER_WORD = 8
 # The body is unrolled per row count and tile (measured on Zen 4, int1 4096x4096: rows 1..4 x 4 tiles (40)
 # compiled in 0.93 s, x 8 tiles in 2.2 s; one row x 8 tiles in 0.23 s):
 BODY = 36  # tiles x the bucket's row counts summed
+LOOKUP_256 = 3  # a word's lookups and sums per row cost this many times more with 256-bit vectors (three
+#                 instructions per 8 lanes for each vpermps of 16, `emit.tir.lookup16`; estimated)
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,10 @@ class LutTemplate(CpuTemplate):
     config_type = LutConfig
     max_rows = MAX_ROWS
     shape_fields = ("n_tiles", "prefetch")
-    epilogues = EPILOGUES  # its output stage (`emit.lut._Builder._store`)
+    epilogues = EPILOGUES  # its output stage (`emit.lut.Builder._store`)
     norms = NORMS  # the tables are built from x̂ (`emit.norm`)
     residual_add = True
+    requires = isa.level("x86-64-v3").features  # 256-bit vpermps at least (`emit.tir.lookup16`)
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
         ttype = get(spec.weight_dtype)
@@ -98,7 +103,8 @@ class LutTemplate(CpuTemplate):
         words = -(-n // AMX_TILE_ROWS) * padded_k(k, bits) // codes_per_word(bits)
         positions = padded_k(k, bits) * bits // 4
         tasks = -(-(-(-n // AMX_TILE_ROWS)) // config.n_tiles)
-        operations = {"lookup_word": words, "lookup_word_row": words * m,
+        lookups = 1 if device.vector_bytes >= 64 else LOOKUP_256
+        operations = {"lookup_word": words, "lookup_word_row": words * m * lookups,
                       "lookup_table_entry": m * positions * min(device.cores, tasks),
                       "l2_byte": tasks * m * positions * 64, **norm_prologue(spec, m, k, min(device.cores, tasks))}
         return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
@@ -115,7 +121,7 @@ class LutTemplate(CpuTemplate):
         if config.n_tiles % min_tiles(spec):
             raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
                              f"in pairs)")
-        return build(spec, n, k, config, device.cores, bucket), [value_table(spec)]
+        return build(spec, n, k, config, device.cores, bucket, device.level), [value_table(spec)]
 
 
 TEMPLATE = LutTemplate()

@@ -39,6 +39,15 @@ def load_runtime() -> bool:
     return False
 
 
+def load_library(path: str, name: str = "main"):
+    """The function `name` of a kernel library exported by TVM (its parallel loops on torch's threads), loaded with
+    the TVM runtime alone: a process that finds its kernels in the cache never imports the compiler."""
+    import tvm_ffi
+
+    load_runtime()
+    return tvm_ffi.load_module(path)[name]
+
+
 def _torch_launch_unavailable() -> str | None:
     """Why the kernels cannot share torch's OpenMP team (None: they can), binding the launcher if they can."""
     import torch

@@ -10,12 +10,12 @@ from ...ops.matmul import ACTIVATION_BLOCK, ACTIVATION_QUANTS, EPILOGUES, NORMS,
 from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
 from ..template import Work
+from . import isa
 from .kernel import (PREFETCH_WORDS, SMALL_M, CpuTemplate, Footprint, check_prefetch, doublings, norm_prologue,
                      operand_bytes)
 from .layout import AMX_TILE_ROWS, padded_k
 from .matrix import PLANES, MatrixTemplate
 
-CPU_FLAG = "avx512_vnni"
 BITS = (1, 2, 4, 8)  # code widths whose tile16 words split into bytes of whole codes
 PRODUCTS = ACTIVATION_BLOCK // 4  # vpdpbusd per row, tile and activation block (4 k's per lane each)
 # vpdpbusd a kernel's bodies hold over all their row counts and tiles, per activation block: bounds LLVM's compile
@@ -62,6 +62,7 @@ class VnniTemplate(CpuTemplate):
     title = "VNNI"
     config_type = VnniConfig
     shape_fields = ("n_tiles", "rows", "prefetch")
+    requires = isa.level("avx512-vnni").features
     epilogues = EPILOGUES  # the tile16 builder's output stage
     residual_add = True
     norms = NORMS  # the tile16 builder's prologue
@@ -69,8 +70,6 @@ class VnniTemplate(CpuTemplate):
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
         ttype = get(spec.weight_dtype)
-        if CPU_FLAG not in device.flags:
-            return "this CPU (no AVX512-VNNI)"
         if spec.activation_quant == "none":
             return "activation_quant='none' (it multiplies int8 activations)"
         if ttype.kind not in (INT, UINT) or ttype.bits not in BITS:

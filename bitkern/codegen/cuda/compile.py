@@ -16,6 +16,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
+from ..template import KernelBuildError
+
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 NVCC_FLAGS = ("-O3", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "-fmad=true", "-w")
 _PASS_CONFIG = {"tirx.use_async_copy": True, "tirx.disable_cse_tir": True}
@@ -217,7 +219,7 @@ def nvcc(source: str, arch: str, keep_dir: str | None = None) -> Binary:
                    "-o", cubin_path, source_path]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"nvcc failed for {arch} ({' '.join(command)}):\n{result.stderr[-4000:]}")
+            raise KernelBuildError(f"nvcc failed for {arch} ({' '.join(command)}):\n{result.stderr[-4000:]}")
         with open(cubin_path, "rb") as handle:
             cubin = handle.read()
         ptx_files = [f for f in os.listdir(work) if f.endswith(".ptx")]

@@ -13,6 +13,7 @@ import bitkern
 from bitkern import ttype
 from bitkern.cache import kernel_for
 from bitkern.codegen import PackedWeight, pack, to_layout
+from bitkern.codegen.cpu.kernel import disassembly
 from bitkern.ops import Matmul
 from bitkern.tuner import host_cpu
 from tests.helpers import MATRIX_TEMPLATES, assert_matches_reference, matmul_case, matrix_device
@@ -230,8 +231,9 @@ def test_two_bit_codes_decode_three_k_pairs_per_shift(name, zero_mode, group, m,
     assert_matches_reference(spec, q, x, b, kernels["affine"](x, packed, b))
     # the shifts that move codes (by under 16 bits; the activation prologue's bf16 rounding shifts by 16, its
     # non-finite test by 31)
-    shifts = {decode: sum(int(bits) < 16 for bits in re.findall(r"vpsrld\t\$(\d+)", kernel.module.mod.inspect_source(
-        "asm"))) for decode, kernel in kernels.items()}
+    shifts = {decode: sum(int(bits, 16) < 16 for bits in re.findall(r"vpsrld\s+\$0x([0-9a-f]+),",
+                                                                    disassembly(kernel.library)))
+              for decode, kernel in kernels.items()}
     assert 0 < shifts["affine"] < shifts["lut"] / 2
 
 
@@ -268,7 +270,7 @@ def test_kernels_without_software_prefetch(template, config):
     kernels = {prefetch: build_kernel(spec, 88, 384, template, configs[prefetch], packed.layout, (1, 4), host_cpu())
                for prefetch in configs}
     assert_matches_reference(spec, q, x, b, kernels[0](x, packed, b))
-    prefetches = {prefetch: kernel.module.mod.inspect_source("asm").count("prefetcht0")
+    prefetches = {prefetch: disassembly(kernel.library).count("prefetcht0")
                   for prefetch, kernel in kernels.items()}
     assert 0 < prefetches[0] < prefetches[16]
 
@@ -297,10 +299,9 @@ def test_amx_kernels_build_for_sapphire_rapids_on_any_host(name, activation, con
     its code for a Sapphire Rapids target holds the tile products, and for converted 8-bit codes the
     int-to-float conversions."""
     cpu = host_cpu()
-    spr = dataclasses.replace(cpu, llvm_cpu="sapphirerapids", has_amx_bf16=True,
-                              flags=cpu.flags | {"amx_tile", "amx_bf16", "avx512_bf16"})
+    spr = cpu.at_level("amx")
     *_, kernel = _amx_kernel(name, activation, config, spr)
-    assembly = kernel.module.mod.inspect_source("asm")
+    assembly = disassembly(kernel.library)
     assert "tdpbf16ps" in assembly and "tileloadd" in assembly
     if config["decode"] == "convert":
         assert "vcvtdq2ps" in assembly
@@ -367,7 +368,7 @@ def test_lookup_template_rejects_row_ranges_it_cannot_serve(rows, message):
 
     spec, *_ = matmul_case("int2", 32, 128, 1)
     with pytest.raises(ValueError, match=re.escape(f"rows={rows}") + ".*" + message):
-        lut.build(spec, 32, 128, LutConfig(), 2, rows)
+        lut.build(spec, 32, 128, LutConfig(), 2, rows, host_cpu().level)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -376,7 +377,6 @@ def test_lookup_kernels_split_into_any_number_of_chunks(threads, n):
     """Each parallel chunk tabulates x itself and runs its own consecutive tasks: for any thread count the
     build assumes (more chunks than the runtime has threads, fewer tasks than threads, a short last chunk)
     every tile is computed once, by the same arithmetic, so outputs are bit-identical across thread counts."""
-    import dataclasses
 
     from bitkern.codegen import build_kernel
     from bitkern.codegen.cpu.lut import LutConfig

@@ -66,16 +66,18 @@ def _check_non_finite(template, m, direct, weight, zero_mode, activation):
 
 
 CASES = [("amx", 1, None), ("amx", 40, None), ("dot", 1, None), ("dot", 3, True), ("dot", 8, False), ("dot", 40, None),
-         ("lut", 1, None), ("lut", 3, None), ("generic", 3, None)]
+         ("lut", 1, None), ("lut", 3, None), ("fma", 1, None), ("fma", 4, None), ("generic", 3, None)]
 MARKS = {"amx": pytest.mark.requires_amx, "dot": pytest.mark.requires_avx512_bf16}
 
 
 def _served(cases, weights):
     """Every case with every (weight, zero_mode, activation) but the lookup template's 8-bit codes (it reads 1-, 2-
-    and 4-bit codes), each matrix template's case marked with the hardware it runs on."""
+    and 4-bit codes) and the FMA template's non-integer ones, each matrix template's case marked with the hardware
+    it runs on."""
     return [pytest.param(template, m, direct, *weight, marks=MARKS.get(template, ()))
             for template, m, direct in cases for weight in weights
-            if not (template == "lut" and bitkern.ttype.get(weight[0]).bits == 8)]
+            if not (template == "lut" and bitkern.ttype.get(weight[0]).bits == 8)
+            and not (template == "fma" and bitkern.ttype.get(weight[0]).kind not in ("int", "uint"))]
 
 
 @pytest.mark.parametrize("template, m, direct, weight, zero_mode, activation", _served(CASES, [
@@ -86,7 +88,8 @@ def test_non_finite_x_gives_torchs_infinities(template, m, direct, weight, zero_
 
 
 @pytest.mark.parametrize("template, m, direct, weight, zero_mode, activation", _served(
-    [("amx", 40, None), ("dot", 1, None), ("dot", 40, None), ("lut", 3, None)], [("mxfp4", None, "bfloat16"), ("nvfp4", None, "float16"), ("uint4", "hqq", "float32")]))
+    [("amx", 40, None), ("dot", 1, None), ("dot", 40, None), ("lut", 3, None), ("fma", 2, None)],
+    [("mxfp4", None, "bfloat16"), ("nvfp4", None, "float16"), ("uint4", "hqq", "float32")]))
 def test_non_finite_x_with_block_scales_and_float_zero_points(template, m, direct, weight, zero_mode, activation):
     _check_non_finite(template, m, direct, weight, zero_mode, activation)
 

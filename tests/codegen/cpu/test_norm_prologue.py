@@ -11,7 +11,7 @@ from torch import nn
 
 import bitkern
 from bitkern.codegen import pack
-from bitkern.codegen.cpu import amx, dot, generic, lut
+from bitkern.codegen.cpu import amx, dot, fma, generic, lut
 from bitkern.codegen.cpu.dot import DotConfig
 from bitkern.codegen.cpu.generic import GenericConfig
 from bitkern.codegen.cpu.matrix import decode_strategies
@@ -153,8 +153,7 @@ def test_non_finite_x_gives_the_norms_nan_rows():
 def test_the_amx_kernels_build_with_a_norm_prologue():
     """The AMX template shares the tile16 prologue: its kernels with a norm compile for an AMX CPU."""
     cpu = host_cpu()
-    device = dataclasses.replace(cpu, llvm_cpu="sapphirerapids", has_amx_bf16=True,
-                                 flags=cpu.flags | {"amx_tile", "amx_bf16"})
+    device = cpu.at_level("amx")
     qweight = bitkern.quantize(torch.randn(64, 256), "int4")
     spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", epilogue="swiglu", norm="layernorm")
     config = amx.AmxConfig(2, False, 64, 2, 16, "affine", chunk_prologue=True)  # planes built per row chunk
@@ -177,10 +176,16 @@ def test_templates_without_a_norm_prologue_say_so():
     ("uint4", "gptq", "rmsnorm", "bfloat16", 256, 64),      # zero points: the group sums XS are of x̂
     ("int4", None, "layernorm", "float32", 200, -1),         # K not a multiple of 16: x̂ element by element
 ])
-def test_lookup_kernels_with_a_norm_prologue_match_the_reference(name, zero_mode, norm, activation, k, group):
-    """The lookup template (M <= 4: the decode path) builds its tables from x̂: y within the kernels' error bound
-    of the float64 reference of x̂ · Wᵀ + b + residual for M = 1..4, and a SwiGLU kernel's y within that of its
-    unfused pair; one build serves every row count of the bucket."""
+@pytest.mark.parametrize("few_rows", ["lut", "fma"])
+def test_lookup_kernels_with_a_norm_prologue_match_the_reference(name, zero_mode, norm, activation, k, group, few_rows):
+    """The few-row templates (M <= 4: the decode path) read x̂ (the lookup template builds its tables from it, the
+    FMA template multiplies it in): y within the kernels' error bound of the float64 reference of x̂ · Wᵀ + b +
+    residual for M = 1..4, and a SwiGLU kernel's y within that of its unfused pair; one build serves every row count
+    of the bucket."""
+    template, config = {"lut": (lut.TEMPLATE, lut.LutConfig(n_tiles=2, prefetch=16)),
+                        "fma": (fma.TEMPLATE, fma.FmaConfig(n_tiles=2, prefetch=16))}[few_rows]
+    if few_rows == "fma" and name == "nf4":
+        pytest.skip("codebook codes go to the lookup template")
     n = 64
     generator = torch.Generator().manual_seed(k + group)
     qweight = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=group, zero_mode=zero_mode)
@@ -190,7 +195,7 @@ def test_lookup_kernels_with_a_norm_prologue_match_the_reference(name, zero_mode
     for epilogue in ("none", "swiglu"):
         spec = Matmul.for_weight(qweight, activation, bias=True, output_dtype="float32", epilogue=epilogue,
                                  residual=epilogue == "none", norm=norm, norm_eps=EPS)
-        kernel = lut.TEMPLATE.build(spec, n, k, lut.LutConfig(n_tiles=2, prefetch=16), "tile16", (1, 4), host_cpu())
+        kernel = template.build(spec, n, k, config, "tile16", (1, 4), host_cpu())
         for m in (1, 2, 4):
             x = (2 * torch.randn(m, k, generator=generator)).to(dtype)
             residual = torch.randn(m, n, generator=generator) if spec.residual else None

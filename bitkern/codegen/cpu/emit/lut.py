@@ -2,9 +2,10 @@
 
 Each 4-bit nibble of a tile16 word holds 4/bits codes of one row.  For every nibble position p and every
 row of x, the prologue tabulates all 16 partial sums T[m, p, c] = Σ_i x[m, k_i] · v(code_i(c)) over the
-k's the nibble covers.  The main loop then needs, per nibble of 16 weight rows, one vpermps (a 16-entry
-float32 table lookup in a register, indexed by the low 4 bits of each lane: the word shifted by 4·j) and
-one add: 64 weights per lookup for 1-bit codes, 32 for 2-bit, 16 for 4-bit, all in exact float32 sums.
+k's the nibble covers.  The main loop then needs, per nibble of 16 weight rows, one 16-entry float32 table
+lookup in registers, indexed by the low 4 bits of each lane (the word shifted by 4·j: a vpermps with AVX-512,
+two per half and a blend with AVX2, `tir.lookup16`) and one add: 64 weights per lookup for 1-bit codes, 32 for
+2-bit, 16 for 4-bit, all in exact float32 sums.
 Per group, y += scale · (Σ + beta·XS) folds the zero point (codes tabulate as raw integers then).
 """
 
@@ -16,20 +17,22 @@ from tvm.script.ir_builder import tirx as T
 from ....ops.expr import apply_epilogue
 from ....ops.matmul import Matmul
 from ....ttype import codes_per_word, effective_group_size, get
+from ..isa import IsaLevel
 from ..layout import AMX_TILE_ROWS, padded_k
 from ..lut import MAX_ROWS, NIBBLES_PER_WORD, LutConfig
 from . import nonfinite
 from .groups import GroupArguments, biased, write_output
 from .norm import NormPrologue
-from .tir import (LANES, horizontal_sum, load, prefetch, prefetch_ahead, prim_func, ramp, registers, splat, to_float32,
-                  u32)
+from .tir import (LANES, horizontal_sum, load, lookup16, prefetch, prefetch_ahead, prim_func, ramp, registers, splat,
+                  to_float32, u32)
 
 
-def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int],
+def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int], level: IsaLevel,
           name: str = "main"):
-    """The PrimFunc for a [N, K] weight in the tile16 layout and M in `rows` (inclusive, within 1..4), split
-    into `threads` parallel chunks (the runtime's thread count: each chunk tabulates x itself, see
-    `_Builder._main`).  Other row counts compute nothing: the body is emitted per row count of the range.
+    """The PrimFunc for a [N, K] weight in the tile16 layout and M in `rows` (inclusive, within 1..4) at the
+    instruction-set `level` (its vector width picks the table lookup, `tir.lookup16`), split into `threads` parallel
+    chunks (the runtime's thread count: each chunk tabulates x itself, see
+    `Builder._main`).  Other row counts compute nothing: the body is emitted per row count of the range.
 
     Arguments, in order: x [M, K], qweight, scales, zeros (zero modes), tensor_scale (nvfp4), values
     (see `lut.value_table`), the norm's weight and bias [K] float32 (norm prologues), bias [N] float32 (bias
@@ -37,18 +40,28 @@ def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: t
     (`emit.norm`), and the output stage applies the spec's epilogue (SwiGLU: tasks hold (gate, up) tile pairs,
     `lut.min_tiles`).
     """
+    check_rows(threads, rows)
+    return Builder(spec, n, k, config, threads, rows, level).build(name)
+
+
+def check_rows(threads: int, rows: tuple[int, int]) -> None:
+    """Raise unless `threads` and the row range `rows` are ones the few-row kernels take."""
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     if not 1 <= rows[0] <= rows[1]:
         raise ValueError(f"rows={rows} is not a range of row counts")
     if rows[1] > MAX_ROWS:
-        raise ValueError(f"rows={rows}: the lookup template serves at most {MAX_ROWS} rows")
-    return _Builder(spec, n, k, config, threads, rows).build(name)
+        raise ValueError(f"rows={rows}: the few-row kernels serve at most {MAX_ROWS} rows")
 
 
-class _Builder:
-    def __init__(self, spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int]):
-        self.spec, self.cfg, self.threads, self.rows = spec, config, threads, rows
+class Builder:
+    """The lookup kernel's builder; the FMA kernel (`emit.fma`) replaces its tables and inner loop."""
+
+    takes_values = True  # it takes the value table (`lut.value_table`)
+
+    def __init__(self, spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: tuple[int, int],
+                 level: IsaLevel):
+        self.spec, self.cfg, self.threads, self.rows, self.level = spec, config, threads, rows, level
         self.ttype = get(spec.weight_dtype)
         self.bits = self.ttype.bits
         self.n, self.k = n, k
@@ -79,7 +92,8 @@ class _Builder:
         self.x = T.arg("x", T.Buffer((self.m, self.k), spec.activation_dtype))
         self.qweight = T.arg("qweight", T.Buffer((self.n_tiles, self.words, AMX_TILE_ROWS), "int32"))
         self.group_args = GroupArguments.declare(spec, per_tile)
-        self.values = T.arg("values", T.Buffer((self.ttype.num_codes,), "float32"))
+        if self.takes_values:
+            self.values = T.arg("values", T.Buffer((self.ttype.num_codes,), "float32"))
         self.norm = NormPrologue.declare(spec, self.k)
         self.bias = T.arg("bias", T.Buffer((self.n,), "float32")) if spec.bias else None
         out_n = spec.out_features(self.n)
@@ -109,15 +123,29 @@ class _Builder:
         term is a broadcast load and a multiply-add.  Meanwhile word w of each of the chunk's first tiles
         (and its group's scales) is prefetched into L2: the first task then starts on cached lines instead of
         cold misses (measured at 4096x4096 int1: its first task 9.8 -> 5.1 µs, the prologue 2.8 -> 6.3 µs)."""
-        mask = (1 << self.bits) - 1
-        lane = tirx.Ramp(0, 1, LANES)
-        selected = [load(self.values, tirx.bitwise_and(tirx.shift_right(lane, splat(i * self.bits, "int32")),
-                                                        splat(mask, "int32"))) for i in range(self.codes_per_nibble)]
         if self.norm is not None:
             with T.serial(0, self.m) as row:
                 self.norm.statistics(row, lambda index: to_float32(load(self.x, row, index),
                                                                    self.spec.activation_dtype))
-        x = self._widened_x()
+        self._tabulate(self._widened_x(), first_tiles)
+        if not self._needs_group_sums():
+            return
+        span = min(self.kgroup, self.k)  # a per-channel group runs over the padding too, where x is 0
+        with T.serial(0, self.m) as row:
+            with T.serial(0, self.groups) as g:
+                acc = T.alloc_buffer((LANES,), "float32", scope="local")
+                T.buffer_store(acc, splat(0.0, "float32"), [ramp(0)])
+                with T.serial(0, -(-span // LANES)) as chunk:
+                    vector = self._x_vector(row, g * self.kgroup + chunk * LANES, g * self.kgroup + span)
+                    T.buffer_store(acc, load(acc, ramp(0)) + nonfinite.finite_part(vector)[0], [ramp(0)])
+                T.buffer_store(self.xs, horizontal_sum(load(acc, ramp(0))), [row, g])
+
+    def _tabulate(self, x, first_tiles: list) -> None:
+        """The tables T from the widened x (see `_prologue`), prefetching the chunk's first tiles meanwhile."""
+        mask = (1 << self.bits) - 1
+        lane = tirx.Ramp(0, 1, LANES)
+        selected = [load(self.values, tirx.bitwise_and(tirx.shift_right(lane, splat(i * self.bits, "int32")),
+                                                        splat(mask, "int32"))) for i in range(self.codes_per_nibble)]
         with T.serial(0, self.m * self.words) as task:
             row, word = tirx.floordiv(task, self.words), tirx.floormod(task, self.words)
             for tile in first_tiles:
@@ -130,17 +158,6 @@ class _Builder:
                     term = tirx.Broadcast(load(x, row, k_index), LANES) * selected[i]
                     total = term if total is None else total + term
                 T.buffer_store(self.tables, total, [row, word * NIBBLES_PER_WORD + nibble, ramp(0)])
-        if self.group_args.zeros is None:
-            return
-        span = min(self.kgroup, self.k)  # a per-channel group runs over the padding too, where x is 0
-        with T.serial(0, self.m) as row:
-            with T.serial(0, self.groups) as g:
-                acc = T.alloc_buffer((LANES,), "float32", scope="local")
-                T.buffer_store(acc, splat(0.0, "float32"), [ramp(0)])
-                with T.serial(0, -(-span // LANES)) as chunk:
-                    vector = self._x_vector(row, g * self.kgroup + chunk * LANES, g * self.kgroup + span)
-                    T.buffer_store(acc, load(acc, ramp(0)) + nonfinite.finite_part(vector)[0], [ramp(0)])
-                T.buffer_store(self.xs, horizontal_sum(load(acc, ramp(0))), [row, g])
 
     def _widened_x(self):
         """x as float32 [M, K_pad], zero past K; non-finite x count as 0 and flag their row (see `nonfinite`)."""
@@ -177,7 +194,7 @@ class _Builder:
         chunks = min(self.threads, blocks)
         with T.parallel(0, chunks) as chunk:
             first, end = tirx.floordiv(chunk * blocks, chunks), tirx.floordiv((chunk + 1) * blocks, chunks)
-            self.tables = T.alloc_buffer((self.m, self.positions, LANES), "float32")
+            self._allocate_tables()
             self.xs = T.alloc_buffer((self.m, self.groups), "float32")
             self.nonfinite = T.alloc_buffer((self.m, LANES), "uint32")  # rows with ±Inf or NaN in x
             if self.norm is not None:
@@ -189,10 +206,22 @@ class _Builder:
                         with T.Then():
                             self._task(block, rows)
 
+    def _needs_group_sums(self) -> bool:
+        """Whether the group sums XS of x are needed (`_group_offset`)."""
+        return self.group_args.zeros is not None
+
+    def _group_offset(self, tile_index, g):
+        """What the sums over a group hold per unit of XS beyond Σ x·value (the zero point, codes tabulated raw), or
+        None."""
+        return self.group_args.zero(tile_index, g) if self.group_args.zeros is not None else None
+
+    def _allocate_tables(self) -> None:
+        self.tables = T.alloc_buffer((self.m, self.positions, LANES), "float32")
+
     def _task(self, block, rows: int) -> None:
         n_tiles = self.cfg.n_tiles
         tiles = [tirx.min(block * n_tiles + c, self.n_tiles - 1) for c in range(n_tiles)]
-        yacc, gacc = registers((rows, n_tiles), "float32"), registers((n_tiles,), "float32")
+        yacc, gacc = registers((rows, n_tiles), "float32"), self._sums_buffer(rows)
         for row in range(rows):
             for c in range(n_tiles):
                 T.buffer_store(yacc, splat(0.0, "float32"), [row, c, ramp(0)])
@@ -200,17 +229,15 @@ class _Builder:
             for tile in tiles:
                 self.group_args.prefetch(tile, g, n_tiles)
             scales = [self.group_args.scale(tile, g) for tile in tiles]
-            zeros = [self.group_args.zero(tile, g) for tile in tiles] if self.group_args.zeros is not None else None
-            for row in range(rows):
-                for c in range(n_tiles):
-                    T.buffer_store(gacc, splat(0.0, "float32"), [c, ramp(0)])
-                with T.serial(0, self.group_words) as w:
-                    self._lookup_words(gacc, tiles, row, g * self.group_words + w)
-                for c in range(n_tiles):
-                    total = load(gacc, c, ramp(0))
-                    if zeros is not None:
-                        total = total - zeros[c] * tirx.Broadcast(load(self.xs, row, g), LANES)
-                    T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scales[c], [row, c, ramp(0)])
+            offsets = [self._group_offset(tile, g) for tile in tiles]
+
+            def fold(row, c, total):
+                """y += scale · (Σ - offset · XS) for row `row` and tile c of the task."""
+                if offsets[c] is not None:
+                    total = total - offsets[c] * tirx.Broadcast(load(self.xs, row, g), LANES)
+                T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scales[c], [row, c, ramp(0)])
+
+            self._group_sums(gacc, tiles, rows, g, fold)
         for row in range(rows):  # the terms of non-finite x the prologue left out
             nonfinite.add_terms(yacc, row, tiles, self.nonfinite, row, self.k, self._x,
                                 lambda tile, j: nonfinite.weight_lanes(self.spec, self.k, self.qweight,
@@ -221,6 +248,20 @@ class _Builder:
                 with T.Then():
                     self._store(yacc, rows, tiles[c], c, swiglu)
 
+    def _sums_buffer(self, rows: int):
+        """Registers for a group's sums: one row's per tile (the rows take turns)."""
+        return registers((self.cfg.n_tiles,), "float32")
+
+    def _group_sums(self, gacc, tiles, rows: int, g, fold) -> None:
+        """Each row's sums over group g's words per tile, looked up, handed to fold(row, c, sums)."""
+        for row in range(rows):
+            for c in range(len(tiles)):
+                T.buffer_store(gacc, splat(0.0, "float32"), [c, ramp(0)])
+            with T.serial(0, self.group_words) as w:
+                self._lookup_words(gacc, tiles, row, g * self.group_words + w)
+            for c in range(len(tiles)):
+                fold(row, c, load(gacc, c, ramp(0)))
+
     def _lookup_words(self, gacc, tiles, row, word_index) -> None:
         """gacc[c] += Σ_j T[row, 8·word + j][nibble j of each lane's word] for every tile c of the task."""
         tables = [load(self.tables, row, word_index * NIBBLES_PER_WORD + j, ramp(0)) for j in range(NIBBLES_PER_WORD)]
@@ -228,10 +269,9 @@ class _Builder:
             if row == 0:
                 prefetch_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, len(tiles))
             word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
-            picked = [tirx.call_llvm_pure_intrin(
-                "float32x16", "llvm.x86.avx512.permvar.sf.512", table,
-                tirx.reinterpret("int32x16", word if j == 0 else tirx.shift_right(word, u32(4 * j))))
-                for j, table in enumerate(tables)]
+            nibbles = [word if j == 0 else tirx.shift_right(word, u32(4 * j)) for j in range(NIBBLES_PER_WORD)]
+            picked = [lookup16(table, tirx.reinterpret("int32x16", nibble), self.level.vector_bytes)
+                      for table, nibble in zip(tables, nibbles)]
             T.buffer_store(gacc, load(gacc, c, ramp(0)) + _tree_sum(picked), [c, ramp(0)])
 
     def _store(self, yacc, rows: int, tile_index, c, swiglu: bool) -> None:

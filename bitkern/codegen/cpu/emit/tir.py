@@ -129,6 +129,23 @@ def _horizontal(values, combine):
     return values
 
 
+def lookup16(table, index, vector_bytes: int):
+    """table[index & 15] per lane: 16 float32 lanes looked up in a 16-entry float32 table (`index` int32x16; bits
+    above the low 4 are ignored).  With 512-bit vectors one vpermps; with 256-bit ones (AVX2), per half of the lanes
+    a vpermps into each half of the table (it reads the low 3 bits) and a vblendvps choosing by bit 3 (shifted
+    into the sign bit)."""
+    if vector_bytes >= 64:
+        return tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", table, index)
+    halves = [tirx.Shuffle([table], list(range(start, start + 8))) for start in (0, 8)]
+    picked = []
+    for start in (0, 8):
+        lanes_index = tirx.Shuffle([index], list(range(start, start + 8)))
+        low, high = (tirx.call_llvm_pure_intrin("float32x8", "llvm.x86.avx2.permps", half, lanes_index)
+                     for half in halves)
+        bit3 = tirx.reinterpret("float32x8", tirx.shift_left(lanes_index, splat(28, "int32", 8)))
+        picked.append(tirx.call_llvm_pure_intrin("float32x8", "llvm.x86.avx.blendv.ps.256", low, high, bit3))
+    return tirx.Shuffle(picked, list(range(LANES)))
+
 
 def prefetch_ahead(buffer, tile_index, index, distance: int, tiles_per_task: int) -> None:
     """Prefetch the line `distance` rows past (tile, index) of a per-tile buffer [tiles, rows, lanes] (tile16

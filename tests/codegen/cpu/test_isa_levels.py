@@ -1,0 +1,135 @@
+"""Instruction-set levels: each CPU template builds for every level that has the features it declares, runs there
+where this machine can (against the float64 reference, lower levels forced), and compiles to the instructions its
+inner loop is made of above it (checked in the disassembly); it is never offered or built for a level without its
+features, and no 256-bit level gets 512-bit code."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bitkern.codegen import build_kernel, pack
+from bitkern.codegen.cpu import TEMPLATES, isa
+from bitkern.codegen.cpu.kernel import disassembly
+from bitkern.ops import Matmul
+from bitkern.tuner import device_for, host_cpu
+from bitkern.tuner.space import enumerate_candidates, usable_templates
+from tests.helpers import assert_matches_reference, matmul_case
+
+# /proc/cpuinfo flags of CPUs bitkern meets (the part of them the levels read) and the level each runs
+V3 = {"sse2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
+SKYLAKE_SP = V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+CPUS = {"Zen 3": (V3, "x86-64-v3"), "Alder Lake": (V3 | {"avx_vnni"}, "avx-vnni"),
+        "Skylake-SP": (SKYLAKE_SP, "avx512"), "Cascade Lake": (SKYLAKE_SP | {"avx512_vnni"}, "avx512-vnni"),
+        "Zen 4": (SKYLAKE_SP | {"avx512_vnni", "avx512_bf16"}, "avx512-bf16"),
+        "Zen 5": (SKYLAKE_SP | {"avx512_vnni", "avx512_bf16", "avx_vnni"}, "avx512-bf16"),
+        "Sapphire Rapids": (SKYLAKE_SP | {"avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
+                                          "amx_int8"}, "amx"),
+        "old x86-64": ({"sse2", "sse4_2"}, "x86-64")}
+
+# (template, spec, rows): a kernel of each template
+KERNELS = {"amx": (Matmul("int4", "bfloat16", group_size=64), (1, 16)),
+           "dot": (Matmul("int4", "bfloat16", group_size=64), (1, 16)),
+           "lut": (Matmul("nf4", "bfloat16", group_size=64), (1, 4)),
+           "fma": (Matmul("int4", "bfloat16", group_size=64), (1, 4)),
+           "vnni": (Matmul("int4", "bfloat16", group_size=64, activation_quant="int8"), (1, 16)),
+           "generic": (Matmul("int4", "float32", group_size=64), (1, 16))}
+# the instructions a template's inner loop is made of, per vector width of the level
+INNER_LOOP = {"amx": ["tdpbf16ps", "tileloadd"], "dot": ["vdpbf16ps"], "vnni": ["vpdpbusd"],
+              "lut": {32: ["vperm(ps|d)", "vblendvps"], 64: ["vperm(ps|d)"]},
+              "fma": [r"vfmadd\w*ps", "vcvtdq2ps", "vpsrad"],
+              "generic": {16: ["mulps"], 32: [r"vfmadd\w*ps"], 64: [r"vfmadd\w*ps"]}}
+N, K = 64, 256
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+def test_a_cpu_runs_the_highest_level_its_features_allow(cpu):
+    flags, expected = CPUS[cpu]
+    assert isa.best_level(flags).name == expected
+    assert all(level.runs_on(flags) for level in isa.LEVELS[:[lv.name for lv in isa.LEVELS].index(expected)]
+               if level.features <= isa.level(expected).features)
+
+
+def test_unknown_levels_are_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"cpu level 'avx3' is not known; accepted: \['x86-64', 'x86-64-v3'"):
+        isa.level("avx3")
+
+
+def _levels():
+    return [pytest.param(level.name, id=level.name) for level in isa.LEVELS]
+
+
+@pytest.mark.parametrize("template", [template.name for template in TEMPLATES])
+@pytest.mark.parametrize("level", _levels())
+def test_every_template_at_every_level(template, level):
+    """Offered and built where the level has the template's features: run against the reference where this CPU
+    runs the level, else compiled only; the disassembly holds the inner loop's instructions and, for levels of
+    256-bit vectors or less, no zmm register.  Refused before any compiling elsewhere."""
+    device = host_cpu().at_level(level)
+    spec, rows = KERNELS[template]
+    template_object = next(t for t in TEMPLATES if t.name == template)
+    _, unused = usable_templates(spec, N, K, rows, "tile16", device)
+    missing = template_object.missing_features(device)
+    if template == "dot" and device.has_amx_bf16:
+        assert "this CPU has AMX" in unused["dot"]
+        return
+    if missing:
+        assert unused[template] == missing and level in missing
+        with pytest.raises(ValueError, match=f"cannot build for the {level} level"):
+            build_kernel(spec, N, K, template, template_object.config_type(), "tile16", rows, device)
+        return
+    assert template not in unused
+    _, candidates = enumerate_candidates(spec, N, K, rows, "tile16", device)
+    config = next(c.config for c in candidates if c.template == template)
+    kernel = build_kernel(spec, N, K, template, config, "tile16", rows, device)
+    code = disassembly(kernel.library)
+    expected = INNER_LOOP[template]
+    expected = expected[device.vector_bytes] if isinstance(expected, dict) else expected
+    assert all(re.search(rf"\b{instruction}\b", code) for instruction in expected), (expected, level)
+    if device.vector_bytes < 64:
+        assert "zmm" not in code
+    if device.vector_bytes < 32:
+        assert "ymm" not in code
+    if not device.runs_here():
+        return
+    _, qweight, x, _ = matmul_case(spec.weight_dtype, N, K, rows[1], spec.activation_dtype, group=64, seed=3)
+    if spec.activation_quant != "none":
+        spec = Matmul.for_weight(qweight, spec.activation_dtype, activation_quant=spec.activation_quant)
+    y = kernel(x, pack(qweight))
+    if spec.activation_quant == "none":
+        assert_matches_reference(spec, qweight, x, None, y)
+    else:  # int8 activations: the definition's own rounding of x, then the exact product
+        torch.testing.assert_close(y, spec.reference(x, qweight), rtol=1e-4, atol=1e-3)
+
+
+def test_forcing_a_lower_level_in_a_fresh_process():
+    """$BITKERN_CPU_LEVEL lowers the level of every kernel the process builds (and keys its cache by it); a level
+    above this CPU is refused, naming what the CPU lacks."""
+    script = ("import torch, bitkern; from bitkern.tuner import host_cpu; "
+              "l = bitkern.Linear(256, 64, dtype='int4', group_size=64); x = torch.randn(1, 256).bfloat16(); "
+              "w = l.dequantize_weight().float(); "
+              "print(host_cpu().key, bool((l(x).float() - x.float() @ w.T).abs().max() < 0.2))")
+    forced = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BITKERN_CPU_LEVEL": "x86-64-v3"})
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert forced.stdout.split() == [f"cpu-x86-64-v3-{host_cpu().cores}c", "True"]
+    above = [level.name for level in isa.LEVELS if not level.runs_on(open("/proc/cpuinfo").read().split())]
+    if not above:
+        pytest.skip("this CPU runs every level")
+    refused = subprocess.run([sys.executable, "-c", "from bitkern.tuner import host_cpu; host_cpu()"],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "BITKERN_CPU_LEVEL": above[-1]})
+    assert refused.returncode != 0
+    assert f"BITKERN_CPU_LEVEL='{above[-1]}': this CPU" in refused.stderr and "it runs the levels" in refused.stderr
+
+
+def test_a_named_level_is_a_prebuild_target():
+    device = device_for("cpu:x86-64-v3")
+    assert device.level.name == "x86-64-v3" and device.key == f"cpu-x86-64-v3-{host_cpu().cores}c"
+    assert device.runs_here() == isa.level("x86-64-v3").runs_on(open("/proc/cpuinfo").read().split())
+    with pytest.raises(ValueError, match="cpu level 'avx1024' is not known"):
+        device_for("cpu:avx1024")
+
