@@ -20,7 +20,9 @@ def add_commands(commands) -> None:
     prebuild.add_argument("--dtype", default="int4", help="weight type (see bitkern.ttype.names())")
     prebuild.add_argument("--group-size", type=int, default=128)
     prebuild.add_argument("--zero-mode", default=None, help="none, gptq, awq or hqq (default: by type)")
-    prebuild.add_argument("--target", default="cpu", help="cpu, or a CUDA arch: sm_80, sm_86, sm_89, sm_90")
+    prebuild.add_argument("--target", default="cpu", help="cpu (this CPU at its level), cpu:<level> (e.g. "
+                          "cpu:x86-64-v3, for a fleet; levels: bitkern.codegen.cpu.isa.LEVELS), or a CUDA arch: "
+                          "sm_80, sm_86, sm_89, sm_90")
     prebuild.add_argument("--m", default="1,16,128", help="rows the model will run with (one kernel per bucket)")
     prebuild.add_argument("--activation", default="bfloat16", help="activation dtype: bfloat16, float16, float32")
     prebuild.add_argument("--cache-dir", default=None, help="store (default: $BITKERN_CACHE_DIR or ~/.cache/bitkern)")

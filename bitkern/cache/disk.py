@@ -34,6 +34,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from ..tuner.device import host_cpu, unrunnable
 from . import bundle
 from .entry import CONSTANTS, LIBRARY, MANIFEST, parse_manifest
 from .key import KernelKey, versions
@@ -243,6 +244,11 @@ class DiskStore:
             for final in added:
                 shutil.rmtree(final, ignore_errors=True)
             raise OSError(f"importing {path} into {self.version_dir} failed ({error}); nothing was added") from error
+        for target in sorted({entry.target for entry in entries}):
+            reason = unrunnable(target)
+            if reason:
+                log.warning("bitkern: the %s kernels of %s are kept but never run here: %s (they serve machines of "
+                            "that level; this CPU's kernels are keyed %s)", target, path, reason, host_cpu().key)
         return len(added)
 
     # -- internals --------------------------------------------------------------------------------------

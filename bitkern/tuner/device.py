@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import platform
+import re
 from dataclasses import dataclass
 
 from ..codegen.cpu import isa
@@ -99,6 +100,20 @@ def host_cpu() -> CpuDevice:
                          f"it runs the levels {runnable}")
     log.info("bitkern: CPU kernels compiled for %s (%s=%s)", forced, LEVEL_VARIABLE, forced)
     return device
+
+
+def unrunnable(target: str) -> str | None:
+    """Why kernels of the cache target `target` ("cpu-<level>-<cores>c") cannot run on this machine's CPU (the
+    features it lacks), or None (they can, or it is not a CPU target)."""
+    match = re.fullmatch(r"cpu-(.+)-\d+c", target)
+    if match is None:
+        return None
+    try:
+        level = isa.level(match[1])
+    except ValueError:
+        return f"the level {match[1]!r} is not one this bitkern knows"
+    missing = level.features - _cpu_flags()
+    return f"this CPU lacks {', '.join(sorted(missing))}" if missing else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,21 +10,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.matmul import EPILOGUES, NORMS, Matmul
-from ...ttype import codes_per_word, effective_group_size, get
+from ...ops.matmul import Matmul
+from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
 from ..template import Work
 from . import isa
-from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuTemplate, Footprint, check_prefetch, doublings, norm_prologue, \
-    operand_bytes
+from .kernel import FEW_ROWS, PREFETCH_WORDS, Footprint, doublings, norm_prologue, operand_bytes
 from .layout import AMX_TILE_ROWS, padded_k
-from .lut import min_tiles
-from .matrix import PLANES
+from .lut import LutConfig, LutTemplate, min_tiles
 
 BITS = (2, 4, 8)  # 1-bit codes: the lookup template (64 per lookup); 32 positions would outgrow a 16-lane x pattern
-# codes x rows x tiles one word position's body multiplies (unrolled; bounds LLVM's compile time and the registers
-# the sums take: 4 rows x 4 tiles of 16 lanes are 32 ymm with AVX2, spilled; 8 is the most that stays in registers)
-BODY = 16
+# rows x tiles of 16-lane sums a body keeps in registers: with AVX2 each is two of its 16 ymm
+BODY = 8
 
 
 def converts_exactly(ttype) -> bool:
@@ -39,43 +36,28 @@ def converts_exactly(ttype) -> bool:
 
 
 @dataclass(frozen=True)
-class FmaConfig:
-    """Tile configuration of the FMA template: `n_tiles` 16-row weight tiles per task (each word of x broadcast
-    serves them all), `prefetch` words ahead (0: none)."""
+class FmaConfig(LutConfig):
+    """Tile configuration of the FMA template: `n_tiles` 16-row weight tiles per task (each broadcast of x serves
+    them all), `prefetch` words ahead (0: none)."""
 
     n_tiles: int = 2
-    prefetch: int = 32
-
-    def __post_init__(self):
-        check_prefetch(self.prefetch)
-        if isinstance(self.n_tiles, bool) or not isinstance(self.n_tiles, int) or self.n_tiles < 1:
-            raise ValueError(f"n_tiles={self.n_tiles!r} must be a positive int")
 
 
-class FmaTemplate(CpuTemplate):
+class FmaTemplate(LutTemplate):
+    """The lookup template's checks, output stage and prologue (`emit.fma` builds on its kernel), with its own codes,
+    configurations and counts."""
+
     name = "fma"
     title = "FMA"
     config_type = FmaConfig
-    max_rows = FEW_ROWS
-    shape_fields = ("n_tiles", "prefetch")
-    epilogues = EPILOGUES  # the lookup kernel's output stage
-    norms = NORMS  # x̂ widened in the prologue
-    residual_add = True
     requires = isa.level("x86-64-v3").features  # vfmadd231ps
 
-    def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
+    def unsupported_codes(self, spec: Matmul) -> str | None:
         ttype = get(spec.weight_dtype)
-        group = effective_group_size(spec.group_size, k)
-        if spec.geometry is not None:
-            return "a convolution (it reads x as a matrix)"
         if ttype.bits not in BITS:
             return f"{ttype.bits}-bit codes (it reads {list(BITS)}-bit codes)"
         if spec.zero_mode == "none" and not converts_exactly(ttype):
             return f"{ttype.name} codes (it converts codes that are their values as integers)"
-        if spec.activation_dtype not in PLANES:
-            return f"activation_dtype={spec.activation_dtype}"
-        if group != k and group % codes_per_word(ttype.bits):
-            return f"group_size={group} (it needs whole 32-bit words of codes per group)"
         return None
 
     def resources(self, spec: Matmul, k: int, config: FmaConfig) -> Footprint:
@@ -84,15 +66,15 @@ class FmaTemplate(CpuTemplate):
         return Footprint(l1_bytes=config.n_tiles * FEW_ROWS * 64 + FEW_ROWS * group * 4)
 
     def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[FmaConfig]:
-        """Tiles per task while the body stays within BODY row-tiles for the bucket's largest row count (the fewest
-        tiles always: one, or a (gate, up) pair for SwiGLU), every prefetch depth."""
+        """Tiles per task while the sums of the bucket's largest row count stay within BODY (the fewest tiles always:
+        one, or a (gate, up) pair for SwiGLU), every prefetch depth."""
         fewest = min_tiles(spec)
         return [FmaConfig(n_tiles, prefetch) for n_tiles in doublings(fewest, 8)
-                if n_tiles == fewest or n_tiles * bucket[1] <= BODY // 2 for prefetch in PREFETCH_WORDS]
+                if n_tiles == fewest or n_tiles * bucket[1] <= BODY for prefetch in PREFETCH_WORDS]
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: FmaConfig, device) -> Work:
-        """Per call: every 16-lane vector of codes converted once (shift, mask, convert) and multiplied in per row;
-        with 256-bit vectors each counts twice."""
+        """Per call: every 16-lane vector of codes converted once (mask, convert) and multiplied in per row; with
+        256-bit vectors each counts twice."""
         bits = get(spec.weight_dtype).bits
         vectors = -(-n // AMX_TILE_ROWS) * padded_k(k, bits)
         widths = 64 // device.vector_bytes
@@ -101,18 +83,10 @@ class FmaTemplate(CpuTemplate):
                       **norm_prologue(spec, m, k, min(device.cores, tasks))}
         return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
 
-    def program(self, spec: Matmul, n: int, k: int, config: FmaConfig, layout, bucket, device):
-        """The PrimFunc for M in `bucket` (within 1..4), split into `device.cores` parallel chunks (see
-        `emit.fma.build`); no constants."""
+    def emit(self, spec: Matmul, n: int, k: int, config: FmaConfig, bucket, device):
+        """The FMA kernel (`emit.fma.build`); no constants."""
         from .emit.fma import build
 
-        self.check_config(config)
-        reason = self.unsupported(spec, n, k, device) or self.unsupported_epilogue(spec)
-        if reason:
-            raise ValueError(f"the FMA template does not support {reason}")
-        if config.n_tiles % min_tiles(spec):
-            raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
-                             f"in pairs)")
         return build(spec, n, k, config, device.cores, bucket, device.level), []
 
 

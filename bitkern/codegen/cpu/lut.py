@@ -67,14 +67,20 @@ class LutTemplate(CpuTemplate):
         ttype = get(spec.weight_dtype)
         group = effective_group_size(spec.group_size, k)
         if spec.geometry is not None:
-            return "a convolution (the lookup template reads x as a matrix; it has no gathering prologue)"
-        if ttype.bits not in TILE16_BITS:
-            return f"{ttype.bits}-bit codes (it reads {TILE16_BITS}-bit codes)"
+            return f"a convolution (the {self.title} template reads x as a matrix; it has no gathering prologue)"
+        reason = self.unsupported_codes(spec)
+        if reason:
+            return reason
         if spec.activation_dtype not in PLANES:
             return f"activation_dtype={spec.activation_dtype}"
         if group != k and group % codes_per_word(ttype.bits):
             return f"group_size={group} (it needs whole 32-bit words of codes per group)"
         return None
+
+    def unsupported_codes(self, spec: Matmul) -> str | None:
+        """Why the template cannot read the spec's weight codes, or None."""
+        bits = get(spec.weight_dtype).bits
+        return None if bits in TILE16_BITS else f"{bits}-bit codes (it reads {TILE16_BITS}-bit codes)"
 
     def resources(self, spec: Matmul, k: int, config: LutConfig) -> Footprint:
         """L1: a group's tables (16 float32 sums per nibble position) and the task's accumulators."""
@@ -110,17 +116,21 @@ class LutTemplate(CpuTemplate):
         return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
 
     def program(self, spec: Matmul, n: int, k: int, config: LutConfig, layout, bucket, device):
-        """The PrimFunc for M in `bucket` (within 1..4), split into `device.cores` parallel chunks, and the value
-        table it takes after the weight's tensors (see `emit.lut.build`)."""
-        from .emit.lut import build
-
+        """The PrimFunc for M in `bucket` (within 1..4), split into `device.cores` parallel chunks, and the constants
+        it takes after the weight's tensors (`emit`)."""
         self.check_config(config)
         reason = self.unsupported(spec, n, k, device) or self.unsupported_epilogue(spec)
         if reason:
-            raise ValueError(f"the lookup template does not support {reason}")
+            raise ValueError(f"the {self.title} template does not support {reason}")
         if config.n_tiles % min_tiles(spec):
             raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
                              f"in pairs)")
+        return self.emit(spec, n, k, config, bucket, device)
+
+    def emit(self, spec: Matmul, n: int, k: int, config, bucket, device):
+        """(the kernel's PrimFunc, its constants): here the lookup kernel (`emit.lut.build`) and its value table."""
+        from .emit.lut import build
+
         return build(spec, n, k, config, device.cores, bucket, device.level), [value_table(spec)]
 
 

@@ -133,3 +133,30 @@ def test_a_named_level_is_a_prebuild_target():
     with pytest.raises(ValueError, match="cpu level 'avx1024' is not known"):
         device_for("cpu:avx1024")
 
+
+
+def test_a_cache_of_a_level_above_this_cpu_is_never_run_here(tmp_path, caplog):
+    """Prebuilt for the highest level this CPU lacks (compiled, not timed), exported and imported into another
+    cache: the import says those kernels never run here, and this CPU's call builds its own kernel."""
+    from bitkern.cache import DiskStore, forget, kernel_for
+    from bitkern.cache.prebuild import LinearShape, prebuild
+
+    above = [level.name for level in isa.LEVELS if not host_cpu().at_level(level.name).runs_here()]
+    if not above:
+        pytest.skip("this CPU runs every level")
+    built = DiskStore(tmp_path / "fleet")
+    report = prebuild([LinearShape(64, 256, ("proj",))], "int4", 64, f"cpu:{above[-1]}", rows=[1], store=built,
+                      progress=False)
+    assert report.built == 1 and {entry["key"]["target"] for entry in built.entries()} == {
+        f"cpu-{above[-1]}-{host_cpu().cores}c"}
+    built.export(tmp_path / "fleet.tar.gz")
+    here = DiskStore(tmp_path / "here")
+    with caplog.at_level("WARNING", logger="bitkern"):
+        assert here.import_(tmp_path / "fleet.tar.gz") == 1
+    assert f"the cpu-{above[-1]}-{host_cpu().cores}c kernels of" in caplog.text and "never run here" in caplog.text
+    forget()
+    spec = Matmul("int4", "bfloat16", group_size=64)
+    kernel = kernel_for(spec, 64, 256, 1, "tile16", store=here)
+    assert not isinstance(kernel.record, dict)  # built in this process, not loaded from the imported entry
+    assert {entry["key"]["target"] for entry in here.entries()} == {f"cpu-{above[-1]}-{host_cpu().cores}c",
+                                                                   host_cpu().key}
