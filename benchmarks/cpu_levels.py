@@ -6,7 +6,7 @@ DRAM.  Cases take turns round by round with the DRAM probes (torch.sum and a str
 matmul; each figure is a median over rounds, each ratio the median of per-round ratios.  On a CPU above the level
 (an AVX-512 machine measuring its AVX2 kernels) the figures are those of the lower level's code on this CPU.
 
-Run: python benchmarks/cpu_levels.py --level x86-64-v3 [--rows 1] [--types int4 nf4 int8 mxfp4 int2]
+Run: python benchmarks/cpu_levels.py --level x86-64-v3 [--rows 1] [--activation-quant int8] [--types int4 nf4 ...]
      [--shapes 4096x4096 14336x4096 4096x14336] [--out benchmarks/results/cpu_levels_x86-64-v3.md]
 """
 
@@ -33,12 +33,12 @@ from conftest import interleaved, read_probes, rotation, round_ratio  # noqa: E4
 GROUPS = {"mxfp4": 32}  # block-scaled types have their own block; the others use --group
 
 
-def _case(dtype: str, n: int, k: int, m: int, group: int, device):
+def _case(dtype: str, n: int, k: int, m: int, group: int, activation_quant: str, device):
     """(call, weight bytes per call, template chosen) of a bitkern kernel with rotating weights."""
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     quantized = bitkern.quantize(weight, dtype, group_size=GROUPS.get(dtype, group))
     packed = bitkern.pack(quantized)
-    spec = Matmul.for_weight(quantized, "bfloat16")
+    spec = Matmul.for_weight(quantized, "bfloat16", activation_quant=activation_quant)
     kernel = kernel_for(spec, n, k, m, packed.layout, device)
     next_weight = rotation(lambda: packed.from_format(packed.format, *(None if t is None else t.clone()
                                                                        for t in packed.tensors())), packed.nbytes)
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["int4", "nf4", "int8", "mxfp4", "int2"])
     parser.add_argument("--shapes", nargs="+", default=["4096x4096", "14336x4096", "4096x14336"])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--activation-quant", default="none", help="none (bf16 activations) or int8 (W4A8, W8A8)")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
 
@@ -67,7 +68,7 @@ def main() -> None:
     if not device.runs_here():
         parser.error(f"--level {args.level}: this CPU cannot run it")
     probes, probe_bytes = read_probes()
-    lines = [f"# bitkern CPU kernels at {device.level.name}, M={args.rows}",
+    lines = [f"# bitkern CPU kernels at {device.level.name}, M={args.rows}, activation_quant={args.activation_quant}",
              "",
              f"{host_cpu().name} ({platform.machine()}, host level {host_cpu().level.name}), {device.cores} threads, "
              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; command: `python benchmarks/cpu_levels.py "
@@ -79,7 +80,7 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         torch_call = _torch_bf16(n, k, args.rows)
         for dtype in args.types:
-            call, nbytes, template = _case(dtype, n, k, args.rows, args.group, device)
+            call, nbytes, template = _case(dtype, n, k, args.rows, args.group, args.activation_quant, device)
             calls = {"bitkern": call, "torch": torch_call, **{f"probe {name}": probe for name, probe in probes.items()}}
             times = interleaved(calls, rounds=args.rounds)
             probe_s = [min(values) for values in zip(*(times[f"probe {name}"] for name in probes))]

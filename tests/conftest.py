@@ -21,6 +21,12 @@ def _has_avx512_bf16() -> bool:
     return "avx512_bf16" in host_cpu().flags
 
 
+def _has_avx2() -> bool:
+    from bitkern.tuner import host_cpu
+
+    return "avx2" in host_cpu().flags
+
+
 def _has_avx512_vnni() -> bool:
     from bitkern.tuner import host_cpu
 
@@ -43,6 +49,7 @@ def _has_cuda() -> bool:
 HARDWARE = {
     "requires_amx": ("a CPU with AMX-BF16", _has_amx),
     "requires_avx512_bf16": ("a CPU with AVX512-BF16", _has_avx512_bf16),
+    "requires_avx2": ("a CPU with AVX2", _has_avx2),
     "requires_avx512_vnni": ("a CPU with AVX512-VNNI", _has_avx512_vnni),
     "requires_nvcc": ("nvcc", _has_nvcc),
     "requires_cuda": ("a CUDA GPU", _has_cuda),

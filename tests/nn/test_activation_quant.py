@@ -12,7 +12,7 @@ import bitkern
 from bitkern.fusion import cost, install
 from bitkern.ops import Matmul
 
-pytestmark = pytest.mark.requires_avx512_vnni
+pytestmark = pytest.mark.requires_avx2
 
 
 def _linear(**settings) -> bitkern.Linear:

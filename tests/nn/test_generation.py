@@ -75,7 +75,7 @@ def test_a_quantized_output_layer_is_opt_in_and_its_logits_stay_close_to_float(o
     assert error <= bound
 
 
-@pytest.mark.requires_avx512_vnni
+@pytest.mark.requires_avx2
 @pytest.mark.parametrize("dtype, output_layer, bound", [("int4", "auto", 0.05), ("int8", "int8", 0.05)])
 def test_quantized_activations_are_opt_in_and_their_logits_stay_close(dtype, output_layer, bound, capsys):
     """activation_quant="int8" against the same weights multiplying bf16 activations: the logits' relative error and

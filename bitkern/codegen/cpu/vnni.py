@@ -1,6 +1,7 @@
 """VNNI template: y = x̂ · dequant(W)ᵀ for activation_quant="int8" specs, integer weight codes times int8 activations
-by vpdpbusd (AVX512-VNNI: Intel since Cascade Lake, AMD Zen 4 and later), for any number of rows; its code comes
-from `emit.vnni` (see there for the kernel's structure)."""
+in exact int32 byte dot products, for any number of rows: vpdpbusd with AVX512-VNNI (Intel since Cascade Lake, AMD
+Zen 4 and later) and AVX-VNNI (Alder Lake and later, Zen 5), vpmaddubsw and vpmaddwd with AVX2 (`emit.vnni.dot_bytes`);
+its code comes from `emit.vnni` (see there for the kernel's structure)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,20 @@ PRODUCTS = ACTIVATION_BLOCK // 4  # vpdpbusd per row, tile and activation block 
 # vpdpbusd a kernel's bodies hold over all their row counts and tiles, per activation block: bounds LLVM's compile
 # time (the bodies are unrolled; 1 + 2 + 3 + 4 rows x 4 tiles x 8 products = 320)
 BODY = 320
-# zmm registers a row block may hold: y and an int32 sum per (row, tile); per tile its word and two group factors
-REGISTERS = 30
+# 16-lane registers a row block may hold: y and an int32 sum per (row, tile); per tile its word and two group factors
+REGISTERS = 30  # of 32 zmm
+REGISTERS_256 = 12  # with 256-bit vectors (two of the 16 ymm each): a few spill, the byte products bound the time
+
+
+def dot_cost(level, bits: int) -> float:
+    """Instructions per 64 bytes of byte dot products at a level (`emit.vnni.dot_bytes`), relative to one 512-bit
+    vpdpbusd: two 256-bit ones with AVX-VNNI; without VNNI a vpmaddubsw, a vpmaddwd and an add (on two ports) per vector
+    (two vectors with AVX2), twice over for 8-bit codes."""
+    if "avx512_vnni" in level.features:
+        return 1
+    if "avx_vnni" in level.features:
+        return 2
+    return (3 if bits <= 4 else 6) * (64 / level.vector_bytes) / 2
 
 
 def registers(rows: int, n_tiles: int) -> int:
@@ -62,7 +75,7 @@ class VnniTemplate(CpuTemplate):
     title = "VNNI"
     config_type = VnniConfig
     shape_fields = ("n_tiles", "rows", "prefetch")
-    requires = isa.level("avx512-vnni").features
+    requires = isa.level("x86-64-v3").features  # vpmaddubsw at least (`emit.vnni.dot_bytes`)
     epilogues = EPILOGUES  # the tile16 builder's output stage
     residual_add = True
     norms = NORMS  # the tile16 builder's prologue
@@ -88,10 +101,11 @@ class VnniTemplate(CpuTemplate):
         """Row blocks up to the bucket's rows (at most 4) and tiles that fit the registers and the body bound,
         the task's words within half of L2, every prefetch depth; row chunks of 32 to 128 rows beyond 16."""
         small = bucket[1] <= SMALL_M
+        budget = REGISTERS if device.vector_bytes >= 64 else REGISTERS_256
         found = []
         for rows in doublings(1, min(4, bucket[1])):
             for n_tiles in range(1, 9):
-                if registers(rows, n_tiles) > REGISTERS or rows * (rows + 1) // 2 * n_tiles * PRODUCTS > BODY:
+                if registers(rows, n_tiles) > budget or rows * (rows + 1) // 2 * n_tiles * PRODUCTS > BODY:
                     break
                 chunks = [SMALL_M] if small else [c for c in doublings(32, 128)]
                 for chunk, prefetch in ((c, p) for c in chunks for p in PREFETCH_WORDS):
@@ -101,9 +115,9 @@ class VnniTemplate(CpuTemplate):
         return MatrixTemplate.for_epilogue(spec, found)
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: VnniConfig, device) -> Work:
-        """Per call: vpdpbusd per row, tile and product; each row block's word decodes (a mask and a shift per byte
-        position) beside them; per row, tile and activation block the conversion and scaling of C; per group the
-        offset term; the serial prologue of few rows (the other cores wait for it)."""
+        """Per call: byte dot products per row, tile and product (`dot_cost` per level); each row block's word
+        decodes (a mask and a shift per byte position) beside them; per row, tile and activation block the conversion
+        and scaling of C; per group the offset term; the serial prologue of few rows (the other cores wait for it)."""
         bits = get(spec.weight_dtype).bits
         tiles_n = -(-n // AMX_TILE_ROWS)
         blocks = padded_k(k, bits) // ACTIVATION_BLOCK
@@ -115,7 +129,9 @@ class VnniTemplate(CpuTemplate):
         operations = {"vnni_block_row": tiles_n * blocks * m, "vnni_group_row": tiles_n * groups * m,
                       "vnni_broadcast": column_blocks * blocks * PRODUCTS * m,
                       "vnni_quantize_element": m * k * copies, **norm_prologue(spec, m, k, copies)}
-        bound = {"vpdpbusd": tiles_n * blocks * PRODUCTS * m, "vnni_unpack": tiles_n * blocks * PRODUCTS * row_blocks}
+        widths = 64 // device.vector_bytes
+        bound = {"vpdpbusd": tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, bits),
+                 "vnni_unpack": tiles_n * blocks * PRODUCTS * row_blocks * widths}
         return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),
                     streams=config.n_tiles, prefetch=config.prefetch)
 
@@ -133,7 +149,7 @@ class VnniTemplate(CpuTemplate):
         if not MatrixTemplate.for_epilogue(spec, [config]):
             raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
                              f"in pairs)")
-        return VnniBuilder(spec, n, k, config).build("main"), []
+        return VnniBuilder(spec, n, k, config, device.level).build("main"), []
 
 
 TEMPLATE = VnniTemplate()

@@ -21,7 +21,10 @@ from bitkern.ttype import QuantizedWeight
 from bitkern.tuner import host_cpu
 from tests.helpers import OUTPUT_EPS
 
-pytestmark = pytest.mark.requires_avx512_vnni
+pytestmark = pytest.mark.requires_avx2
+# the levels this CPU runs whose byte products differ: AVX2 and AVX-512 (vpmaddubsw, vpmaddwd), AVX-VNNI and
+# AVX512-VNNI (vpdpbusd)
+LEVELS = [name for name in ("x86-64-v3", "avx-vnni", "avx512", "avx512-vnni") if host_cpu().at_level(name).runs_here()]
 
 
 def _q8_reference(row: np.ndarray) -> np.ndarray:
@@ -114,6 +117,24 @@ def test_every_integer_weight_type(name, zero_mode, activation, m):
     _check(spec, qweight, x, spec(x, pack(qweight)))
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name, zero_mode", [("int8", "none"), ("uint8", "gptq"), ("int4", "none"), ("uint4", "gptq"),
+                                             ("int2", "none"), ("int1", "none")])
+@pytest.mark.parametrize("config, m", [(VnniConfig(1, True, 16, 1, 16), 1), (VnniConfig(2, True, 16, 2, 0), 3),
+                                       (VnniConfig(1, False, 32, 1, 32), 40)])
+def test_every_level_computes_the_same_products(level, name, zero_mode, config, m):
+    """The byte dot products of each level (`emit.vnni.dot_bytes`; AVX2's saturating vpmaddubsw takes 8-bit codes
+    as two nibbles) within the kernels' bound, with codes at their extremes."""
+    generator = torch.Generator().manual_seed(m)
+    n, k = 40, 256
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator) * 3, name, group_size=64, zero_mode=zero_mode)
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", activation_quant="int8")
+    bucket = (1, 16) if config.small_m else (17, 256)
+    kernel = vnni.TEMPLATE.build(spec, n, k, config, "tile16", bucket, host_cpu().at_level(level))
+    x = (torch.randn(m, k, generator=generator) * 100).bfloat16()
+    _check(spec, qweight, x, kernel(x, pack(qweight)))
+
+
 @pytest.mark.parametrize("config, m", [(VnniConfig(1, True, 16, 1, 0), 1), (VnniConfig(6, True, 16, 1, 128), 2),
                                        (VnniConfig(3, True, 16, 2, 16), 7), (VnniConfig(2, False, 32, 4, 32), 70),
                                        (VnniConfig(3, False, 64, 2, 64), 130)])
@@ -190,14 +211,13 @@ def test_the_tuner_runs_quantized_activations_on_the_vnni_template_only():
         assert kernel_for(dataclasses.replace(spec, activation_quant="none"), 64, 256, m, "tile16").template != "vnni"
 
 
-def test_a_cpu_without_vnni_has_no_kernel_for_quantized_activations():
-    cpu = host_cpu()
-    no_vnni = cpu.at_level("avx512")
+def test_a_cpu_without_avx2_has_no_kernel_for_quantized_activations():
+    baseline = host_cpu().at_level("x86-64")
     qweight = bitkern.quantize(torch.randn(64, 256), "int4", group_size=128)
     spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
-    assert "avx512_vnni" in vnni.TEMPLATE.missing_features(no_vnni)
-    with pytest.raises(ValueError, match="the VNNI template cannot build for the avx512 level .it needs avx512_vnni"):
-        vnni.TEMPLATE.build(spec, 64, 256, VnniConfig(), "tile16", (1, 16), no_vnni)
+    assert "avx2" in vnni.TEMPLATE.missing_features(baseline)
+    with pytest.raises(ValueError, match="the VNNI template cannot build for the x86-64 level .it needs avx, avx2"):
+        vnni.TEMPLATE.build(spec, 64, 256, VnniConfig(), "tile16", (1, 16), baseline)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -24,6 +24,7 @@ from tvm.script.ir_builder import tirx as T
 from ....ops.matmul import ACTIVATION_BLOCK
 from ....ttype import get
 from ....ttype.types import INT
+from ..isa import IsaLevel
 from ..layout import padded_k, tile16_shift
 from . import nonfinite
 from .tile16 import SMALL_M_ROWS, Tile16Builder, _Decode
@@ -31,7 +32,8 @@ from .tir import LANES, horizontal_max, load, prefetch_ahead, ramp, registers, s
 
 QUADS = ACTIVATION_BLOCK // 4  # int32 words of int8 codes per activation block
 # Independent vpdpbusd chains a row block keeps in flight (its latency, 5 cycles on Sapphire Rapids, at one per cycle,
-# rounded up to a power of two); cells with fewer split their sums by product.
+# rounded up to a power of two); cells with fewer split their sums by product.  AVX2's vpmaddubsw and vpmaddwd end in
+# a one-cycle add: one chain.
 CHAINS = 8
 
 
@@ -73,8 +75,10 @@ class VnniBuilder(Tile16Builder):
     """Emits one VNNI kernel: the tile16 builder's arguments, row loop and output stage around an int8 prologue and
     vpdpbusd products."""
 
-    def __init__(self, spec, n: int, k: int, config):
+    def __init__(self, spec, n: int, k: int, config, level: IsaLevel):
         super().__init__(spec, n, k, config)
+        self.level = level
+        self.chains = CHAINS if "avx512_vnni" in level.features or "avx_vnni" in level.features else 1
         self.codes = _Codes(self.ttype.bits)
         self.blocks = padded_k(k, self.ttype.bits) // ACTIVATION_BLOCK
         self.group_blocks = self.s.kgroup // ACTIVATION_BLOCK
@@ -148,7 +152,7 @@ class VnniBuilder(Tile16Builder):
     def _splits(self, count: int) -> int:
         """int32 sums per C cell of a block of `count` rows: CHAINS in flight, at most the products of a block."""
         splits = 1
-        while count * self.cfg.n_tiles * splits < CHAINS and splits < QUADS:
+        while count * self.cfg.n_tiles * splits < self.chains and splits < QUADS:
             splits *= 2
         return splits
 
@@ -203,7 +207,8 @@ class VnniBuilder(Tile16Builder):
                     unsigned = shifted if codes.bits == 8 else tirx.bitwise_and(shifted, u32(codes.mask))
                     for r, quad in enumerate(quads):
                         cell = [product % splits, r, c, ramp(0)]
-                        T.buffer_store(acc, _dpbusd(load(acc, *cell), unsigned, quad), cell)
+                        T.buffer_store(acc, dot_bytes(load(acc, *cell), unsigned, quad, self.level, codes.bits),
+                                       cell)
         for r, row in enumerate(rows):
             d = tirx.Broadcast(load(self.xscale, row, block), LANES)
             for c in range(cfg.n_tiles):
@@ -214,7 +219,44 @@ class VnniBuilder(Tile16Builder):
                 T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
 
 
-def _dpbusd(acc, unsigned, signed):
-    """acc + Σ of the 4 byte products per int32 lane: unsigned bytes of `unsigned` times signed bytes of `signed`."""
-    return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
-                                      tirx.reinterpret("int8x64", unsigned), tirx.reinterpret("int8x64", signed))
+def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int):
+    """acc + Σ of the 4 byte products per int32 lane (16 lanes): unsigned bytes of `unsigned` (codes of `bits` bits)
+    times signed bytes of `signed`, exact.  AVX512-VNNI: one vpdpbusd; AVX-VNNI: one per 8 lanes; without VNNI,
+    vpmaddubsw (pairs into int16, which saturates beyond 4-bit codes: 8-bit ones go as two nibbles) and vpmaddwd (the
+    pairs into int32, times 1 or, for the high nibbles, 16), on 16 lanes with AVX-512, per 8 with AVX2."""
+    if level.vector_bytes >= 64:
+        if "avx512_vnni" in level.features:
+            return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
+                                              tirx.reinterpret("int8x64", unsigned),
+                                              tirx.reinterpret("int8x64", signed))
+        return _multiply_add_bytes(acc, unsigned, signed, bits, _AVX512_MADD)
+    halves = []
+    for start in (0, 8):
+        lanes = list(range(start, start + 8))
+        part, codes, activations = (tirx.Shuffle([vector], lanes) for vector in (acc, unsigned, signed))
+        if "avx_vnni" in level.features:
+            halves.append(tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", part,
+                                                     tirx.reinterpret("int8x32", codes),
+                                                     tirx.reinterpret("int8x32", activations)))
+        else:
+            halves.append(_multiply_add_bytes(part, codes, activations, bits, _AVX2_MADD))
+    return tirx.Shuffle(halves, list(range(LANES)))
+
+
+# (vpmaddubsw, vpmaddwd) intrinsics and the int32 lanes they work on
+_AVX512_MADD = ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512", 16)
+_AVX2_MADD = ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", 8)
+
+
+def _multiply_add_bytes(acc, codes, activations, bits: int, madd: tuple):
+    """acc + Σ of 4 byte products per lane by vpmaddubsw and vpmaddwd (`madd`), 8-bit codes as two nibbles."""
+    pairs_name, words_name, lanes = madd
+    nibbles = [(codes, 1)] if bits <= 4 else [
+        (tirx.bitwise_and(codes, u32(0x0F0F0F0F, lanes)), 1),
+        (tirx.bitwise_and(tirx.shift_right(codes, u32(4, lanes)), u32(0x0F0F0F0F, lanes)), 16)]
+    for nibble, weight in nibbles:
+        pairs = tirx.call_llvm_pure_intrin(f"int16x{2 * lanes}", pairs_name,
+                                           tirx.reinterpret(f"int8x{4 * lanes}", nibble),
+                                           tirx.reinterpret(f"int8x{4 * lanes}", activations))
+        acc = acc + tirx.call_llvm_pure_intrin(f"int32x{lanes}", words_name, pairs, splat(weight, "int16", 2 * lanes))
+    return acc
