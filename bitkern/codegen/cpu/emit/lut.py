@@ -51,7 +51,7 @@ def check_rows(threads: int, rows: tuple[int, int]) -> None:
     if not 1 <= rows[0] <= rows[1]:
         raise ValueError(f"rows={rows} is not a range of row counts")
     if rows[1] > MAX_ROWS:
-        raise ValueError(f"rows={rows}: the few-row kernels serve at most {MAX_ROWS} rows")
+        raise ValueError(f"rows={rows}: a few-row kernel serves at most {MAX_ROWS} rows")
 
 
 class Builder:
