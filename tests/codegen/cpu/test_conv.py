@@ -243,5 +243,7 @@ def test_profiled_tuning_times_convolution_candidates(batch):
     spec, qweight, x, _ = _case("int4", geometry, batch, group=96)
     bucket = m_bucket(spec.rows(x))
     tuned = tune(spec, 24, geometry.reduction, bucket, "tile16", host_cpu(), top_k=2, profile=True)
-    assert tuned.record.profiled and sum(t.measured_s is not None for t in tuned.record.trials) == 2
+    # two timed, or every candidate where fewer serve (the generic template alone on a CPU without AVX512-BF16)
+    assert tuned.record.profiled and sum(t.measured_s is not None for t in tuned.record.trials) == \
+        min(2, len(tuned.record.trials))
     _run_kernel(spec, qweight, x, None, tuned.kernel(x, pack(qweight)).reshape(batch, 4, 3, 24))
