@@ -12,14 +12,16 @@ import sys
 import traceback
 
 
-def _read(stream) -> dict | None:
+def read_message(stream) -> dict | None:
+    """The next length-prefixed JSON message on a binary stream, or None at its end (also read by `compiler.py`)."""
     header = stream.read(8)
     if len(header) < 8:
         return None
     return json.loads(stream.read(struct.unpack("<Q", header)[0]))
 
 
-def _write(stream, message: dict) -> None:
+def write_message(stream, message: dict) -> None:
+    """Send one length-prefixed JSON message."""
     data = json.dumps(message).encode()
     stream.write(struct.pack("<Q", len(data)) + data)
     stream.flush()
@@ -37,14 +39,14 @@ def _compile(request: dict) -> None:
 def main() -> None:
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed while compiling stays off the reply channel
-    while (request := _read(requests)) is not None:
+    while (request := read_message(requests)) is not None:
         try:
             _compile(request)
             reply = {"ok": True}
         except Exception as error:  # noqa: BLE001 - every compiler failure goes back to the caller, named
             traceback.print_exc()
             reply = {"error": f"{type(error).__name__}: {error}"}
-        _write(replies, reply)
+        write_message(replies, reply)
 
 
 if __name__ == "__main__":

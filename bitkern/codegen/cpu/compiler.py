@@ -11,11 +11,9 @@ build starts a new worker.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -23,6 +21,7 @@ import threading
 import uuid
 
 from ..template import KernelBuildError
+from .compile_worker import read_message, write_message
 
 WORKER = os.path.join(os.path.dirname(__file__), "compile_worker.py")
 STDERR_TAIL = 2000  # characters of a dead worker's stderr quoted in the error
@@ -38,12 +37,9 @@ class _Worker:
 
     def compile(self, request: dict) -> None:
         start = self.stderr.seek(0, os.SEEK_END)
-        data = json.dumps(request).encode()
         try:
-            self.process.stdin.write(struct.pack("<Q", len(data)) + data)
-            self.process.stdin.flush()
-            header = self.process.stdout.read(8)
-            reply = json.loads(self.process.stdout.read(struct.unpack("<Q", header)[0])) if len(header) == 8 else None
+            write_message(self.process.stdin, request)
+            reply = read_message(self.process.stdout)
         except (BrokenPipeError, ConnectionResetError):
             reply = None
         if reply is None:
