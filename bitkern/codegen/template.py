@@ -79,6 +79,12 @@ class Template(abc.ABC):
             return f"the {device.level.name} level (it needs {', '.join(sorted(missing))})"
         return None
 
+    def unsupported_rows(self, bucket: tuple[int, int], device) -> str | None:
+        """Why the template does not serve the M bucket `bucket` on the device (beyond max_rows), or None."""
+        if bucket[1] > self.max_rows:
+            return f"{bucket[1]} rows (the {self.title} template serves at most {self.max_rows})"
+        return None
+
     def unsupported_epilogue(self, spec) -> str | None:
         """Why the template cannot emit the spec's epilogue and residual add (its output stage) or its prologue
         (norm, activation quantization), or None."""

@@ -27,8 +27,8 @@ def usable_templates(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layo
             template.unsupported_epilogue(spec)
         if reason is None and layout not in template.layouts:
             reason = f"the {layout} weight layout"
-        if reason is None and bucket[1] > template.max_rows:
-            reason = f"{bucket[1]} rows (the {template.title} template serves at most {template.max_rows})"
+        if reason is None:
+            reason = template.unsupported_rows(bucket, device)
         if reason is None:
             usable.append(template)
         else:

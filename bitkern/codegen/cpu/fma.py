@@ -1,8 +1,10 @@
-"""FMA template for few rows: y = x · dequant(W)ᵀ with integer codes converted to float32 in registers and
-multiplied in by FMA (any level from AVX2 up); its code comes from `emit.fma`, the lookup kernel's structure with
-the tables replaced.  It serves integer and zero-point codes of 2, 4 and 8 bits for M <= 4: where a 16-entry
-table lookup is one vpermps (AVX-512) the lookup template competes, where it takes three per 8 lanes (AVX2) this
-one is the cheaper decode of 4- and 8-bit codes."""
+"""FMA template: y = x · dequant(W)ᵀ with integer codes converted to float32 in registers and multiplied in by FMA
+(any level from AVX2 up); its code comes from `emit.fma`, the lookup kernel's structure with the tables replaced.
+It serves integer and zero-point codes of 2, 4 and 8 bits.  For M <= 4 (few rows) it is the decode kernel: where a
+16-entry table lookup is one vpermps (AVX-512) the lookup template competes, where it takes three per 8 lanes (AVX2)
+this one is the cheaper decode of 4- and 8-bit codes.  Beyond that (prompts) it runs blocks of rows, each word
+decoded once per block, on levels without AVX512-BF16 (with it, the dot template's bf16 products are the faster
+float path)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from ...ops.matmul import Matmul
 from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
-from ..template import Work
+from ..template import ANY_ROWS, Work
 from . import isa
 from .kernel import FEW_ROWS, PREFETCH_WORDS, Footprint, doublings, norm_prologue, operand_bytes
 from .layout import AMX_TILE_ROWS, padded_k
@@ -22,6 +24,12 @@ from .lut import LutConfig, LutTemplate, min_tiles
 BITS = (2, 4, 8)  # 1-bit codes: the lookup template (64 per lookup); 32 positions would outgrow a 16-lane x pattern
 # rows x tiles of 16-lane sums a body keeps in registers: with AVX2 each is two of its 16 ymm
 BODY = 8
+# Beyond few rows, row blocks of rows x tiles sums: at most 6 with AVX2 (12 of the 16 ymm, the rest for a word's
+# codes and a broadcast x), 12 with AVX-512; the prologue prepares M_CHUNK rows of x at a time (a chunk of widened
+# rows is read once per block and task, from L2 or L3; the weights are read again per chunk)
+BLOCK_SUMS = {32: 6, 64: 12}
+BLOCK_ROWS = (2, 3, 4, 6, 8, 12)
+M_CHUNK = 64
 
 
 def converts_exactly(ttype) -> bool:
@@ -38,9 +46,18 @@ def converts_exactly(ttype) -> bool:
 @dataclass(frozen=True)
 class FmaConfig(LutConfig):
     """Tile configuration of the FMA template: `n_tiles` 16-row weight tiles per task (each broadcast of x serves
-    them all), `prefetch` words ahead (0: none)."""
+    them all), `prefetch` words ahead (0: none); beyond few rows `rows` per block (each word decoded once per block)
+    and `m_chunk` rows the prologue prepares at a time (0, 0 for few rows: a body per row count)."""
 
     n_tiles: int = 2
+    rows: int = 0
+    m_chunk: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.rows == 0) != (self.m_chunk == 0) or self.rows < 0 or self.m_chunk % max(self.rows, 1):
+            raise ValueError(f"rows={self.rows}, m_chunk={self.m_chunk}: both 0 (few rows), or rows >= 1 and "
+                             f"m_chunk a multiple of rows")
 
 
 class FmaTemplate(LutTemplate):
@@ -51,6 +68,7 @@ class FmaTemplate(LutTemplate):
     title = "FMA"
     config_type = FmaConfig
     requires = isa.level("x86-64-v3").features  # vfmadd231ps
+    max_rows = ANY_ROWS
 
     def unsupported_codes(self, spec: Matmul) -> str | None:
         ttype = get(spec.weight_dtype)
@@ -65,21 +83,36 @@ class FmaTemplate(LutTemplate):
         group = min(effective_group_size(spec.group_size, k), k)
         return Footprint(l1_bytes=config.n_tiles * FEW_ROWS * 64 + FEW_ROWS * group * 4)
 
+    def unsupported_rows(self, bucket: tuple[int, int], device) -> str | None:
+        """Beyond few rows, none where AVX512-BF16 exists (the dot template's bf16 products are the faster float
+        path there)."""
+        if bucket[1] > FEW_ROWS and "avx512_bf16" in device.flags:
+            return f"{bucket[1]} rows with AVX512-BF16 (the dot template serves them)"
+        return None
+
     def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[FmaConfig]:
-        """Tiles per task while the sums of the bucket's largest row count stay within BODY (the fewest tiles always:
-        one, or a (gate, up) pair for SwiGLU), every prefetch depth."""
+        """Few rows: tiles per task while the sums of the bucket's largest row count stay within BODY (the fewest
+        tiles always: one, or a (gate, up) pair for SwiGLU), every prefetch depth.  More rows (none with AVX512-BF16):
+        row blocks of tiles x rows within the level's BLOCK_SUMS, no prefetch or 32 words (the blocks after the
+        first find the task's words in L2)."""
         fewest = min_tiles(spec)
-        return [FmaConfig(n_tiles, prefetch) for n_tiles in doublings(fewest, 8)
-                if n_tiles == fewest or n_tiles * bucket[1] <= BODY for prefetch in PREFETCH_WORDS]
+        if bucket[1] <= FEW_ROWS:
+            return [FmaConfig(n_tiles, prefetch) for n_tiles in doublings(fewest, 8)
+                    if n_tiles == fewest or n_tiles * bucket[1] <= BODY for prefetch in PREFETCH_WORDS]
+        sums = BLOCK_SUMS[min(device.vector_bytes, 64)]
+        return [FmaConfig(n_tiles, prefetch, rows, M_CHUNK - M_CHUNK % rows)
+                for n_tiles in doublings(fewest, 4) for rows in BLOCK_ROWS if n_tiles * rows <= sums
+                for prefetch in (0, 32)]
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: FmaConfig, device) -> Work:
-        """Per call: every 16-lane vector of codes converted once (mask, convert) and multiplied in per row; with
-        256-bit vectors each counts twice."""
+        """Per call: every 16-lane vector of codes converted (mask, convert) once, or once per row block, and
+        multiplied in per row; with 256-bit vectors each counts twice."""
         bits = get(spec.weight_dtype).bits
         vectors = -(-n // AMX_TILE_ROWS) * padded_k(k, bits)
         widths = 64 // device.vector_bytes
         tasks = -(-(-(-n // AMX_TILE_ROWS)) // config.n_tiles)
-        operations = {"convert_code_vector": vectors * widths, "fma_code_row": vectors * m * widths,
+        blocks = -(-m // config.rows) if config.rows else 1
+        operations = {"convert_code_vector": vectors * blocks * widths, "fma_code_row": vectors * m * widths,
                       **norm_prologue(spec, m, k, min(device.cores, tasks))}
         return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
 

@@ -176,15 +176,18 @@ def test_templates_without_a_norm_prologue_say_so():
     ("uint4", "gptq", "rmsnorm", "bfloat16", 256, 64),      # zero points: the group sums XS are of x̂
     ("int4", None, "layernorm", "float32", 200, -1),         # K not a multiple of 16: x̂ element by element
 ])
-@pytest.mark.parametrize("few_rows", ["lut", "fma"])
+@pytest.mark.parametrize("few_rows", ["lut", "fma", "fma-blocks"])
 def test_lookup_kernels_with_a_norm_prologue_match_the_reference(name, zero_mode, norm, activation, k, group, few_rows):
     """The few-row templates (M <= 4: the decode path) read x̂ (the lookup template builds its tables from it, the
     FMA template multiplies it in): y within the kernels' error bound of the float64 reference of x̂ · Wᵀ + b +
     residual for M = 1..4, and a SwiGLU kernel's y within that of its unfused pair; one build serves every row count
-    of the bucket."""
-    template, config = {"lut": (lut.TEMPLATE, lut.LutConfig(n_tiles=2, prefetch=16)),
-                        "fma": (fma.TEMPLATE, fma.FmaConfig(n_tiles=2, prefetch=16))}[few_rows]
-    if few_rows == "fma" and name == "nf4":
+    of the bucket.  The FMA template's blocks of rows (prompts, at x86-64-v3) the same over several prologue chunks."""
+    template, config, bucket, rows, device = {
+        "lut": (lut.TEMPLATE, lut.LutConfig(n_tiles=2, prefetch=16), (1, 4), (1, 2, 4), host_cpu()),
+        "fma": (fma.TEMPLATE, fma.FmaConfig(n_tiles=2, prefetch=16), (1, 4), (1, 2, 4), host_cpu()),
+        "fma-blocks": (fma.TEMPLATE, fma.FmaConfig(n_tiles=2, prefetch=16, rows=3, m_chunk=6), (17, 128), (17, 23),
+                       host_cpu().at_level("x86-64-v3"))}[few_rows]
+    if few_rows.startswith("fma") and name == "nf4":
         pytest.skip("codebook codes go to the lookup template")
     n = 64
     generator = torch.Generator().manual_seed(k + group)
@@ -195,8 +198,8 @@ def test_lookup_kernels_with_a_norm_prologue_match_the_reference(name, zero_mode
     for epilogue in ("none", "swiglu"):
         spec = Matmul.for_weight(qweight, activation, bias=True, output_dtype="float32", epilogue=epilogue,
                                  residual=epilogue == "none", norm=norm, norm_eps=EPS)
-        kernel = template.build(spec, n, k, config, "tile16", (1, 4), host_cpu())
-        for m in (1, 2, 4):
+        kernel = template.build(spec, n, k, config, "tile16", bucket, device)
+        for m in rows:
             x = (2 * torch.randn(m, k, generator=generator)).to(dtype)
             residual = torch.randn(m, n, generator=generator) if spec.residual else None
             y = kernel(x, pack(qweight), linear_bias, residual, norm=(weight, bias))

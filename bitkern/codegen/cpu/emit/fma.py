@@ -19,6 +19,7 @@ from ....ops.matmul import Matmul
 from ....ttype import get
 from ....ttype.types import INT
 from ..fma import FmaConfig
+from ...template import ANY_ROWS
 from ..isa import IsaLevel
 from . import lut
 from .tir import LANES, load, prefetch_ahead, ramp, registers, splat
@@ -26,9 +27,10 @@ from .tir import LANES, load, prefetch_ahead, ramp, registers, splat
 
 def build(spec: Matmul, n: int, k: int, config: FmaConfig, threads: int, rows: tuple[int, int], level: IsaLevel,
           name: str = "main"):
-    """The PrimFunc for a [N, K] weight in the tile16 layout and M in `rows` (within 1..4), split into `threads`
-    parallel chunks; arguments as the lookup kernel's (`emit.lut.build`) without the value table."""
-    lut.check_rows(threads, rows)
+    """The PrimFunc for a [N, K] weight in the tile16 layout and M in `rows` (within 1..4, or any with config.rows),
+    split into `threads` parallel chunks; arguments as the lookup kernel's (`emit.lut.build`) without the value
+    table."""
+    lut.check_rows(threads, rows, ANY_ROWS if config.rows else lut.MAX_ROWS)
     return _Builder(spec, n, k, config, threads, rows, level).build(name)
 
 
@@ -61,7 +63,7 @@ class _Builder(lut.Builder):
                    for i in range(LANES)]
         pattern = tirx.Shuffle([tirx.const(factor, "float32") for factor in factors], list(range(LANES)))
         vectors = self.k_pad // LANES
-        with T.serial(0, self.m * vectors) as task:
+        with T.serial(0, self.chunk_rows * vectors) as task:
             row, k0 = tirx.floordiv(task, vectors), tirx.floormod(task, vectors) * LANES
             T.buffer_store(x, load(x, row, ramp(k0)) * pattern, [row, ramp(k0)])
         self.widened = x
@@ -70,8 +72,8 @@ class _Builder(lut.Builder):
         """Registers for a group's sums of every row and tile: each word is decoded once for all rows."""
         return registers((rows, self.cfg.n_tiles), "float32")
 
-    def _group_sums(self, gacc, tiles, rows: int, g, fold) -> None:
-        """Σ_k u · x[row, k] over group g per row and tile, handed to fold(row, c, sums)."""
+    def _group_sums(self, gacc, tiles, rows: int, g, fold, first) -> None:
+        """Σ_k u · x[first + row, k] over group g per row and tile, handed to fold(row, c, sums)."""
         for row in range(rows):
             for c in range(len(tiles)):
                 T.buffer_store(gacc, splat(0.0, "float32"), [row, c, ramp(0)])
@@ -86,7 +88,7 @@ class _Builder(lut.Builder):
                     codes = self._codes(word, slot)
                     k_index = word_index * self.per_word + self._k_in_word(slot)
                     for row in range(rows):
-                        x = tirx.Broadcast(load(self.widened, row, k_index), LANES)
+                        x = tirx.Broadcast(load(self.widened, first + row, k_index), LANES)
                         T.buffer_store(gacc, load(gacc, row, c, ramp(0)) + codes * x, [row, c, ramp(0)])
         for row in range(rows):
             for c in range(len(tiles)):

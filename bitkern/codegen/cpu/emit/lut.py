@@ -44,14 +44,14 @@ def build(spec: Matmul, n: int, k: int, config: LutConfig, threads: int, rows: t
     return Builder(spec, n, k, config, threads, rows, level).build(name)
 
 
-def check_rows(threads: int, rows: tuple[int, int]) -> None:
-    """Raise unless `threads` and the row range `rows` are ones the few-row kernels take."""
+def check_rows(threads: int, rows: tuple[int, int], max_rows: int = MAX_ROWS) -> None:
+    """Raise unless `threads` and the row range `rows` are ones the kernel takes (few rows: at most MAX_ROWS)."""
     if threads < 1:
         raise ValueError(f"threads must be at least 1, got {threads}")
     if not 1 <= rows[0] <= rows[1]:
         raise ValueError(f"rows={rows} is not a range of row counts")
-    if rows[1] > MAX_ROWS:
-        raise ValueError(f"rows={rows}: a few-row kernel serves at most {MAX_ROWS} rows")
+    if rows[1] > max_rows:
+        raise ValueError(f"rows={rows}: a few-row kernel serves at most {max_rows} rows")
 
 
 class Builder:
@@ -77,6 +77,10 @@ class Builder:
         self.positions = self.words * NIBBLES_PER_WORD
         self.n_tiles = -(-n // AMX_TILE_ROWS)
         self.m = tirx.Var("M", "int32")
+        # The rows the prologue prepares at a time: all of M (few rows), else chunks of config.m_chunk
+        # (`_row_chunks`); their first row in x and y, how many, and the rows the prologue's buffers hold.
+        self.row_base, self.chunk_rows = 0, self.m
+        self.buffer_rows = self.m if rows[1] <= MAX_ROWS else config.m_chunk
 
     def build(self, name: str):
         """The kernel's PrimFunc, named `name`."""
@@ -108,7 +112,7 @@ class Builder:
 
     def _x_at(self, row, index):
         """x[row, index] as float32 (index a scalar or a ramp within K), normalized for a norm prologue (x̂)."""
-        value = to_float32(load(self.x, row, index), self.spec.activation_dtype)
+        value = to_float32(load(self.x, self.row_base + row, index), self.spec.activation_dtype)
         return value if self.norm is None else self.norm.apply(row, lambda vector: load(vector, index), value)
 
     def _x(self, row, k_index, end=None):
@@ -124,14 +128,14 @@ class Builder:
         (and its group's scales) is prefetched into L2: the first task then starts on cached lines instead of
         cold misses (measured at 4096x4096 int1: its first task 9.8 -> 5.1 µs, the prologue 2.8 -> 6.3 µs)."""
         if self.norm is not None:
-            with T.serial(0, self.m) as row:
-                self.norm.statistics(row, lambda index: to_float32(load(self.x, row, index),
+            with T.serial(0, self.chunk_rows) as row:
+                self.norm.statistics(row, lambda index: to_float32(load(self.x, self.row_base + row, index),
                                                                    self.spec.activation_dtype))
         self._tabulate(self._widened_x(), first_tiles)
         if not self._needs_group_sums():
             return
         span = min(self.kgroup, self.k)  # a per-channel group runs over the padding too, where x is 0
-        with T.serial(0, self.m) as row:
+        with T.serial(0, self.chunk_rows) as row:
             with T.serial(0, self.groups) as g:
                 acc = T.alloc_buffer((LANES,), "float32", scope="local")
                 T.buffer_store(acc, splat(0.0, "float32"), [ramp(0)])
@@ -146,7 +150,7 @@ class Builder:
         lane = tirx.Ramp(0, 1, LANES)
         selected = [load(self.values, tirx.bitwise_and(tirx.shift_right(lane, splat(i * self.bits, "int32")),
                                                         splat(mask, "int32"))) for i in range(self.codes_per_nibble)]
-        with T.serial(0, self.m * self.words) as task:
+        with T.serial(0, self.chunk_rows * self.words) as task:
             row, word = tirx.floordiv(task, self.words), tirx.floormod(task, self.words)
             for tile in first_tiles:
                 prefetch(load(self.qweight, tile, word, 0), into_l1=False)
@@ -161,9 +165,9 @@ class Builder:
 
     def _widened_x(self):
         """x as float32 [M, K_pad], zero past K; non-finite x count as 0 and flag their row (see `nonfinite`)."""
-        x = T.alloc_buffer((self.m, self.k_pad), "float32", align=64)
+        x = T.alloc_buffer((self.buffer_rows, self.k_pad), "float32", align=64)
         vectors = self.k_pad // LANES
-        with T.serial(0, self.m * vectors) as task:
+        with T.serial(0, self.chunk_rows * vectors) as task:
             row, k0 = tirx.floordiv(task, vectors), tirx.floormod(task, vectors) * LANES
             if self.k % LANES == 0:
                 value = tirx.Select(k0 < self.k, self._x_vector(row, tirx.min(k0, self.k - LANES), self.k),
@@ -195,16 +199,38 @@ class Builder:
         with T.parallel(0, chunks) as chunk:
             first, end = tirx.floordiv(chunk * blocks, chunks), tirx.floordiv((chunk + 1) * blocks, chunks)
             self._allocate_tables()
-            self.xs = T.alloc_buffer((self.m, self.groups), "float32")
-            self.nonfinite = T.alloc_buffer((self.m, LANES), "uint32")  # rows with ±Inf or NaN in x
+            self.xs = T.alloc_buffer((self.buffer_rows, self.groups), "float32")
+            self.nonfinite = T.alloc_buffer((self.buffer_rows, LANES), "uint32")  # rows with ±Inf or NaN in x
             if self.norm is not None:
-                self.norm.allocate(self.m)
-            self._prologue([tirx.min(first * self.cfg.n_tiles + c, self.n_tiles - 1) for c in range(self.cfg.n_tiles)])
+                self.norm.allocate(self.buffer_rows)
+            first_tiles = [tirx.min(first * self.cfg.n_tiles + c, self.n_tiles - 1) for c in range(self.cfg.n_tiles)]
+            if self.rows[1] > MAX_ROWS:
+                self._row_chunks(first, end, first_tiles)
+                return
+            self._prologue(first_tiles)
             with T.serial(first, end) as block:
                 for rows in range(self.rows[0], self.rows[1] + 1):
                     with T.If(self.m == rows):
                         with T.Then():
                             self._task(block, rows)
+
+    def _row_chunks(self, first, end, first_tiles) -> None:
+        """Many rows: per chunk of config.m_chunk rows, the prologue for them, then every task of the thread over
+        them in blocks of config.rows rows (the task's words stay in L2 across the blocks; the widened rows of the
+        chunk are read once per block and task) and one block of the rows left over."""
+        block_rows = self.cfg.rows
+        with T.serial(0, tirx.floordiv(self.m + self.cfg.m_chunk - 1, self.cfg.m_chunk)) as chunk:
+            self.row_base = chunk * self.cfg.m_chunk
+            self.chunk_rows = tirx.min(self.cfg.m_chunk, self.m - self.row_base)
+            self._prologue(first_tiles)
+            whole = tirx.floordiv(self.chunk_rows, block_rows)
+            with T.serial(first, end) as block:
+                with T.serial(0, whole) as row_block:
+                    self._task(block, block_rows, row_block * block_rows)
+                for rows in range(1, block_rows):
+                    with T.If(self.chunk_rows - whole * block_rows == rows):
+                        with T.Then():
+                            self._task(block, rows, whole * block_rows)
 
     def _needs_group_sums(self) -> bool:
         """Whether the group sums XS of x are needed (`_group_offset`)."""
@@ -216,9 +242,10 @@ class Builder:
         return self.group_args.zero(tile_index, g) if self.group_args.zeros is not None else None
 
     def _allocate_tables(self) -> None:
-        self.tables = T.alloc_buffer((self.m, self.positions, LANES), "float32")
+        self.tables = T.alloc_buffer((self.buffer_rows, self.positions, LANES), "float32")
 
-    def _task(self, block, rows: int) -> None:
+    def _task(self, block, rows: int, first=0) -> None:
+        """y for the task's tiles and `rows` rows of the chunk from its row `first`."""
         n_tiles = self.cfg.n_tiles
         tiles = [tirx.min(block * n_tiles + c, self.n_tiles - 1) for c in range(n_tiles)]
         yacc, gacc = registers((rows, n_tiles), "float32"), self._sums_buffer(rows)
@@ -234,37 +261,38 @@ class Builder:
             def fold(row, c, total):
                 """y += scale · (Σ - offset · XS) for row `row` and tile c of the task."""
                 if offsets[c] is not None:
-                    total = total - offsets[c] * tirx.Broadcast(load(self.xs, row, g), LANES)
+                    total = total - offsets[c] * tirx.Broadcast(load(self.xs, first + row, g), LANES)
                 T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scales[c], [row, c, ramp(0)])
 
-            self._group_sums(gacc, tiles, rows, g, fold)
+            self._group_sums(gacc, tiles, rows, g, fold, first)
         for row in range(rows):  # the terms of non-finite x the prologue left out
-            nonfinite.add_terms(yacc, row, tiles, self.nonfinite, row, self.k, self._x,
+            nonfinite.add_terms(yacc, row, tiles, self.nonfinite, first + row, self.k, self._x,
                                 lambda tile, j: nonfinite.weight_lanes(self.spec, self.k, self.qweight,
                                                                        self.group_args, tile, j))
         swiglu = self.spec.epilogue == "swiglu"
         for c in range(0, n_tiles, 2 if swiglu else 1):
             with T.If(block * n_tiles + c < self.n_tiles):
                 with T.Then():
-                    self._store(yacc, rows, tiles[c], c, swiglu)
+                    self._store(yacc, rows, tiles[c], c, swiglu, first)
 
     def _sums_buffer(self, rows: int):
         """Registers for a group's sums: one row's per tile (the rows take turns)."""
         return registers((self.cfg.n_tiles,), "float32")
 
-    def _group_sums(self, gacc, tiles, rows: int, g, fold) -> None:
-        """Each row's sums over group g's words per tile, looked up, handed to fold(row, c, sums)."""
+    def _group_sums(self, gacc, tiles, rows: int, g, fold, first) -> None:
+        """Each row's sums over group g's words per tile, looked up, handed to fold(row, c, sums) (rows counted
+        from the chunk's row `first`)."""
         for row in range(rows):
             for c in range(len(tiles)):
                 T.buffer_store(gacc, splat(0.0, "float32"), [c, ramp(0)])
             with T.serial(0, self.group_words) as w:
-                self._lookup_words(gacc, tiles, row, g * self.group_words + w)
+                self._lookup_words(gacc, tiles, row, g * self.group_words + w, first)
             for c in range(len(tiles)):
                 fold(row, c, load(gacc, c, ramp(0)))
 
-    def _lookup_words(self, gacc, tiles, row, word_index) -> None:
-        """gacc[c] += Σ_j T[row, 8·word + j][nibble j of each lane's word] for every tile c of the task."""
-        tables = [load(self.tables, row, word_index * NIBBLES_PER_WORD + j, ramp(0)) for j in range(NIBBLES_PER_WORD)]
+    def _lookup_words(self, gacc, tiles, row, word_index, first) -> None:
+        """gacc[c] += Σ_j T[first + row, 8·word + j][nibble j of each lane's word] for every tile c of the task."""
+        tables = [load(self.tables, first + row, word_index * NIBBLES_PER_WORD + j, ramp(0)) for j in range(NIBBLES_PER_WORD)]
         for c, tile_index in enumerate(tiles):
             if row == 0:
                 prefetch_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, len(tiles))
@@ -274,21 +302,22 @@ class Builder:
                       for table, nibble in zip(tables, nibbles)]
             T.buffer_store(gacc, load(gacc, c, ramp(0)) + _tree_sum(picked), [c, ramp(0)])
 
-    def _store(self, yacc, rows: int, tile_index, c, swiglu: bool) -> None:
+    def _store(self, yacc, rows: int, tile_index, c, swiglu: bool, first) -> None:
         """y = f(C + bias) (+ residual) for tile c of the task (16 lanes at a time where N fills the tile);
         SwiGLU: silu(gate) · up from the gate tile c and the up tile c + 1, one 16-column tile of y."""
         column = tile_index * LANES
         for row in range(rows):
+            y_row = self.row_base + first + row
             if swiglu:
                 gate, up = (biased(load(yacc, row, c + i, ramp(0)), self.bias, ramp(column + i * LANES))
                             for i in (0, 1))
-                write_output(self.spec, self.y, self.residual, apply_epilogue("silu", gate) * up, row,
+                write_output(self.spec, self.y, self.residual, apply_epilogue("silu", gate) * up, y_row,
                              ramp(tirx.floordiv(column, 2)))
             elif self.n % LANES == 0:
-                self._store_columns(load(yacc, row, c, ramp(0)), row, ramp(column))
+                self._store_columns(load(yacc, row, c, ramp(0)), y_row, ramp(column))
             else:
                 with T.serial(0, tirx.min(LANES, self.n - column)) as lane:
-                    self._store_columns(load(yacc, row, c, lane), row, column + lane)
+                    self._store_columns(load(yacc, row, c, lane), y_row, column + lane)
 
     def _store_columns(self, value, row, columns) -> None:
         value = apply_epilogue(self.spec.epilogue, biased(value, self.bias, columns))
