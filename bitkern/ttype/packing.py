@@ -120,7 +120,8 @@ def unpack(packed: torch.Tensor, bits: int, shape) -> torch.Tensor:
         raise ValueError(f"shape={shape} needs packed data of shape {expected} for {bits}-bit codes in "
                          f"{packed.dtype}, got {tuple(packed.shape)}")
     if 8 % bits == 0:
-        stream = packed.contiguous().view(torch.uint8) if packed.dtype == torch.int32 else packed.contiguous()
+        stream = _row_major(packed)
+        stream = stream.view(torch.uint8) if packed.dtype == torch.int32 else stream
         return _codes_of_bytes(stream, bits)[..., :shape[-1]].contiguous()
     if packed.dtype == torch.int32:
         words = packed.long() & 0xFFFFFFFF
@@ -132,6 +133,15 @@ def unpack(packed: torch.Tensor, bits: int, shape) -> torch.Tensor:
     shifts = torch.arange(per_word, device=packed.device, dtype=torch.int64) * bits
     codes = ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*shape[:-1], -1)
     return codes[..., :shape[-1]].to(code_dtype(bits))
+
+
+def _row_major(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with row-major strides, copied only where it has other ones.  torch calls a tensor contiguous
+    whatever the stride of a dimension of size 1, and `contiguous()` returns it as it is (a [N, 1] slice of a
+    wider tensor of words, e.g. one row of at most 8 4-bit codes, can have stride 3 there), but reinterpreting its
+    elements as bytes (`view(torch.uint8)`) needs stride 1 on the last dimension."""
+    tensor = tensor.contiguous()
+    return tensor if tensor.stride(-1) == 1 else tensor.clone(memory_format=torch.contiguous_format)
 
 
 def tvm_unpack(words, index: tuple, bits: int):

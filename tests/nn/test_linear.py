@@ -5,10 +5,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import bitkern
 from bitkern import ttype
+from bitkern.nn.storage import weight_dtypes
 from tests.helpers import assert_matches
 
 IN, OUT = 256, 96
@@ -351,3 +354,20 @@ def test_input_orders_that_are_not_permutations_are_refused(order, error):
     weight = bitkern.quantize(torch.randn(OUT, IN), "uint4", group_size=64)
     with pytest.raises(error, match="input_order"):
         bitkern.Linear.from_quantized(weight, input_order=order)
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=st.sampled_from(weight_dtypes()), in_blocks=st.integers(1, 9), out_features=st.integers(1, 9),
+       seed=st.integers(0, 2**31))
+def test_layers_of_a_few_inputs_and_outputs_hold_their_weight(name, in_blocks, out_features, seed):
+    """Hostile sizes: K and N of a few elements (one packed word per row, a kernel tile mostly padding), every
+    weight type.  The layer's weight, laid out for the kernels and back, is the independent quantization's."""
+    block = ttype.get(name).block_size
+    in_features = in_blocks * block
+    torch.manual_seed(seed)
+    source = nn.Linear(in_features, out_features)
+    group = block if block > 1 else -1
+    layer = bitkern.Linear.from_float(source, name, group_size=group)
+    independent = bitkern.quantize(source.weight.detach(), name, group_size=group, zero_mode=layer.zero_mode)
+    assert torch.equal(layer.dequantize_weight(), independent.dequantize())
+    assert torch.equal(layer.quantized_weight().codes(), independent.codes())

@@ -26,6 +26,23 @@ def test_pack_unpack_round_trip(bits, shape, last, storage, seed):
     assert torch.equal(unpacked.long(), codes)
 
 
+@settings(max_examples=150, deadline=None)
+@given(bits=st.sampled_from(WIDTHS), rows=st.integers(1, 6), last=st.integers(1, 40),
+       storage=st.sampled_from([torch.int32, torch.uint8]), spare=st.integers(0, 5), seed=st.integers(0, 2**31))
+def test_unpack_reads_packed_data_of_any_strides(bits, rows, last, storage, spare, seed):
+    """Packed data as views hand it over: [rows, L] taken from a column-major buffer (strides (1, rows + spare)),
+    which torch calls contiguous when L is 1 (one word or byte per row, e.g. at most 8 4-bit codes) whatever its
+    last stride is."""
+    codes = torch.randint(0, 1 << bits, (rows, last), generator=torch.Generator().manual_seed(seed))
+    packed = ttype.pack(codes, bits, storage)
+    length = packed.shape[-1]
+    wide = torch.zeros(length + spare, rows + spare, dtype=storage)
+    view = wide.T[:rows, :length]
+    view.copy_(packed)
+    assert view.stride() == (1, rows + spare)
+    assert torch.equal(ttype.unpack(view, bits, (rows, last)).long(), codes)
+
+
 @pytest.mark.parametrize("bits, per_word", [(1, 32), (2, 16), (3, 10), (4, 8), (5, 6), (6, 5), (7, 4), (8, 4),
                                             (16, 2), (32, 1)])
 def test_codes_per_word(bits, per_word):
