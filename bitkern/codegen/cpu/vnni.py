@@ -14,6 +14,7 @@ from ..template import Work
 from . import isa
 from .kernel import (PREFETCH_WORDS, SMALL_M, CpuTemplate, Footprint, check_prefetch, doublings, norm_prologue,
                      operand_bytes)
+from .emit.vnni import reads_signed_bytes
 from .layout import AMX_TILE_ROWS, padded_k
 from .matrix import PLANES, MatrixTemplate
 
@@ -30,12 +31,14 @@ REGISTERS_256 = 12  # with 256-bit vectors (two of the 16 ymm each): a few spill
 def dot_cost(level, bits: int) -> float:
     """Instructions per 64 bytes of byte dot products at a level (`emit.vnni.dot_bytes`), relative to one 512-bit
     vpdpbusd: two 256-bit ones with AVX-VNNI; without VNNI a vpmaddubsw, a vpmaddwd and an add (on two ports) per vector
-    (two vectors with AVX2), twice over for 8-bit codes."""
+    (two vectors with AVX2), for 8-bit codes with AVX2 a vpabsb and a vpsignb more (the sign trick), with AVX-512
+    twice over (two nibbles)."""
     if "avx512_vnni" in level.features:
         return 1
     if "avx_vnni" in level.features:
         return 2
-    return (3 if bits <= 4 else 6) * (64 / level.vector_bytes) / 2
+    operations = 3 if bits <= 4 else 5 if reads_signed_bytes(level, bits) else 6
+    return operations * (64 / level.vector_bytes) / 2
 
 
 def registers(rows: int, n_tiles: int) -> int:

@@ -123,8 +123,9 @@ def test_every_integer_weight_type(name, zero_mode, activation, m):
 @pytest.mark.parametrize("config, m", [(VnniConfig(1, True, 16, 1, 16), 1), (VnniConfig(2, True, 16, 2, 0), 3),
                                        (VnniConfig(1, False, 32, 1, 32), 40)])
 def test_every_level_computes_the_same_products(level, name, zero_mode, config, m):
-    """The byte dot products of each level (`emit.vnni.dot_bytes`; AVX2's saturating vpmaddubsw takes 8-bit codes
-    as two nibbles) within the kernels' bound, with codes at their extremes."""
+    """The byte dot products of each level (`emit.vnni.dot_bytes`; around the saturating vpmaddubsw AVX2 takes 8-bit
+    codes as signed bytes by the sign trick, 512-bit vectors as two nibbles) within the kernels' bound, with codes at
+    their extremes (-128 among them)."""
     generator = torch.Generator().manual_seed(m)
     n, k = 40, 256
     qweight = bitkern.quantize(torch.randn(n, k, generator=generator) * 3, name, group_size=64, zero_mode=zero_mode)
@@ -250,3 +251,28 @@ def test_the_cost_model_sees_the_prologue_and_the_products():
     assert four.bounds[0]["vpdpbusd"] == 4 * one.bounds[0]["vpdpbusd"]
     assert four.bounds[0]["vnni_unpack"] == one.bounds[0]["vnni_unpack"]
     assert math.isclose(one.dram_bytes, 4096 * 4096 / 2 + 4096 * 32 * 2 + 4096 * 2 + 4096 * 4)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name, zero_mode", [("int8", "none"), ("uint8", "gptq")])
+def test_8_bit_codes_at_their_extremes(level, name, zero_mode):
+    """Codes -128 and 127 (int8), 0 and 255 (uint8) against activation codes ±127 in every pair a 16-bit partial sum
+    of AVX2's vpmaddubsw would hold: exact (the sign trick's |−128| is 128 as an unsigned byte; 2·128·127 fits)."""
+    n, k = 32, 128
+    base = bitkern.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(2)), name, group_size=64,
+                            zero_mode=zero_mode)
+    low, high = (128, 127) if name == "int8" else (0, 255)  # the stored bytes of -128 and 127; of 0 and 255
+    pattern = torch.arange(k) % 3 == 0
+    codes = torch.where(pattern, low, high).repeat(n, 1).to(torch.uint8)
+    codes[::2] = torch.where(pattern, high, low).to(torch.uint8)
+    qweight = bitkern.QuantizedWeight(base.ttype, base.shape, base.group_size, base.zero_mode,
+                                      bitkern.ttype.packing.pack_codes(codes, 8), base.scales, base.zeros)
+    if name == "int8":
+        assert {-128, 127} <= set(qweight.dequantize().div(base.scale_values().repeat_interleave(64, 1))
+                                  .round().unique().tolist())
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", activation_quant="int8")
+    kernel = vnni.TEMPLATE.build(spec, n, k, VnniConfig(1, True, 16, 2, 0), "tile16", (1, 16),
+                                 host_cpu().at_level(level))
+    x = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0).repeat(3, 1).bfloat16()  # every code ±127
+    x[1] = -x[1]
+    _check(spec, qweight, x, kernel(x, pack(qweight)))

@@ -58,6 +58,20 @@ class _Codes:
                 for byte in range(4)]
 
 
+def reads_signed_bytes(level: IsaLevel, bits: int) -> bool:
+    """Whether the kernel reads `bits`-bit codes as signed bytes: 8-bit codes with AVX2's vpmaddubsw, by the sign
+    trick (|s| times q with the sign of s: pairs of products stay within int16, `dot_bytes`); else as unsigned."""
+    return bits == 8 and level.vector_bytes == 32 and "avx_vnni" not in level.features
+
+
+def signed_decode(spec) -> _Decode:
+    """v = s + offset for 8-bit codes read as signed bytes s: two's complement codes as they are, unsigned ones with
+    their top bit flipped (s = u - 128)."""
+    if get(spec.weight_dtype).kind == INT:
+        return _Decode("signed", 8, signed=True)
+    return _Decode("signed", 8, signed=True, xor=(0x80808080,), offset=128.0)
+
+
 def unsigned_decode(spec) -> _Decode:
     """v = alpha·u + offset for the codes read as unsigned integers u (two's complement codes with their sign bit
     flipped; int1's binary codes 0, 1 mean -1, +1), and the bits to flip (per word)."""
@@ -76,15 +90,16 @@ class VnniBuilder(Tile16Builder):
     vpdpbusd products."""
 
     def __init__(self, spec, n: int, k: int, config, level: IsaLevel):
+        self.level = level  # before the tile16 builder's set-up, which picks the decode (`_set_decode`)
         super().__init__(spec, n, k, config)
-        self.level = level
         self.chains = CHAINS if "avx512_vnni" in level.features or "avx_vnni" in level.features else 1
         self.codes = _Codes(self.ttype.bits)
         self.blocks = padded_k(k, self.ttype.bits) // ACTIVATION_BLOCK
         self.group_blocks = self.s.kgroup // ACTIVATION_BLOCK
 
     def _set_decode(self, config) -> None:
-        self.dec, self.nibbles, self.offset_shortfall = unsigned_decode(self.spec), 1, None
+        decode = signed_decode if reads_signed_bytes(self.level, self.ttype.bits) else unsigned_decode
+        self.dec, self.nibbles, self.offset_shortfall = decode(self.spec), 1, None
 
     def body_scope(self):
         return contextlib.nullcontext()
@@ -207,8 +222,8 @@ class VnniBuilder(Tile16Builder):
                     unsigned = shifted if codes.bits == 8 else tirx.bitwise_and(shifted, u32(codes.mask))
                     for r, quad in enumerate(quads):
                         cell = [product % splits, r, c, ramp(0)]
-                        T.buffer_store(acc, dot_bytes(load(acc, *cell), unsigned, quad, self.level, codes.bits),
-                                       cell)
+                        T.buffer_store(acc, dot_bytes(load(acc, *cell), unsigned, quad, self.level, codes.bits,
+                                                      self.dec.signed), cell)
         for r, row in enumerate(rows):
             d = tirx.Broadcast(load(self.xscale, row, block), LANES)
             for c in range(cfg.n_tiles):
@@ -219,11 +234,13 @@ class VnniBuilder(Tile16Builder):
                 T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
 
 
-def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int):
-    """acc + Σ of the 4 byte products per int32 lane (16 lanes): unsigned bytes of `unsigned` (codes of `bits` bits)
-    times signed bytes of `signed`, exact.  AVX512-VNNI: one vpdpbusd; AVX-VNNI: one per 8 lanes; without VNNI,
-    vpmaddubsw (pairs into int16, which saturates beyond 4-bit codes: 8-bit ones go as two nibbles) and vpmaddwd (the
-    pairs into int32, times 1 or, for the high nibbles, 16), on 16 lanes with AVX-512, per 8 with AVX2."""
+def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int, signed_codes: bool = False):
+    """acc + Σ of the 4 byte products per int32 lane (16 lanes): bytes of `unsigned` (codes of `bits` bits; signed
+    bytes where `signed_codes`, see `reads_signed_bytes`) times signed bytes of `signed` (activation codes within
+    ±127), exact.  AVX512-VNNI: one vpdpbusd; AVX-VNNI: one per 8 lanes; without VNNI, vpmaddubsw (pairs into int16)
+    and vpmaddwd (the pairs into int32), on 16 lanes with AVX-512, per 8 with AVX2.  vpmaddubsw's pairs would saturate
+    for unsigned 8-bit codes: AVX2 multiplies signed codes s as |s| times q with the sign of s (vpsignb; 2·128·127 fits
+    int16), AVX-512 (no vpsignb) 8-bit codes as two nibbles, the high ones times 16."""
     if level.vector_bytes >= 64:
         if "avx512_vnni" in level.features:
             return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
@@ -238,6 +255,8 @@ def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int):
             halves.append(tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", part,
                                                      tirx.reinterpret("int8x32", codes),
                                                      tirx.reinterpret("int8x32", activations)))
+        elif signed_codes:
+            halves.append(_multiply_add_signed_bytes(part, codes, activations))
         else:
             halves.append(_multiply_add_bytes(part, codes, activations, bits, _AVX2_MADD))
     return tirx.Shuffle(halves, list(range(LANES)))
@@ -246,6 +265,19 @@ def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int):
 # (vpmaddubsw, vpmaddwd) intrinsics and the int32 lanes they work on
 _AVX512_MADD = ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512", 16)
 _AVX2_MADD = ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", 8)
+
+
+def _multiply_add_signed_bytes(acc, codes, activations):
+    """acc + Σ of 4 byte products per lane (8 lanes) of signed codes and activations: vpmaddubsw of |codes| (as
+    unsigned bytes: |-128| is 128) and the activations with the codes' signs (vpsignb: negated where a code is
+    negative, 0 where it is 0), then vpmaddwd by ones."""
+    pairs_name, words_name, lanes = _AVX2_MADD
+    signed = tirx.reinterpret("int8x32", codes)
+    magnitudes = tirx.call_llvm_pure_intrin("int8x32", "llvm.abs", signed, tirx.const(False, "bool"))
+    signs = tirx.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", tirx.reinterpret("int8x32", activations),
+                                       signed)
+    pairs = tirx.call_llvm_pure_intrin("int16x16", pairs_name, magnitudes, signs)
+    return acc + tirx.call_llvm_pure_intrin(f"int32x{lanes}", words_name, pairs, splat(1, "int16", 2 * lanes))
 
 
 def _multiply_add_bytes(acc, codes, activations, bits: int, madd: tuple):
