@@ -11,7 +11,7 @@ between ops, so they do not take the cores from bitkern's kernels); the engines 
 auto, the default: what the cost model fuses; or against on: every match, the SwiGLU epilogue here), default
 environment only.
 
-Run with the python of a vLLM environment that has bitkern installed (README, "vLLM"):
+Run with the python of a vLLM environment that has bitkern installed (docs/vllm.md, "Install"):
     python benchmarks/vllm_throughput.py [--rounds N]            (table: benchmarks/results/vllm_throughput.md)
     python benchmarks/vllm_throughput.py --fusion [auto|on] [--rounds N]
                                                   (benchmarks/results/vllm_throughput_fusion_{auto,on}.md)
