@@ -1,6 +1,7 @@
-"""FMA template: y = x · dequant(W)ᵀ with integer codes converted to float32 in registers and multiplied in by FMA
-(any level from AVX2 up); its code comes from `emit.fma`, the lookup kernel's structure with the tables replaced.
-It serves integer and zero-point codes of 2, 4 and 8 bits.  For M <= 4 (few rows) it is the decode kernel: where a
+"""FMA template: y = x · dequant(W)ᵀ with codes decoded to float32 in registers and multiplied in by FMA (any level
+from AVX2 up); its code comes from `emit.fma`, the lookup kernel's structure with the tables replaced.  It serves
+integer and zero-point codes of 2, 4 and 8 bits (converted) and 4-bit code books (nf4, fp4, MX, NVFP4: looked up,
+`emit.tir.lookup16`).  For M <= 4 (few rows) it is the decode kernel: where a
 16-entry table lookup is one vpermps (AVX-512) the lookup template competes, where it takes three per 8 lanes (AVX2)
 this one is the cheaper decode of 4- and 8-bit codes.  Beyond that (prompts) it runs blocks of rows, each word
 decoded once per block, on levels without AVX512-BF16 (with it, the dot template's bf16 products are the faster
@@ -19,7 +20,7 @@ from ..template import ANY_ROWS, Work
 from . import isa
 from .kernel import FEW_ROWS, PREFETCH_WORDS, Footprint, doublings, norm_prologue, operand_bytes
 from .layout import AMX_TILE_ROWS, padded_k
-from .lut import LutConfig, LutTemplate, min_tiles
+from .lut import LOOKUP_256, LutConfig, LutTemplate, min_tiles, value_table
 
 BITS = (2, 4, 8)  # 1-bit codes: the lookup template (64 per lookup); 32 positions would outgrow a 16-lane x pattern
 # rows x tiles of 16-lane sums a body keeps in registers: with AVX2 each is two of its 16 ymm
@@ -30,6 +31,13 @@ BODY = 8
 BLOCK_SUMS = {32: 6, 64: 12}
 BLOCK_ROWS = (2, 3, 4, 6, 8, 12)
 M_CHUNK = 64
+
+
+def looks_up(spec: Matmul) -> bool:
+    """Whether the kernel looks the codes' values up (4-bit code books: nf4, fp4, MX, NVFP4) instead of converting
+    them."""
+    ttype = get(spec.weight_dtype)
+    return spec.zero_mode == "none" and ttype.bits == 4 and not converts_exactly(ttype)
 
 
 def converts_exactly(ttype) -> bool:
@@ -74,8 +82,8 @@ class FmaTemplate(LutTemplate):
         ttype = get(spec.weight_dtype)
         if ttype.bits not in BITS:
             return f"{ttype.bits}-bit codes (it reads {list(BITS)}-bit codes)"
-        if spec.zero_mode == "none" and not converts_exactly(ttype):
-            return f"{ttype.name} codes (it converts codes that are their values as integers)"
+        if spec.zero_mode == "none" and not converts_exactly(ttype) and not looks_up(spec):
+            return f"{ttype.name} codes (it converts integer codes and looks up 4-bit code books)"
         return None
 
     def resources(self, spec: Matmul, k: int, config: FmaConfig) -> Footprint:
@@ -105,22 +113,25 @@ class FmaTemplate(LutTemplate):
                 for prefetch in (0, 32)]
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: FmaConfig, device) -> Work:
-        """Per call: every 16-lane vector of codes converted (mask, convert) once, or once per row block, and
-        multiplied in per row; with 256-bit vectors each counts twice."""
+        """Per call: every 16-lane vector of codes decoded once, or once per row block (a mask and a convert; a
+        shift and a lookup, LOOKUP_256 times that with 256-bit vectors), and multiplied in per row; with 256-bit
+        vectors each counts twice."""
         bits = get(spec.weight_dtype).bits
         vectors = -(-n // AMX_TILE_ROWS) * padded_k(k, bits)
         widths = 64 // device.vector_bytes
         tasks = -(-(-(-n // AMX_TILE_ROWS)) // config.n_tiles)
         blocks = -(-m // config.rows) if config.rows else 1
-        operations = {"convert_code_vector": vectors * blocks * widths, "fma_code_row": vectors * m * widths,
+        decode = LOOKUP_256 if looks_up(spec) and device.vector_bytes < 64 else 1
+        operations = {"convert_code_vector": vectors * blocks * widths * decode, "fma_code_row": vectors * m * widths,
                       **norm_prologue(spec, m, k, min(device.cores, tasks))}
         return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
 
     def emit(self, spec: Matmul, n: int, k: int, config: FmaConfig, bucket, device):
-        """The FMA kernel (`emit.fma.build`); no constants."""
+        """The FMA kernel (`emit.fma.build`) and, for code books, the value table."""
         from .emit.fma import build
 
-        return build(spec, n, k, config, device.cores, bucket, device.level), []
+        constants = [value_table(spec)] if looks_up(spec) else []
+        return build(spec, n, k, config, device.cores, bucket, device.level), constants
 
 
 TEMPLATE = FmaTemplate()

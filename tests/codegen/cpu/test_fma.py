@@ -21,6 +21,14 @@ LEVELS = [level.name for level in isa.LEVELS if TEMPLATE.requires <= level.featu
     host_cpu().level.features)]
 
 
+# Blocks of rows with small prologue chunks: whole and partial blocks, several chunks, a partial last chunk
+ROW_BLOCKS = [FmaConfig(n_tiles=1, prefetch=0, rows=6, m_chunk=12), FmaConfig(n_tiles=2, prefetch=32, rows=3, m_chunk=6)]
+
+
+# the widths blocks of rows serve at: 256-bit (AVX2) and 512-bit vectors without AVX512-BF16, where this CPU runs them
+BLOCK_LEVELS = [level for level in LEVELS if level in ("x86-64-v3", "avx512")]
+
+
 def _device(level: str):
     return host_cpu().at_level(level)
 
@@ -46,10 +54,30 @@ def test_integer_codes_match_the_reference(level, dtype, zero_mode, activation):
         assert_matches_reference(spec, q, x, bias, kernel(x, packed, bias))
 
 
-@pytest.mark.parametrize("dtype", ["nf4", "mxfp4", "fp4_e2m1", "bnb_fp4"])
-def test_codes_that_are_not_their_values_go_to_the_lookup_template(dtype):
-    spec, *_ = matmul_case(dtype, 48, K, 1, group=32 if dtype == "mxfp4" else 64)
-    assert "it converts codes that are their values as integers" in TEMPLATE.unsupported(spec, 48, K, host_cpu())
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", ["nf4", "mxfp4", "fp4_e2m1", "bnb_fp4", "nvfp4"])
+def test_4_bit_code_books_are_looked_up(level, dtype):
+    """Code-book codes through the value table: few rows and blocks of rows (where the level takes them) against the
+    float64 reference."""
+    device = _device(level)
+    group = {"mxfp4": 32, "nvfp4": 16}.get(dtype, 64)
+    spec, q, _, bias = matmul_case(dtype, 48, K, 1, "bfloat16", group=group, bias=True)
+    assert TEMPLATE.unsupported(spec, 48, K, device) is None
+    packed = pack(q)
+    cases = [(FmaConfig(n_tiles=2, prefetch=16), (1, 4), (1, 3))]
+    if level in BLOCK_LEVELS:
+        cases.append((ROW_BLOCKS[1], (17, 128), (17, 26)))
+    for config, bucket, rows in cases:
+        kernel = build_kernel(spec, 48, K, "fma", config, "tile16", bucket, device)
+        for m in rows:
+            x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
+            assert_matches_reference(spec, q, x, bias, kernel(x, packed, bias))
+
+
+def test_other_float_codes_are_refused():
+    spec, *_ = matmul_case("float8_e4m3", 48, K, 1, group=64)
+    assert TEMPLATE.unsupported(spec, 48, K, host_cpu()) == \
+        "float8_e4m3 codes (it converts integer codes and looks up 4-bit code books)"
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -66,14 +94,6 @@ def test_output_stage(level, epilogue, residual):
         x = torch.randn(m, K, generator=generator).bfloat16()
         r = torch.randn(m, spec.out_features(64), generator=generator) if residual else None
         assert_epilogue_matches_reference(spec, qweight, x, bias, r, kernel(x, pack(qweight), bias, r))
-
-
-# Blocks of rows with small prologue chunks: whole and partial blocks, several chunks, a partial last chunk
-ROW_BLOCKS = [FmaConfig(n_tiles=1, prefetch=0, rows=6, m_chunk=12), FmaConfig(n_tiles=2, prefetch=32, rows=3, m_chunk=6)]
-
-
-# the widths blocks of rows serve at: 256-bit (AVX2) and 512-bit vectors without AVX512-BF16, where this CPU runs them
-BLOCK_LEVELS = [level for level in LEVELS if level in ("x86-64-v3", "avx512")]
 
 
 @pytest.mark.parametrize("level", BLOCK_LEVELS)

@@ -72,12 +72,13 @@ MARKS = {"amx": pytest.mark.requires_amx, "dot": pytest.mark.requires_avx512_bf1
 
 def _served(cases, weights):
     """Every case with every (weight, zero_mode, activation) but the lookup template's 8-bit codes (it reads 1-, 2-
-    and 4-bit codes) and the FMA template's non-integer ones, each matrix template's case marked with the hardware
+    and 4-bit codes) and the FMA template's float codes other than 4-bit code books, each matrix template's case marked with the hardware
     it runs on."""
     return [pytest.param(template, m, direct, *weight, marks=MARKS.get(template, ()))
             for template, m, direct in cases for weight in weights
             if not (template == "lut" and bitkern.ttype.get(weight[0]).bits == 8)
-            and not (template == "fma" and bitkern.ttype.get(weight[0]).kind not in ("int", "uint"))]
+            and not (template == "fma" and bitkern.ttype.get(weight[0]).kind not in ("int", "uint")
+                     and bitkern.ttype.get(weight[0]).bits != 4)]
 
 
 @pytest.mark.parametrize("template, m, direct, weight, zero_mode, activation", _served(CASES, [

@@ -18,11 +18,11 @@ from tvm.script.ir_builder import tirx as T
 from ....ops.matmul import Matmul
 from ....ttype import get
 from ....ttype.types import INT
-from ..fma import FmaConfig
+from ..fma import FmaConfig, looks_up
 from ...template import ANY_ROWS
 from ..isa import IsaLevel
 from . import lut
-from .tir import LANES, load, prefetch_ahead, ramp, registers, splat
+from .tir import LANES, load, lookup16, prefetch_ahead, ramp, registers, splat, u32
 
 
 def build(spec: Matmul, n: int, k: int, config: FmaConfig, threads: int, rows: tuple[int, int], level: IsaLevel,
@@ -35,11 +35,13 @@ def build(spec: Matmul, n: int, k: int, config: FmaConfig, threads: int, rows: t
 
 
 class _Builder(lut.Builder):
-    takes_values = False
-
     def __init__(self, *args):
         super().__init__(*args)
-        self.signed = get(self.spec.weight_dtype).kind == INT and self.spec.zero_mode == "none"
+        # 4-bit code books (nf4, fp4, MX, NVFP4): each code's value looked up in the value table; integer codes
+        # converted
+        self.takes_values = looks_up(self.spec)
+        self.signed = get(self.spec.weight_dtype).kind == INT and self.spec.zero_mode == "none" \
+            and not self.takes_values
         self.top = self.per_word - 1  # the code position at the word's top bits
 
     def _needs_group_sums(self) -> bool:
@@ -59,8 +61,8 @@ class _Builder(lut.Builder):
         place holds u·2^(bits·p), whose product with it is u·x exactly (scaling by a power of two is exact), so the
         main loop needs no shift but the top position's."""
         slot_of = {self._k_in_word(slot): slot for slot in range(self.per_word)}
-        factors = [1.0 if slot_of[i % self.per_word] == self.top else 2.0 ** -(self.bits * slot_of[i % self.per_word])
-                   for i in range(LANES)]
+        factors = [1.0 if self.takes_values or slot_of[i % self.per_word] == self.top
+                   else 2.0 ** -(self.bits * slot_of[i % self.per_word]) for i in range(LANES)]
         pattern = tirx.Shuffle([tirx.const(factor, "float32") for factor in factors], list(range(LANES)))
         vectors = self.k_pad // LANES
         with T.serial(0, self.chunk_rows * vectors) as task:
@@ -77,6 +79,7 @@ class _Builder(lut.Builder):
         for row in range(rows):
             for c in range(len(tiles)):
                 T.buffer_store(gacc, splat(0.0, "float32"), [row, c, ramp(0)])
+        table = load(self.values, ramp(0)) if self.takes_values else None
         with T.serial(0, self.group_words) as w:
             word_index = g * self.group_words + w
             for c, tile_index in enumerate(tiles):
@@ -85,7 +88,7 @@ class _Builder(lut.Builder):
                 if self.signed:
                     word = tirx.bitwise_xor(word, splat(_sign_bits(self.bits), "int32"))
                 for slot in range(self.per_word):
-                    codes = self._codes(word, slot)
+                    codes = self._codes(word, slot, table)
                     k_index = word_index * self.per_word + self._k_in_word(slot)
                     for row in range(rows):
                         x = tirx.Broadcast(load(self.widened, first + row, k_index), LANES)
@@ -94,9 +97,13 @@ class _Builder(lut.Builder):
             for c in range(len(tiles)):
                 fold(row, c, load(gacc, row, c, ramp(0)))
 
-    def _codes(self, word, slot: int):
-        """The unsigned codes at position `slot` of 16 words as float32 lanes: masked in place (u·2^(bits·slot),
-        exact in float32 and within int32) below the top position, shifted down at the top."""
+    def _codes(self, word, slot: int, table):
+        """The codes at position `slot` of 16 words as float32 lanes: looked up in `table` (a 4-bit code book: the
+        word shifted down, `lookup16` reads the low 4 bits), else as unsigned integers, masked in place
+        (u·2^(bits·slot), exact in float32 and within int32) below the top position, shifted down at the top."""
+        if table is not None:
+            index = word if slot == 0 else tirx.shift_right(tirx.reinterpret("uint32x16", word), u32(4 * slot))
+            return lookup16(table, tirx.reinterpret("int32x16", index), self.level.vector_bytes)
         if slot == self.top:
             moved = tirx.shift_right(tirx.reinterpret("uint32x16", word), splat(32 - self.bits, "uint32"))
             return tirx.Cast("float32x16", tirx.reinterpret("int32x16", moved))
