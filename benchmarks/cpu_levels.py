@@ -6,8 +6,13 @@ DRAM.  Cases take turns round by round with the DRAM probes (torch.sum and a str
 matmul; each figure is a median over rounds, each ratio the median of per-round ratios.  On a CPU above the level
 (an AVX-512 machine measuring its AVX2 kernels) the figures are those of the lower level's code on this CPU.
 
+With --level the process restarts held to that level (benchmarks/torch_level.py), torch's bf16 baseline included:
+the figures an AVX2-only CPU's torch would give, not this CPU's AVX512-BF16 ones.  With --llama-cpp the same case
+also runs on llama.cpp's CPU backend built for the level (benchmarks/ggml_mul_mat.c; its nearest ggml type in
+LLAMA_CPP_TYPES, weights repacked where ggml repacks them), in the same run.
+
 Run: python benchmarks/cpu_levels.py --level x86-64-v3 [--rows 1] [--activation-quant int8] [--types int4 nf4 ...]
-     [--shapes 4096x4096 14336x4096 4096x14336] [--out benchmarks/results/cpu_levels_x86-64-v3.md]
+     [--shapes 4096x4096 14336x4096 4096x14336] [--llama-cpp] [--out benchmarks/results/cpu_levels_x86-64-v3.md]
 """
 
 from __future__ import annotations
@@ -17,24 +22,38 @@ import os
 import platform
 import statistics
 import sys
+import subprocess
 import time
-
-import torch
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
+if __name__ == "__main__":
+    from torch_level import run_at
+
+    _early = argparse.ArgumentParser(add_help=False)
+    _early.add_argument("--level")
+    run_at(_early.parse_known_args()[0].level)
+
+import torch  # noqa: E402
+
 os.environ.setdefault("BITKERN_TUNING", "profile")
 
 import bitkern  # noqa: E402
 from bitkern.cache import kernel_for  # noqa: E402
 from bitkern.ops import Matmul  # noqa: E402
+from bitkern.codegen.cpu import isa  # noqa: E402
 from bitkern.tuner import host_cpu  # noqa: E402
 from conftest import interleaved, read_probes, rotation, round_ratio  # noqa: E402
 
 GROUPS = {"mxfp4": 32}  # block-scaled types have their own block; the others use --group
+# bitkern type -> the ggml type llama.cpp users pick for it (block 32 int4 with scale, 4-bit non-linear code book,
+# int8, OCP MXFP4, 2-bit k-quant)
+LLAMA_CPP_TYPES = {"int4": "q4_0", "nf4": "iq4_nl", "int8": "q8_0", "mxfp4": "mxfp4", "int2": "q2_K"}
 
 
 def _case(dtype: str, n: int, k: int, m: int, group: int, activation_quant: str, device):
-    """(call, weight bytes per call, template chosen) of a bitkern kernel with rotating weights."""
+    """(call, call on one weight copy (in cache after the first call), weight bytes per call, template chosen) of a
+    bitkern kernel with rotating weights."""
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     quantized = bitkern.quantize(weight, dtype, group_size=GROUPS.get(dtype, group))
     packed = bitkern.pack(quantized)
@@ -43,13 +62,29 @@ def _case(dtype: str, n: int, k: int, m: int, group: int, activation_quant: str,
     next_weight = rotation(lambda: packed.from_format(packed.format, *(None if t is None else t.clone()
                                                                        for t in packed.tensors())), packed.nbytes)
     x = torch.randn(m, k).bfloat16()
-    return (lambda: kernel(x, next_weight())), packed.nbytes, kernel.template
+    return (lambda: kernel(x, next_weight())), (lambda: kernel(x, packed)), packed.nbytes, kernel.template
 
 
 def _torch_bf16(n: int, k: int, m: int):
     next_weight = rotation(lambda: torch.randn(n, k).bfloat16(), n * k * 2)
     x = torch.randn(m, k).bfloat16()
     return lambda: x @ next_weight().T
+
+
+def _llama_cpp_ms(harness: Path, dtype: str, n: int, k: int, m: int, threads: int, rounds: int) -> float:
+    """Median ms of llama.cpp's MUL_MAT for the ggml type of `dtype`: the faster of its weights in the repacking
+    buffer (where ggml has a layout for the type) and in a plain one."""
+    times, failures = [], []
+    for repack in (1, 0):
+        command = [str(value) for value in (harness, LLAMA_CPP_TYPES[dtype], n, k, m, threads, rounds, repack)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode == 0:
+            times.append(float(result.stdout.split()[-1]))
+        else:
+            failures.append(result.stderr[-300:])
+    if not times:
+        raise RuntimeError(f"{harness} failed for {LLAMA_CPP_TYPES[dtype]}: {failures}")
+    return min(times)
 
 
 def main() -> None:
@@ -61,38 +96,60 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["4096x4096", "14336x4096", "4096x14336"])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--activation-quant", default="none", help="none (bf16 activations) or int8 (W4A8, W8A8)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also time llama.cpp's MUL_MAT built for the level (its types: LLAMA_CPP_TYPES)")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "bitkern-llamacpp",
+                        help="where benchmarks/llama_cpp.py keeps llama.cpp's source and builds")
     parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
+    harness = None
+    if args.llama_cpp:
+        from llama_cpp import matmul_harness
+
+        harness = matmul_harness(args.cache_dir.expanduser(), args.level)
 
     device = host_cpu() if args.level is None else host_cpu().at_level(args.level)
     if not device.runs_here():
         parser.error(f"--level {args.level}: this CPU cannot run it")
     probes, probe_bytes = read_probes()
+    host_level = isa.best_level(Path("/proc/cpuinfo").read_text().split()).name
     lines = [f"# bitkern CPU kernels at {device.level.name}, M={args.rows}, activation_quant={args.activation_quant}",
              "",
-             f"{host_cpu().name} ({platform.machine()}, host level {host_cpu().level.name}), {device.cores} threads, "
-             f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; command: `python benchmarks/cpu_levels.py "
-             f"{' '.join(sys.argv[1:])}`",
+             f"{host_cpu().name} ({platform.machine()}, host level {host_level}), "
+             f"{device.cores} threads, torch {torch.__version__} (held to the level: "
+             f"{'ONEDNN_MAX_CPU_ISA=' + os.environ['ONEDNN_MAX_CPU_ISA'] if args.level else 'no'}), "
+             f"{time.strftime('%Y-%m-%d')}; command: `python benchmarks/cpu_levels.py {' '.join(sys.argv[1:])}`",
              "",
-             "| type | N x K | kernel | ms | GB/s | of DRAM probe | torch bf16 ms | torch bf16 / bitkern |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| type | N x K | kernel | ms | GB/s | of DRAM probe | ms, weights in cache | torch bf16 ms | "
+             "torch bf16 / bitkern |" + (" llama.cpp type | llama.cpp ms | llama.cpp / bitkern |" if harness else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if harness else "")]
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         torch_call = _torch_bf16(n, k, args.rows)
         for dtype in args.types:
-            call, nbytes, template = _case(dtype, n, k, args.rows, args.group, args.activation_quant, device)
-            calls = {"bitkern": call, "torch": torch_call, **{f"probe {name}": probe for name, probe in probes.items()}}
+            call, cached, nbytes, template = _case(dtype, n, k, args.rows, args.group, args.activation_quant, device)
+            calls = {"bitkern": call, "bitkern in cache": cached, "torch": torch_call,
+                     **{f"probe {name}": probe for name, probe in probes.items()}}
             times = interleaved(calls, rounds=args.rounds)
             probe_s = [min(values) for values in zip(*(times[f"probe {name}"] for name in probes))]
             fraction = statistics.median((nbytes / b) / (probe_bytes / p) for p, b in zip(probe_s, times["bitkern"]))
             ms = statistics.median(times["bitkern"]) * 1e3
             lines.append(f"| {dtype} | {n}x{k} | {template} | {ms:.3f} | {nbytes / ms / 1e6:.1f} | {fraction:.2f} | "
+                         f"{statistics.median(times['bitkern in cache']) * 1e3:.3f} | "
                          f"{statistics.median(times['torch']) * 1e3:.3f} | "
                          f"{round_ratio(times['torch'], times['bitkern']):.2f} |")
+            if harness and dtype in LLAMA_CPP_TYPES:
+                theirs = _llama_cpp_ms(harness, dtype, n, k, args.rows, device.cores, max(args.rounds, 11))
+                lines[-1] += f" {LLAMA_CPP_TYPES[dtype]} | {theirs:.3f} | {theirs / ms:.2f} |"
+            elif harness:
+                lines[-1] += " - | - | - |"
             print(lines[-1], flush=True)
     probe_gbs = probe_bytes / min(min(times[f"probe {name}"]) for name in probes) / 1e9
     lines += ["", f"DRAM probe (last case's best round): {probe_gbs:.1f} GB/s; `of DRAM probe` is the median over "
-                  f"rounds of (weight bytes / kernel time) / (probe bytes / probe time) in the same round."]
+                  f"rounds of (weight bytes / kernel time) / (probe bytes / probe time) in the same round.  `ms, "
+                  f"weights in cache`: the same kernel on one weight copy, which stays in the last-level cache where it "
+                  f"fits ({host_cpu().llc_bytes >> 20} MiB): the speed its instructions allow; a kernel whose time "
+                  f"from DRAM is no longer than that is bound by instruction throughput, not memory."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

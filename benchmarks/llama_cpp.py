@@ -5,12 +5,14 @@ tokens, 2 threads, each system's tokens/s next to the memory limit per generated
 Recipe (CI does not run it; needs cmake, a C++ compiler and PyPI; everything built lands in --cache-dir, default
 ~/.cache/bitkern-llamacpp, never in the repository):
 
-    python benchmarks/llama_cpp.py [--rounds 3] [--repetitions 2] [--cache-dir DIR] [--venv DIR]
+    python benchmarks/llama_cpp.py [--rounds 3] [--repetitions 2] [--cache-dir DIR] [--venv DIR] [--level LEVEL]
 
 1. llama.cpp: the source vendored in the sdist of llama-cpp-python (pinned: LLAMA_CPP_PYTHON; its CHANGELOG names
    the llama.cpp commit, passed to cmake as LLAMA_BUILD_COMMIT so that llama-bench reports it), built with
    GGML_NATIVE (-march=native: AVX-512, AVX512-BF16, VNNI on Zen 4), 2 jobs, targets llama-bench and llama-quantize;
-   on a CPU with AMX twice, with and without AMX (NO_AMX says why).
+   on a CPU with AMX twice, with and without AMX (NO_AMX says why).  With --level (e.g. x86-64-v3 on an AVX-512
+   machine) one build with GGML_NATIVE off and exactly that level's instruction sets (GGML_LEVEL_OPTIONS, never
+   AVX-512 below it), and bitkern's and torch's workers held to the level (benchmarks/torch_level.py).
 2. The model: LlamaForCausalLM with seed 0 in bf16, `save_pretrained` to <cache>/model, beside it a Llama-style
    byte-fallback BPE tokenizer of 32000 tokens made with the `tokenizers` library (the converter needs one).
 3. GGUF: llama.cpp's convert_hf_to_gguf.py --outtype bf16, run in a virtual environment (--venv, default
@@ -50,6 +52,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch_level
 from llama_threads import _environment
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -60,6 +63,17 @@ LLAMA_CPP_PYTHON = "0.3.36"
 # VNNI/BF16 kernels (pp128 392 t/s; the AMX build with its repacking turned off, --repack 0, ran 276).
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 RESULTS = Path(__file__).parent / "results"
+# ggml's instruction-set options (cmake GGML_<option>) for each bitkern level it can be built for without
+# -march=native, so an AVX-512 machine measures llama.cpp's AVX2 code beside bitkern's (--level); never above it.
+_GGML_V3 = ("AVX", "AVX2", "FMA", "F16C", "BMI2")
+GGML_LEVEL_OPTIONS = {
+    "x86-64-v3": _GGML_V3,
+    "avx-vnni": (*_GGML_V3, "AVX_VNNI"),
+    "avx512": (*_GGML_V3, "AVX512"),
+    "avx512-vnni": (*_GGML_V3, "AVX512", "AVX512_VNNI"),
+    "avx512-bf16": (*_GGML_V3, "AVX512", "AVX512_VNNI", "AVX512_BF16"),
+}
+GGML_OPTIONS = tuple(dict.fromkeys(option for options in GGML_LEVEL_OPTIONS.values() for option in options))
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
 PROMPTS, GENERATED, GENERATE_PROMPT = (128, 512), 64, 8
@@ -104,6 +118,7 @@ PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, compil
          ("bitkern int8 g128 a8, output int8 g128, compiled", "Q8_0"), ("torch bf16", "bf16")]
 CPU_TEST = f"tg{GENERATED}, 1 thread, per CPU s"  # tokens per CPU second: a crowded machine's waits do not count
 TESTS = [f"pp{n}" for n in PROMPTS] + [f"tg{GENERATED}", CPU_TEST]
+LEVEL_ENVIRONMENT: dict[str, str] = {}  # with --level: what holds bitkern and torch to it (`torch_level`)
 COMMANDS: list[str] = []  # every command of the recipe, in order, whether it ran now or its output was cached
 
 
@@ -149,21 +164,41 @@ def llama_cpp_source(cache: Path) -> tuple[Path, str]:
     return root / "vendor" / "llama.cpp", commit.group(1)
 
 
-def build_llama_cpp(source: Path, commit: str, cache: Path) -> tuple[Path, Path]:
+def build_llama_cpp(source: Path, commit: str, cache: Path, level: str | None = None) -> tuple[Path, Path]:
     """Configure and build llama-bench and llama-quantize (incremental: quick when up to date); the bin folders of
-    the builds that run prompts and generation (one build, or on an AMX CPU two: see NO_AMX)."""
-    amx = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    the builds that run prompts and generation (one build, or on an AMX CPU two: see NO_AMX).  With `level` (a bitkern
+    instruction-set level) one build for exactly that level's instruction sets (GGML_LEVEL_OPTIONS), else -march=native."""
+    amx = level is None and "amx_tile" in Path("/proc/cpuinfo").read_text().split()
 
     def build(name: str, flags: str) -> Path:
         folder = cache / name
-        run(["cmake", "-S", source, "-B", folder, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        if level is None:
+            isa = ["-DGGML_NATIVE=ON"]
+        else:
+            isa = ["-DGGML_NATIVE=OFF", *(f"-DGGML_{option}={'ON' if option in GGML_LEVEL_OPTIONS[level] else 'OFF'}"
+                                          for option in GGML_OPTIONS)]
+        run(["cmake", "-S", source, "-B", folder, "-DCMAKE_BUILD_TYPE=Release", *isa,
              "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
              f"-DLLAMA_BUILD_COMMIT={commit}", f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"])
         run(["cmake", "--build", folder, "-j", "2", "--target", "llama-bench", "llama-quantize"])
         return folder / "bin"
 
-    prompts = build(f"build-{LLAMA_CPP_PYTHON}", NO_AMX if amx else "")
+    name = f"build-{LLAMA_CPP_PYTHON}" + (f"-{level}" if level else "")
+    prompts = build(name, NO_AMX if amx else "")
     return prompts, build(f"build-{LLAMA_CPP_PYTHON}-amx", "") if amx else prompts
+
+
+def matmul_harness(cache: Path, level: str | None = None) -> Path:
+    """benchmarks/ggml_mul_mat.c compiled against the ggml of the llama.cpp build for `level` (built if missing):
+    the program that times one MUL_MAT at any shape (see there)."""
+    source, commit = llama_cpp_source(cache)
+    bin_dir = build_llama_cpp(source, commit, cache, level)[0]
+    harness = bin_dir / "ggml_mul_mat"
+    code = Path(__file__).with_name("ggml_mul_mat.c")
+    if not harness.exists() or harness.stat().st_mtime < code.stat().st_mtime:
+        run(["cc", "-O2", "-o", harness, code, f"-I{source / 'ggml' / 'include'}", f"-L{bin_dir}", "-lggml",
+             "-lggml-base", "-lggml-cpu", f"-Wl,-rpath,{bin_dir}"])
+    return harness
 
 
 def converter_python(source: Path, venv: Path) -> Path:
@@ -385,7 +420,8 @@ class Worker:
     def __init__(self, name: str, model_dir: Path, repetitions: int):
         self.process = subprocess.Popen([sys.executable, __file__, "--worker", name, "--model", str(model_dir),
                                          "--repetitions", str(repetitions)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=_environment("default"))
+                                        stdout=subprocess.PIPE, text=True,
+                                        env={**_environment("default"), **LEVEL_ENVIRONMENT})
         hello = json.loads(self.process.stdout.readline())
         if not hello.get("ready"):
             raise RuntimeError(f"worker {name} did not start")
@@ -418,6 +454,9 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=2, help="runs of each test per system and round")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "bitkern-llamacpp")
     parser.add_argument("--venv", type=Path, default=None, help="converter venv (default <cache>/convert-venv)")
+    parser.add_argument("--level", choices=list(GGML_LEVEL_OPTIONS), default=None,
+                        help="an instruction-set level below the host's: llama.cpp built for exactly it, bitkern and "
+                             "torch held to it (default: the host's own, llama.cpp with -march=native)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--systems", default=";".join([*GGUF_TYPES, *BITKERN]),
@@ -432,8 +471,10 @@ def main() -> None:
         parser.error(f"--systems: {unknown} are not known; known: {[*GGUF_TYPES, *BITKERN]}")
     cache = args.cache_dir.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
+    if args.level:
+        LEVEL_ENVIRONMENT.update(torch_level.environment(args.level))
     source, commit = llama_cpp_source(cache)
-    builds = build_llama_cpp(source, commit, cache)
+    builds = build_llama_cpp(source, commit, cache, args.level)
     python = converter_python(source, args.venv or cache / "convert-venv")
     model = make_model(cache / "model")
     ggufs = make_ggufs(model, source, builds[1], python, cache)
@@ -479,7 +520,7 @@ def main() -> None:
     text = report(samples, weight_bytes, rounds, info, commit, args)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "llama_cpp.md").write_text(text + "\n")
+    (RESULTS / (f"llama_cpp_{args.level}.md" if args.level else "llama_cpp.md")).write_text(text + "\n")
 
 
 def memory_limits(system: str, weight_bytes: dict, rounds: list, bandwidth: str) -> tuple[float, list[float]]:
@@ -499,7 +540,8 @@ def report(samples, weight_bytes, rounds, info, commit, args) -> str:
              f"{info.get('build_commit')}, {info.get('cpu_info')}, backends {info.get('backends')}, flash_attn "
              f"{info.get('flash_attn')}, KV {info.get('type_k')}/{info.get('type_v')}, n_ubatch "
              f"{info.get('n_ubatch')}) "
-             f"against bitkern through transformers, {THREADS} threads, default environment.",
+             f"against bitkern through transformers, {THREADS} threads, "
+             + (f"all held to the {args.level} level ({LEVEL_ENVIRONMENT})." if args.level else "default environment."),
              f"Model: LlamaForCausalLM {CONFIG}, random weights (seed 0).",
              f"Medians over {args.rounds} interleaved rounds of {args.repetitions} runs; load average (1 min) per "
              f"round: {loads}; DRAM read GB/s per round (best of the streaming probes, {THREADS} threads): "
