@@ -7,7 +7,10 @@ bfloat16 weights in, the kernel layout out) at 1 thread and at torch's thread co
 cache bypassed: what loading a checkpoint that is not cached costs).  `vs_disk`: quantization rate / disk
 read rate of the bfloat16 checkpoint (above 1: quantizing keeps up with reading).  Timings are medians over
 rounds in which every case takes its turn (`interleaved`); the machine's 1-minute load average is in each row.
-Run: python -m pytest benchmarks/bench_quantize.py  (table `quantize` lands in benchmarks/results/).
+Table `quantize_method`: `bitkern.quantize` of a 4096 x 4096 bfloat16 weight (group 128, 2 threads) with each
+`method` ("rtn", "hqq") per type and zero mode, in weights per second and as a ratio to "rtn" in the same run.
+Run: python -m pytest benchmarks/bench_quantize.py  (tables `quantize`, `quantize_method` land in
+benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from conftest import interleaved
 
 SHAPE = (14336, 4096)
 TYPES = ("int4", "uint4", "int8", "nf4", "mxfp4")
+METHOD_SHAPE, METHOD_THREADS = (4096, 4096), 2
+METHOD_CASES = (("int4", "none"), ("uint4", "gptq"), ("uint4", "hqq"), ("nf4", "none"), ("mxfp4", "none"))
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +89,28 @@ def test_quantize_keeps_up_with_reading(checkpoint, record):
         record("quantize", operation=kind, case=name, weights=source, threads=count,
                M_weights_per_s=SHAPE[0] * SHAPE[1] / median / 1e6, ms=median * 1e3, vs_disk=disk / median,
                load_1min=load)
+
+
+def test_quantize_methods(record):
+    """Weights per second of each method at METHOD_THREADS threads, and "hqq"'s time over "rtn"'s."""
+    weight = (torch.randn(METHOD_SHAPE, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+
+    def call(name, zero_mode, method):
+        return lambda: bitkern.quantize(weight, name, group_size=128 if name != "mxfp4" else None,
+                                        zero_mode=zero_mode, method=method)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(METHOD_THREADS)
+    try:
+        calls = {(name, zero_mode, method): call(name, zero_mode, method)
+                 for name, zero_mode in METHOD_CASES for method in ("rtn", "hqq")}
+        samples = interleaved(calls, rounds=3, round_s=0.0)
+        seconds = {key: statistics.median(times) for key, times in samples.items()}
+    finally:
+        torch.set_num_threads(previous)
+    with open("/proc/loadavg") as loadavg:
+        load = loadavg.read().split()[0]
+    for (name, zero_mode, method), median in seconds.items():
+        record("quantize_method", case=name, zero_mode=zero_mode, method=method, threads=METHOD_THREADS,
+               M_weights_per_s=METHOD_SHAPE[0] * METHOD_SHAPE[1] / median / 1e6,
+               time_vs_rtn=median / seconds[name, zero_mode, "rtn"], load_1min=load)

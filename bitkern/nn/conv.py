@@ -28,7 +28,7 @@ class Conv2d(QuantizedModule):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", dtype="nf4", group_size=None,
                  zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16,
-                 activation_quant: str = "none"):
+                 activation_quant: str = "none", method: str = "rtn"):
         super().__init__()
         check_positive("in_channels", in_channels)
         check_positive("out_channels", out_channels)
@@ -43,7 +43,7 @@ class Conv2d(QuantizedModule):
         self.kernel_size, self.stride, self.dilation = source.kernel_size, source.stride, source.dilation
         self.padding = source.padding
         self._configure(tuple(source.weight.shape), dtype, group_size, zero_mode, scale_dtype, compute_dtype,
-                        activation_quant)
+                        activation_quant, method)
         device = torch.get_default_device() if device is None else torch.device(device)
         if device.type != "meta":
             source = source.to_empty(device=device)

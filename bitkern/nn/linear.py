@@ -20,7 +20,9 @@ class Linear(QuantizedModule):
     zero_mode: None gives the type's default ("gptq" for unsigned integers, else "none").
     compute_dtype: the activation type the kernel multiplies in (float32, float16, bfloat16; bfloat16 is
     the fast path on AMX CPUs); None computes in x's dtype.  The output has x's dtype either way.
-    scale_dtype: storage of the scales.  activation_quant: "int8" quantizes x in the kernel per row and 32 inputs
+    scale_dtype: storage of the scales.  method: how the scales and zeros are chosen (`bitkern.quantize`'s:
+    "rtn" from each group's range, "hqq" optimized per group without data).
+    activation_quant: "int8" quantizes x in the kernel per row and 32 inputs
     to int8 (symmetric, a float32 scale each, as llama.cpp's Q8_0) and multiplies the weight's integer codes
     exactly (VNNI; integer weight types, groups of a multiple of 32); "none" (default) multiplies x as it is.
     device: where the layer is made; "meta" makes an empty layer
@@ -37,12 +39,12 @@ class Linear(QuantizedModule):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype="nf4", group_size=None,
                  zero_mode: str | None = None, compute_dtype=None, device=None, scale_dtype=torch.float16,
-                 activation_quant: str = "none"):
+                 activation_quant: str = "none", method: str = "rtn"):
         super().__init__()
         self.in_features = check_positive("in_features", in_features)
         self.out_features = check_positive("out_features", out_features)
         self._configure((out_features, in_features), dtype, group_size, zero_mode, scale_dtype, compute_dtype,
-                        activation_quant)
+                        activation_quant, method)
         self.register_buffer("input_order", None)
         self._take_parameters(nn.Linear(in_features, out_features, bias=bias, device=device))
 

@@ -12,7 +12,7 @@ from torch import nn
 from .conv import Conv2d
 from .linear import Linear
 from .. import ttype
-from ..ttype.quantize import CAST_TYPES, check_group_size
+from ..ttype.quantize import CAST_TYPES, check_group_size, check_method
 from .storage import QuantizedModule, check_weight_dtype, default_group_size
 
 log = logging.getLogger("bitkern")
@@ -22,7 +22,7 @@ _QUANTIZED = {nn.Linear: Linear, nn.Conv2d: Conv2d}
 
 def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None, compute_dtype=None,
                    scale_dtype=torch.float16, skip: Iterable[str] | Callable | None = None,
-                   output_layer: str | None = "auto", activation_quant: str = "none") -> nn.Module:
+                   output_layer: str | None = "auto", activation_quant: str = "none", method: str = "rtn") -> nn.Module:
     """Replace every nn.Linear and nn.Conv2d of `model` by a bitkern.Linear / bitkern.Conv2d in `dtype`.
 
     skip: module names to leave in float (a name covers its submodules), or a predicate
@@ -43,11 +43,15 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
     activation_quant: "int8" makes the Linear layers quantize their input per row and 32 inputs to int8 in the
     kernel (`bitkern.Linear`'s option, as llama.cpp's Q8_0 activations); an output layer kept in bfloat16 and the
     convolutions multiply x as it is.
+
+    method: how every quantized layer's scales and zeros are chosen (`bitkern.quantize`'s: "rtn", "hqq"); checked
+    against `dtype` before any layer is quantized.  An output layer kept in bfloat16 is cast ("rtn").
     """
     weight_type = ttype.get(check_weight_dtype(dtype))
+    check_method(weight_type, method)
     skipped = _skip_predicate(model, skip)
     options = {"dtype": dtype, "group_size": group_size, "zero_mode": zero_mode, "compute_dtype": compute_dtype,
-               "scale_dtype": scale_dtype, "activation_quant": activation_quant}
+               "scale_dtype": scale_dtype, "activation_quant": activation_quant, "method": method}
     plain = {**options, "activation_quant": "none"}  # what convolutions take
     head, head_options = _output_layer(model, output_layer, options)
     targets = []
@@ -96,6 +100,7 @@ def _output_layer(model: nn.Module, output_layer, options: dict) -> tuple[nn.Mod
     if settings["dtype"] in CAST_TYPES:
         settings["group_size"] = -1  # scale 1 whatever the group: one per row is the least to store
         settings["activation_quant"] = "none"  # a float weight multiplies x as it is
+        settings["method"] = "rtn"  # a cast has no scale or zero to optimize
     return head, settings
 
 

@@ -176,7 +176,8 @@ def _planned_module(model: nn.Module, name: str, settings: dict, path: str) -> Q
             layer = quantized._meta_layer(module, dtype=settings["dtype"], group_size=settings["group_size"],
                                           zero_mode=settings["zero_mode"], compute_dtype=settings.get("compute_dtype"),
                                           scale_dtype=getattr(torch, settings["scale_dtype"], settings["scale_dtype"]),
-                                          activation_quant=settings.get("activation_quant", "none"))
+                                          activation_quant=settings.get("activation_quant", "none"),
+                                          method=settings.get("method", "rtn"))
         except (TypeError, ValueError) as error:
             raise ValueError(f"{path}: module {name!r}: {error}") from None
     try:

@@ -20,8 +20,8 @@ from ..codegen import PackedWeight, layout_for, pack, packed_class, to_layout
 from ..codegen.cpu.layout import aligned
 from ..ops import Matmul
 from ..ttype import Layout, QuantizedWeight, StoredWeight, WeightFormat, dtype_name
-from ..ttype.quantize import (CAST_TYPES, DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_zero_mode,
-                              default_zero_mode)
+from ..ttype.quantize import (CAST_TYPES, DEFAULT_GROUP_SIZE, SCALE_DTYPES, check_group_size, check_method,
+                              METHODS, check_zero_mode, default_zero_mode)
 from . import library
 from .library import FLOAT_DTYPES, raw_bits
 
@@ -86,6 +86,7 @@ class QuantizedModule(nn.Module, abc.ABC):
     """Base of `bitkern.Linear` and `bitkern.Conv2d`: a weight of `weight_shape` computed as a [N, K] GEMM.
 
     Attributes: weight_dtype (type name), group_size (resolved: in_features for per-channel), zero_mode,
+    method (how the weight's scales and zeros were chosen, `bitkern.quantize`'s: recorded, never re-run),
     scale_dtype, layout (of the buffers), compute_dtype (None: the input's dtype), activation_quant (a
     `bitkern.ops.Matmul` activation quantization: "int8" quantizes x per 32 inputs to int8 in the kernel);
     float_class: the torch module a subclass quantizes (`from_float`); activation_quants: the activation
@@ -96,7 +97,7 @@ class QuantizedModule(nn.Module, abc.ABC):
     activation_quants: tuple = ("none",)
 
     def _configure(self, weight_shape: tuple, dtype, group_size, zero_mode, scale_dtype, compute_dtype,
-                   activation_quant: str = "none") -> None:
+                   activation_quant: str = "none", method: str = "rtn") -> None:
         """Validate and record the weight settings (before any tensor is made)."""
         self.weight_shape = tuple(weight_shape)
         self.weight_dtype = check_weight_dtype(dtype)
@@ -105,6 +106,8 @@ class QuantizedModule(nn.Module, abc.ABC):
         self.group_size = check_group_size(weight_type, default_group_size(weight_type, group_size), k)
         self.zero_mode = default_zero_mode(weight_type) if zero_mode is None else zero_mode
         check_zero_mode(weight_type, self.zero_mode)
+        check_method(weight_type, method)
+        self.method = method
         self.scale_dtype = check_float_dtype("scale_dtype", scale_dtype, SCALE_DTYPES)
         self.compute_dtype = compute_dtype
         self.activation_quant = activation_quant
@@ -152,18 +155,20 @@ class QuantizedModule(nn.Module, abc.ABC):
             self._store(PackedWeight.empty(self.weight_format(Layout.ROWMAJOR), weight.device))
             return
         q = ttype.quantize(self._gemm_matrix(weight.detach()), self.weight_dtype, group_size=self.group_size,
-                           zero_mode=self.zero_mode, scale_dtype=self.scale_dtype)
+                           zero_mode=self.zero_mode, scale_dtype=self.scale_dtype, method=self.method)
         self._store(pack(q))
 
     @classmethod
     def from_float(cls, module: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None,
-                   compute_dtype=None, scale_dtype=torch.float16, activation_quant: str = "none") -> "QuantizedModule":
+                   compute_dtype=None, scale_dtype=torch.float16, activation_quant: str = "none",
+                   method: str = "rtn") -> "QuantizedModule":
         """Quantize a float module of `float_class` (its weight's device and values; the bias is copied as it is);
-        the settings are those of the class's constructor."""
+        the settings are those of the class's constructor (method: `bitkern.quantize`'s, "rtn" or "hqq")."""
         if not isinstance(module, cls.float_class):
             raise TypeError(f"module must be a torch.nn.{cls.float_class.__name__}, got {type(module).__name__}")
         layer = cls._meta_layer(module, dtype=dtype, group_size=group_size, zero_mode=zero_mode,
-                                compute_dtype=compute_dtype, scale_dtype=scale_dtype, activation_quant=activation_quant)
+                                compute_dtype=compute_dtype, scale_dtype=scale_dtype, activation_quant=activation_quant,
+                                method=method)
         return layer._take_parameters(module)
 
     @classmethod
@@ -277,7 +282,7 @@ class QuantizedModule(nn.Module, abc.ABC):
     def weight_settings(self) -> dict:
         """What the stored tensors mean: the module's extra state, and a bitkern file's metadata."""
         return {"format": STATE_FORMAT, "class": type(self).__name__, "dtype": self.weight_dtype,
-                "group_size": self.group_size, "zero_mode": self.zero_mode,
+                "group_size": self.group_size, "zero_mode": self.zero_mode, "method": self.method,
                 "scale_dtype": dtype_name(self.scale_dtype), "layout": self.layout,
                 "weight_shape": list(self.weight_shape),
                 "compute_dtype": None if self.compute_dtype is None else dtype_name(self.compute_dtype),
@@ -293,7 +298,7 @@ class QuantizedModule(nn.Module, abc.ABC):
     def settings_arguments(self) -> dict:
         """The weight settings as the constructor's and `from_float`'s keyword arguments."""
         return {"dtype": self.weight_dtype, "group_size": self.group_size, "zero_mode": self.zero_mode,
-                "compute_dtype": self.compute_dtype, "scale_dtype": self.scale_dtype,
+                "method": self.method, "compute_dtype": self.compute_dtype, "scale_dtype": self.scale_dtype,
                 "activation_quant": self.activation_quant}
 
     def state_tensors(self) -> tuple[str, ...]:
@@ -338,6 +343,7 @@ class QuantizedModule(nn.Module, abc.ABC):
 
     def set_extra_state(self, state) -> None:
         self._check_settings(state)
+        self.method = state.get("method", "rtn")  # how the incoming weight was quantized (older states: "rtn")
 
     def _check_settings(self, state) -> None:
         """Raise naming the setting if `state` describes a weight stored otherwise than this module's."""
@@ -353,6 +359,9 @@ class QuantizedModule(nn.Module, abc.ABC):
                 raise ValueError(f"the state was saved with {key}={state.get(key)!r}, but this module has "
                                  f"{key}={mine[key]!r}; build the module with the state's settings (or load "
                                  f"with bitkern.load into a float model, which reads them from the file)")
+        method = state.get("method", "rtn")
+        if method not in METHODS:
+            raise ValueError(f"the state's method={method!r} is not known; accepted: {list(METHODS)}")
         if state.get("layout") not in [layout.value for layout in Layout]:
             raise ValueError(f"the state's layout={state.get('layout')!r} is not known; accepted: "
                              f"{[layout.value for layout in Layout]}")

@@ -20,6 +20,9 @@ floor(log2(absmax)) − emax(element) as an e8m0 code per 32; NVFP4 stores absma
 code per 16, with one float32 t = absmax(tensor) / (6 · 448) per tensor.
 Every code is the nearest representable value, ties to the even code (round-half-even for integers,
 IEEE round-to-nearest-even for floats).
+
+`method` says how the scales and zeros are chosen ("rtn": by the rules above; "hqq": optimized per group
+without data, see `_optimized`); the codes are then always the nearest ones for the group's scale and zero.
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ _ROWS_PER_CHUNK = 256  # bounds the float64 temporaries of nearest-value roundin
 _CHUNK_ELEMENTS = 1 << 20  # quantize rows in chunks of about this many weights, so temporaries stay in cache
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # weight dtypes that divide by float32 scales exactly
 CAST_TYPES = ("bfloat16",)  # 16-bit types a weight is cast to (scale 1), not quantized
+METHODS = ("rtn", "hqq")  # how scales and zeros are chosen: the rules of the module table, or optimized per group
+# "hqq" on scale search: the group's range (or absmax) times each factor, the best one by squared error after an
+# exact least-squares refit of the scale; 1.0 first, so that ties keep round-to-nearest's choice
+_SEARCH_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7)
+_BLOCK_SCALE_STEPS = (0, 1, -1)  # "hqq" on block-scaled types: the rule's scale code and its neighbours
+# "hqq" on float zeros: half-quadratic splitting with an l_p error (p < 1: outliers pull the zero less), the
+# shrinkage weight beta (in code units) growing by kappa per iteration
+_HQ_P, _HQ_BETA, _HQ_KAPPA, _HQ_ITERATIONS = 0.7, 1.0, 1.5, 12
 
 
 class QuantizedWeight(StoredWeight):
@@ -117,13 +128,16 @@ def effective_group_size(group_size: int, k: int) -> int:
 
 
 def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, zero_mode: str | None = None,
-             scale_dtype: torch.dtype = torch.float16) -> QuantizedWeight:
-    """Quantize a float [N, K] weight (N outputs, K inputs) to `dtype` by round-to-nearest per group.
+             scale_dtype: torch.dtype = torch.float16, method: str = "rtn") -> QuantizedWeight:
+    """Quantize a float [N, K] weight (N outputs, K inputs) to `dtype`, per group of `group_size` inputs.
 
     group_size: elements along K sharing a scale; any divisor of K, -1 for per-channel; default 128
     (the block size for block-scaled types, which accept no other).  zero_mode: see the module table;
     default "gptq" for unsigned integer types and "none" otherwise.  scale_dtype: storage of the scales
-    (and of hqq's float zeros).  Rows are quantized a chunk at a time, so the temporaries stay small.
+    (and of hqq's float zeros).  method: "rtn" (default) takes each group's scale and zero from its range by
+    the module table's rules; "hqq" optimizes them per group, without data, for the least squared
+    reconstruction error (never more than "rtn"'s: its choice is one of the candidates).  Rows are quantized a
+    chunk at a time, so the temporaries stay small.
     """
     ttype = get(dtype)
     if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
@@ -141,6 +155,7 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
                                   else group_size, k)
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     check_zero_mode(ttype, zero_mode)
+    check_method(ttype, method)
 
     if ttype.name in CAST_TYPES:
         return _cast(ttype, weight, group_size, zero_mode, scale_dtype)
@@ -148,12 +163,20 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
     zeros = tensor_scale = None
     if ttype.block_size > 1:
         scales, tensor_scale, divisor = _block_scales(ttype, torch.maximum(low.abs(), high.abs()))
+        if method == "hqq":
+            scales, divisor = _optimized(_search_block_scale, weight, group_size, ttype, scales, tensor_scale)
         rule = _Rounding(ttype, _nonzero(divisor))
     elif zero_mode == "none":
         scales = _store_scale(_symmetric_scale(ttype, weight, group_size, low, high), scale_dtype)
+        if method == "hqq":
+            scales = _optimized(_search_symmetric, weight, group_size, ttype, scales)
         rule = _Rounding(ttype, _nonzero(scales.float()))
     else:
         scales, zeros, divisor, offset = _asymmetric(ttype, low, high, zero_mode, scale_dtype)
+        if method == "hqq":
+            search = _half_quadratic_zero if zero_mode == "hqq" else _search_integer_zero
+            scales, zeros = _optimized(search, weight, group_size, ttype, scales, zeros, low, high, zero_mode)
+            divisor, offset = _nonzero(scales.float()), zeros.float()
         rule = _Rounding(ttype, divisor, offset, zero_mode)
     qweight = torch.empty(n, packed_length(k, ttype.bits), dtype=torch.int32, device=weight.device)
     rows = max(1, _CHUNK_ELEMENTS // k)
@@ -174,6 +197,15 @@ def _cast(ttype: TType, weight: torch.Tensor, group_size: int, zero_mode: str, s
     words = torch.nn.functional.pad(bits, (0, k % 2)).view(torch.int32)
     scales = torch.ones(n, k // group_size, dtype=scale_dtype, device=weight.device)
     return QuantizedWeight(ttype, (n, k), group_size, zero_mode, words, scales)
+
+
+def check_method(ttype: TType, method) -> None:
+    """Validate that `method` is known and applies to `ttype` (a cast type has no scale or zero to optimize)."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not known; accepted: {list(METHODS)}")
+    if method != "rtn" and ttype.name in CAST_TYPES:
+        raise ValueError(f"method={method!r} does not apply to dtype={ttype.name!r}, which is cast, not quantized "
+                         f"(no scale or zero to optimize); accepted: method='rtn'")
 
 
 def default_zero_mode(ttype: TType) -> str:
@@ -401,6 +433,145 @@ def _asymmetric(ttype: TType, low: torch.Tensor, high: torch.Tensor, zero_mode: 
         return scale, zero, stored, zero.float()
     zero = torch.round(-low / stored).clamp(0, top)
     return scale, zero.to(torch.uint8), stored, zero
+
+
+def _optimized(search, weight: torch.Tensor, group_size: int, ttype: TType, *arguments):
+    """Run a "hqq" `search(ttype, groups, *arguments)` on a chunk of rows at a time (groups: float32
+    [rows, K // group_size, group_size]; the [N, K // group_size] tensors among `arguments` sliced to the
+    chunk's rows) and join its per-group results."""
+    n, k = weight.shape
+    rows = max(1, _CHUNK_ELEMENTS // k)
+    parts = []
+    for start in range(0, n, rows):
+        groups = weight[start:start + rows].float().reshape(-1, k // group_size, group_size)
+        chunk = [a[start:start + rows] if isinstance(a, torch.Tensor) and a.dim() == 2 else a for a in arguments]
+        result = search(ttype, groups, *chunk)
+        parts.append(result if isinstance(result, tuple) else (result,))
+    joined = tuple(torch.cat(part) for part in zip(*parts))
+    return joined if len(joined) > 1 else joined[0]
+
+
+def _nearest_values(ttype: TType, x: torch.Tensor) -> torch.Tensor:
+    """The values (float32) of `ttype` nearest to `x`: rounding and clamping for integers, else by code."""
+    if ttype.kind == INT and ttype.bits > 1:
+        finite = ttype.values
+        return torch.round(x).clamp_(float(finite.min()), float(finite.max()))
+    return ttype.values.to(x.device).index_select(0, nearest_codes(ttype, x).reshape(-1).long()).reshape(x.shape)
+
+
+def _squared_error(sum_ww, sum_wv, sum_vv, scale):
+    """Σ (w − scale·v)² of each group, from its sums Σw², Σw·v and Σv²."""
+    return sum_ww - 2 * scale * sum_wv + scale * scale * sum_vv
+
+
+def _refit(groups: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
+    """The least-squares scale of each group for fixed code values (Σw·v / Σv², stored in `dtype`) and the
+    squared error it gives (infinite where no positive finite scale exists)."""
+    sum_wv, sum_vv = (groups * values).sum(-1), (values * values).sum(-1)
+    stored = (sum_wv / sum_vv).to(dtype)
+    scale = stored.float()
+    error = _squared_error((groups * groups).sum(-1), sum_wv, sum_vv, scale)
+    return stored, error.masked_fill_(~(torch.isfinite(error) & (scale > 0)), math.inf)
+
+
+def _keep_better(best: list, error: torch.Tensor, *candidates) -> None:
+    """Take, per group, the candidate tensors where `error` is lower than best[0] (ties keep the earlier one)."""
+    better = error < best[0]
+    best[0] = torch.where(better, error, best[0])
+    for i, candidate in enumerate(candidates, 1):
+        best[i] = torch.where(better, candidate, best[i])
+
+
+def _search_symmetric(ttype: TType, groups: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """"hqq" for zero_mode "none": scales tried at factors of the absmax rule's, each refitted by least squares
+    to the codes it rounds to; the lowest squared error per group wins (the rule's own scale included)."""
+    rule = scales.float()
+    divisor = _nonzero(rule).unsqueeze(-1)
+    values = _nearest_values(ttype, groups / divisor)
+    error = _squared_error((groups * groups).sum(-1), (groups * values).sum(-1), (values * values).sum(-1), rule)
+    best = [error, scales]
+    for factor in _SEARCH_FACTORS:
+        candidate, error = _refit(groups, _nearest_values(ttype, groups / (divisor * factor)), scales.dtype)
+        _keep_better(best, error, candidate)
+    return best[1]
+
+
+def _search_integer_zero(ttype: TType, groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         low: torch.Tensor, high: torch.Tensor, zero_mode: str):
+    """"hqq" for integer zeros ("gptq", "awq"): the group's range shrunk by each factor gives a scale and an
+    integer zero; the scale is refitted by least squares to the codes it rounds to, the zero kept; the lowest
+    squared error per group wins (the rule's scale and zero included)."""
+    top = ttype.num_codes - 1
+    rule, zero = scales.float(), zeros.float()
+    shifted = torch.round(groups / _nonzero(rule).unsqueeze(-1)).add_(zero.unsqueeze(-1)).clamp_(0, top)
+    shifted.sub_(zero.unsqueeze(-1))
+    sum_ww = (groups * groups).sum(-1)
+    best = [_squared_error(sum_ww, (groups * shifted).sum(-1), (shifted * shifted).sum(-1), rule), scales, zeros]
+    for factor in _SEARCH_FACTORS:
+        lo, hi = low * factor, high * factor
+        if zero_mode == "gptq":
+            lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+        scale = _nonzero((hi - lo) / top)
+        zero = torch.round(-lo / scale).clamp_(0, top)
+        shifted = torch.round(groups / scale.unsqueeze(-1)).add_(zero.unsqueeze(-1)).clamp_(0, top)
+        candidate, error = _refit(groups, shifted.sub_(zero.unsqueeze(-1)), scales.dtype)
+        _keep_better(best, error, candidate, zero.to(torch.uint8))
+    return best[1], best[2]
+
+
+def _half_quadratic_zero(ttype: TType, groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         low: torch.Tensor, high: torch.Tensor, zero_mode: str):
+    """"hqq" for float zeros (zero_mode "hqq"): the zero minimizing an l_p norm (p < 1) of the error at the
+    rule's scale, by half-quadratic splitting: the error e is split off as a variable of its own, shrunk to the
+    l_p proximal step (small errors go to 0, outliers keep most of theirs), and the zero set to the mean that
+    makes the codes reproduce w minus the shrunk error; alternating with rounding, with the splitting weight beta
+    growing.  In code units (w / scale), so beta does not depend on the weights' magnitude.  Every zero tried is
+    the stored one (scale dtype); the lowest squared error per group wins (the rule's zero included)."""
+    top = ttype.num_codes - 1
+    x = groups / _nonzero(scales.float()).unsqueeze(-1)
+    zero, beta = zeros.float(), _HQ_BETA
+    best = [torch.full_like(zero, math.inf), zeros]
+    for _ in range(_HQ_ITERATIONS + 1):
+        codes = torch.round(x + zero.unsqueeze(-1)).clamp_(0, top)
+        error = x - codes + zero.unsqueeze(-1)
+        _keep_better(best, (error * error).sum(-1), zero.to(zeros.dtype))
+        magnitude = error.abs()
+        error.sign_().mul_((magnitude - magnitude.pow(_HQ_P - 1) / beta).clamp_(min=0))
+        zero = (codes - x + error).mean(-1).to(zeros.dtype).float()
+        beta *= _HQ_KAPPA
+    return scales, best[1]
+
+
+def _search_block_scale(ttype: TType, groups: torch.Tensor, codes: torch.Tensor, tensor_scale):
+    """"hqq" for block-scaled types: the block scale code of the rule and its neighbours (the next larger scale
+    clips less, the next smaller rounds finer); the lowest squared error per block wins.  Returns the codes and
+    the float32 divisor of each block."""
+    scale_type = get(ttype.block_scale)
+    lowest, highest = _positive_code_range(scale_type)
+    factor = 1.0 if tensor_scale is None else tensor_scale
+    sum_ww = (groups * groups).sum(-1)
+    best = [torch.full(codes.shape, math.inf, device=codes.device), codes,
+            torch.zeros(codes.shape, device=codes.device)]
+    for step in _BLOCK_SCALE_STEPS:
+        candidate = codes if step == 0 else (codes.int() + step).clamp_(lowest, highest).to(torch.uint8)
+        divisor = scale_type.decode(candidate) * factor
+        values = _nearest_values(ttype, groups / _nonzero(divisor).unsqueeze(-1))
+        error = _squared_error(sum_ww, (groups * values).sum(-1), (values * values).sum(-1), divisor)
+        _keep_better(best, error, candidate, divisor)
+    return best[1], best[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _positive_code_range(scale_type: TType) -> tuple[int, int]:
+    """The run of codes of a block scale type from its smallest positive value up to its largest finite one
+    (in code order, which is value order there)."""
+    values = scale_type.values
+    lowest = int((values > 0).nonzero()[0])
+    highest = lowest
+    while highest + 1 < scale_type.num_codes and bool(values[highest + 1] > values[highest]) and bool(
+            torch.isfinite(values[highest + 1])):
+        highest += 1
+    return lowest, highest
 
 
 def _block_scales(ttype: TType, absmax: torch.Tensor):

@@ -24,6 +24,8 @@ class BitkernConfig(QuantizationConfigMixin):
     dtype, group_size, zero_mode, scale_dtype, compute_dtype, activation_quant: as for `bitkern.Linear` (group_size
     None: the type's default, -1: per channel; dtypes as torch dtypes or their names; activation_quant="int8":
     the layers quantize their input per 32 inputs to int8, as llama.cpp's Q8_0 activations).
+    method: how the weights' scales and zeros are chosen on load (`bitkern.quantize`'s: "rtn", or "hqq": optimized
+    per group without data); recorded in the saved config, and a checkpoint loads as stored (never re-run).
     modules_to_not_convert: modules kept float besides those transformers keeps by default (the output
     embedding lm_head, tied weights).  overrides: {pattern: {setting: value}} gives the modules a pattern
     matches other settings, e.g. {"down_proj": {"dtype": "int8"}} (the first matching pattern wins).
@@ -35,7 +37,8 @@ class BitkernConfig(QuantizationConfigMixin):
 
     def __init__(self, dtype="nf4", group_size: int | None = None, zero_mode: str | None = None,
                  compute_dtype=None, scale_dtype="float16", modules_to_not_convert: list[str] | None = None,
-                 overrides: dict[str, dict] | None = None, source: str = "bitkern", activation_quant: str = "none"):
+                 overrides: dict[str, dict] | None = None, source: str = "bitkern", activation_quant: str = "none",
+                 method: str = "rtn"):
         self.quant_method = METHOD
         self.dtype = dtype.name if isinstance(dtype, TType) else dtype
         self.group_size, self.zero_mode = group_size, zero_mode
@@ -44,6 +47,7 @@ class BitkernConfig(QuantizationConfigMixin):
         self.overrides = {pattern: dict(settings) for pattern, settings in (overrides or {}).items()}
         self.source = source
         self.activation_quant = activation_quant
+        self.method = method
         self._check()
 
     def _check(self) -> None:
@@ -121,7 +125,7 @@ def _check_settings(where: str, settings: LayerSettings) -> None:
     group = settings.group_size if isinstance(settings.group_size, int) and settings.group_size > 0 else None
     try:
         LayerSettings(settings.dtype, group, settings.zero_mode, settings.scale_dtype, settings.compute_dtype,
-                      settings.activation_quant).layer(group or 512, 16)
+                      settings.activation_quant, settings.method).layer(group or 512, 16)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {error}") from None
     if settings.group_size is not None and (isinstance(settings.group_size, bool) or not isinstance(

@@ -3,8 +3,9 @@
 
 config.json, "quantization_config" (`BitkernConfig.to_dict()`):
     quant_method "bitkern"; format "bitkern.hf/1"; source: the format of the checkpoint's tensors ("bitkern");
-    dtype, group_size, zero_mode, scale_dtype, compute_dtype, activation_quant: the settings of every converted
-    nn.Linear (activation_quant absent: "none");
+    dtype, group_size, zero_mode, scale_dtype, compute_dtype, activation_quant, method: the settings of every
+    converted nn.Linear (activation_quant absent: "none"; method, how its scales and zeros were chosen, absent:
+    "rtn"; loading reads the tensors as stored and never re-runs it);
     overrides {pattern: {setting: value}}: other settings for the modules a pattern matches (the first
     matching pattern wins); modules_to_not_convert: the modules left float (`BitkernConfig.converts` says
     how names match).
@@ -36,7 +37,7 @@ FORMAT = "bitkern.hf/1"
 # QuantizedWeight field -> tensor name in the checkpoint, relative to the module
 TENSOR_NAMES = {"qweight": "weight", "scales": "weight_scale", "zeros": "weight_zero",
                 "tensor_scale": "weight_tensor_scale"}
-SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "compute_dtype", "activation_quant")
+SETTINGS = ("dtype", "group_size", "zero_mode", "scale_dtype", "compute_dtype", "activation_quant", "method")
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,14 @@ class LayerSettings:
     scale_dtype: str = "float16"
     compute_dtype: str | None = None
     activation_quant: str = "none"
+    method: str = "rtn"
 
     def layer(self, in_features: int, out_features: int, bias: bool = False) -> Linear:
         """An empty bitkern.Linear with these settings on the meta device (ValueError naming the setting
         that does not fit this shape)."""
         return Linear(in_features, out_features, bias, self.dtype, self.group_size, self.zero_mode,
                       self.compute_dtype, device="meta", scale_dtype=self.scale_dtype,
-                      activation_quant=self.activation_quant)
+                      activation_quant=self.activation_quant, method=self.method)
 
 
 def checkpoint_tensors(layer: Linear) -> dict[str, torch.Tensor]:

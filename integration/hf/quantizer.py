@@ -113,7 +113,7 @@ class BitkernHfQuantizer(HfQuantizer):
 def quantize_linear(module: nn.Linear, settings: LayerSettings) -> Linear:
     """A bitkern.Linear with `settings` from a float nn.Linear."""
     return Linear.from_float(module, settings.dtype, settings.group_size, settings.zero_mode, settings.compute_dtype,
-                             torch_dtype(settings.scale_dtype), settings.activation_quant)
+                             torch_dtype(settings.scale_dtype), settings.activation_quant, settings.method)
 
 
 class _CheckpointSlots(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from bitkern import ttype
 from bitkern.nn.library import FLOAT_DTYPES
 from bitkern.nn.storage import check_float_dtype, check_weight_dtype, dtype_name
-from bitkern.ttype.quantize import SCALE_DTYPES, check_group_size, check_zero_mode, default_zero_mode
+from bitkern.ttype.quantize import SCALE_DTYPES, check_group_size, check_method, check_zero_mode, default_zero_mode
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Settings:
     zero_mode: str | None = None
     scale_dtype: torch.dtype = torch.float16
     compute_dtype: torch.dtype | None = None
+    method: str = "rtn"
     modules_to_not_convert: tuple[str, ...] = ()
 
     @classmethod
@@ -71,6 +72,7 @@ class Settings:
         if weight_type.block_size > 1:
             check_group_size(weight_type, group_size, weight_type.block_size)
         check_zero_mode(weight_type, default_zero_mode(weight_type) if self.zero_mode is None else self.zero_mode)
+        check_method(weight_type, self.method)
 
     def linear_options(self) -> dict:
         """Keyword arguments of bitkern.Linear / Linear.from_float."""

@@ -56,7 +56,7 @@ def test_the_file_metadata_says_how_each_layer_was_quantized(tmp_path):
     assert "head.weight" not in keys and "embed.weight" in keys
     query, stem = header["modules"]["block.query"], header["modules"]["stem"]
     assert query == {"format": "bitkern.weight/1", "class": "Linear", "dtype": "nf4", "group_size": 64,
-                     "zero_mode": "none", "scale_dtype": "float16", "layout": "tile16",
+                     "zero_mode": "none", "method": "rtn", "scale_dtype": "float16", "layout": "tile16",
                      "weight_shape": [DIM, DIM], "compute_dtype": None, "activation_quant": "none"}
     assert stem["class"] == "Conv2d" and stem["weight_shape"] == [16, 64, 3, 3]
     assert stem["dtype"] == "uint4" and stem["zero_mode"] == "gptq"
