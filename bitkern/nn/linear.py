@@ -54,12 +54,13 @@ class Linear(QuantizedModule):
 
     @classmethod
     def from_quantized(cls, weight, bias: torch.Tensor | None = None, input_order: torch.Tensor | None = None,
-                       compute_dtype=None, activation_quant: str = "none") -> "Linear":
+                       compute_dtype=None, activation_quant: str = "none", method: str = "rtn") -> "Linear":
         """A layer holding an already quantized weight (a `bitkern.QuantizedWeight`, e.g. from a checkpoint of
         another tool) as it is, laid out for its device's kernels.
 
         input_order: a permutation of range(in_features) when the weight's columns are stored permuted: the
         layer computes y = x[..., input_order] · dequant(weight)ᵀ + b.
+        method: how the weight's scales and zeros were chosen (recorded in the layer's settings, not re-run).
         """
         if not isinstance(weight, QuantizedWeight):
             raise TypeError(f"weight must be a bitkern.QuantizedWeight, got {type(weight).__name__}")
@@ -70,7 +71,7 @@ class Linear(QuantizedModule):
         order = None if input_order is None else check_input_order(input_order, k)
         layer = cls(k, n, bias is not None, weight.ttype.name, weight.group_size, weight.zero_mode, compute_dtype,
                     device="meta", scale_dtype=weight.scales.dtype if weight.ttype.block_size == 1 else torch.float16,
-                    activation_quant=activation_quant)
+                    activation_quant=activation_quant, method=method)
         layer._store(pack(weight))
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)

@@ -102,7 +102,7 @@ def linear_from_checkpoint(tensors: dict[str, torch.Tensor], settings: LayerSett
     weight = QuantizedWeight(layout.weight_dtype, (out_features, in_features), layout.group_size, layout.zero_mode,
                              *(tensors.get(name) for name in TENSOR_NAMES.values()))
     return Linear.from_quantized(weight, bias, compute_dtype=settings.compute_dtype,
-                                 activation_quant=settings.activation_quant)
+                                 activation_quant=settings.activation_quant, method=settings.method)
 
 
 def _describe(shape_and_dtype: tuple) -> str:

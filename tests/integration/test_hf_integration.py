@@ -211,6 +211,34 @@ def test_quantized_activations_on_load_and_through_a_checkpoint(tiny_llama, floa
     assert torch.equal(_logits(reloaded), _logits(model)) and torch.equal(_greedy(reloaded), _greedy(model))
 
 
+def test_hqq_on_load_is_recorded_and_not_rerun_on_reload(tiny_llama, float_model, tmp_path, monkeypatch):
+    """BitkernConfig(method="hqq") quantizes on load exactly as quantize_model(method="hqq") does; save_pretrained
+    records the method, and from_pretrained reads the stored tensors back without quantizing anything."""
+    config = BitkernConfig("int4", group_size=32, method="hqq", overrides={"down_proj": {"method": "rtn"}})
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=config).eval()
+    expected = bitkern.quantize_model(copy.deepcopy(float_model), "int4", group_size=32, skip=["lm_head"],
+                                      method="hqq")
+    layers, reference = _linears(model), _linears(expected)
+    for name, layer in layers.items():
+        if isinstance(layer, bitkern.Linear):
+            assert layer.method == ("rtn" if name.endswith("down_proj") else "hqq"), name
+            if layer.method == "hqq":
+                assert torch.equal(layer.qweight, reference[name].qweight) and torch.equal(layer.scales,
+                                                                                           reference[name].scales)
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved["method"] == "hqq" and saved["overrides"] == {"down_proj": {"method": "rtn"}}
+
+    def never(*args, **kwargs):
+        raise AssertionError("a checkpoint load quantized a weight")
+
+    monkeypatch.setattr(bitkern.ttype, "quantize", never)
+    reloaded = _linears(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval())
+    for name, layer in layers.items():
+        if isinstance(layer, bitkern.Linear):
+            assert reloaded[name].method == layer.method and torch.equal(reloaded[name].qweight, layer.qweight), name
+
+
 # -- generate, compile, dequantize, devices -------------------------------------------------------------------
 def test_generate_greedy_sampling_and_kv_caches(quantized):
     model = quantized("int4")
