@@ -10,12 +10,17 @@ a file whose checksum does not match is reported, removed and rebuilt; entries o
 kernel-generating code (`key.code_fingerprint`), TVM or tvm-ffi versions live under another directory and
 are never read.
 
-Trust: the cache holds native code that runs in the process, so only this user may be able to write it.
-Directories are 0700 and files 0600 whatever the umask; a root or entry that another user owns or that
-group or others can write, and any symbolic link below the root, is refused with a warning (the kernel is
-then built in memory); each file is read once, and a library is loaded from the bytes its checksum was
-checked on (see `private`).  A cache that cannot be written, and a build lock held past `lock_timeout`,
-also leave the process building in memory, with one warning.
+Trust: the cache holds native code that runs in the process, so only this user or root may be able to write
+it (ssh's and sudo's rule).  Directories are 0700 and files 0600 whatever the umask (0755 and 0644 in a system
+cache, which other users read); a root or entry that another user owns or that group or others can write, and any
+symbolic link below the root, is refused with a warning that says how to make it trusted (the kernel is then
+built in memory); each file is read once, and a library is loaded from the bytes its checksum was checked on
+(see `private`).  A cache this process cannot write (root's, or on a read-only file system) is read and never
+written: nothing is attempted there, a kernel it lacks is built in memory, with one warning; so is a kernel whose
+build lock is held past `lock_timeout`.
+
+Layers: the user's cache, then the system cache (`system_cache_root`), read-only, e.g. prebuilt by root into a
+container image with `python -m bitkern prebuild --system`; `lookup` reads both and builds into the user's.
 """
 
 from __future__ import annotations
@@ -38,14 +43,15 @@ from ..tuner.device import host_cpu, unrunnable
 from . import bundle
 from .entry import CONSTANTS, LIBRARY, MANIFEST, parse_manifest
 from .key import KernelKey, versions
-from .private import (Untrusted, check_directory, make_directories, make_private_directory, read_file,
-                      untrusted_reason, write_file)
+from .private import (PRIVATE_MODES, SHARED_MODES, Untrusted, check_directory, make_directories, make_directory,
+                      read_file, untrusted_reason, write_file, write_protection)
 
 log = logging.getLogger("bitkern")
 
 STALE_SECONDS = 3600  # temporary directories older than this were left by a killed writer
 LOCK_TIMEOUT_SECONDS = 60.0  # a build lock held longer belongs to a stopped or hung builder
 VERSION_DIR = re.compile(r"bitkern-[^_/]+_code-[0-9a-f]{12}_tvm-[^_/]+_ffi-[^_/]+")
+SYSTEM_CACHE_DIR = "/usr/local/share/bitkern/cache"
 _warned: set = set()
 
 
@@ -56,6 +62,12 @@ def cache_root() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "bitkern"
     return Path.home() / ".cache" / "bitkern"
+
+
+def system_cache_root() -> Path:
+    """$BITKERN_SYSTEM_CACHE_DIR, else /usr/local/share/bitkern/cache: the read-only cache searched after the
+    user's own."""
+    return Path(os.environ.get("BITKERN_SYSTEM_CACHE_DIR") or SYSTEM_CACHE_DIR)
 
 
 def default_lock_timeout() -> float:
@@ -74,11 +86,18 @@ def default_lock_timeout() -> float:
 
 
 class DiskStore:
-    """Compiled kernels under `root` (default `cache_root()`), scoped to the running versions."""
+    """Compiled kernels under `root` (default `cache_root()`), scoped to the running versions.
 
-    def __init__(self, root: str | os.PathLike | None = None, lock_timeout: float | None = None):
-        self.root = Path(root) if root is not None else cache_root()
+    system: a cache other users read (default root `system_cache_root()`): written with modes 0755/0644, and
+    its messages name the system cache's fixes.  read_only: never written, not even to remove a damaged entry
+    (what serving processes make of the system cache)."""
+
+    def __init__(self, root: str | os.PathLike | None = None, lock_timeout: float | None = None,
+                 system: bool = False, read_only: bool = False):
+        self.system, self.read_only = system, read_only
+        self.root = Path(root) if root is not None else system_cache_root() if system else cache_root()
         self.lock_timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
+        self.modes = SHARED_MODES if system else PRIVATE_MODES
 
     @property
     def version_dir(self) -> Path:
@@ -93,16 +112,12 @@ class DiskStore:
         return self.version_dir / key.target / f"{key.digest}.lock"
 
     def problem(self) -> str | None:
-        """Why the store cannot be used at all (None: it can).  A missing root is created, mode 0700; an
-        existing one must be a directory of this user that group and others cannot write (the root itself
+        """Why the store cannot be used at all (None: it can; a missing root holds nothing yet).  An existing root
+        must be a directory that this user or root owns and that group and others cannot write (the root itself
         may be a symbolic link, e.g. ~/.cache on another disk; nothing below it is followed)."""
         try:
             status = os.stat(self.root)
         except FileNotFoundError:
-            try:
-                make_private_directory(self.root)
-            except OSError as error:
-                return f"cannot be created ({error})"
             return None
         except OSError as error:
             return f"cannot be read ({error})"
@@ -111,10 +126,35 @@ class DiskStore:
         reason = untrusted_reason(status)
         return None if reason is None else f"is not used: {reason}"
 
+    def unwritable(self) -> str | None:
+        """Why this process cannot store kernels here (None: it can), found without writing anything: a read-only
+        store, a read-only file system, or a root this user may not write (root's system cache)."""
+        if self.read_only:
+            return "it is read-only (a system cache, written only by `python -m bitkern prebuild --system`)"
+        try:
+            owner, user = os.stat(self.root).st_uid, os.geteuid()
+        except FileNotFoundError:
+            return write_protection(self.root)
+        except OSError as error:
+            return f"it cannot be read ({error})"
+        if owner != user:
+            return f"it belongs to uid {owner}, so this user (uid {user}) only reads it"
+        return write_protection(self.root)
+
+    def how_to_trust(self) -> str:
+        """What makes a refused store trusted, for messages."""
+        if self.system:
+            return (f"make it trusted as root: chown -R root:root {self.root} && chmod -R go-w {self.root} (as "
+                    f"`python -m bitkern prebuild --system` leaves it), or set BITKERN_SYSTEM_CACHE_DIR to a "
+                    f"trusted one")
+        return (f"make it trusted: own it and let nobody else write it (chmod -R go-w {self.root}), or set "
+                f"BITKERN_CACHE_DIR to a directory of yours that only you can write")
+
     # -- entries ----------------------------------------------------------------------------------------
     def load(self, key: KernelKey):
-        """The stored kernel for `key`, or None if there is none, it is damaged (then it is removed), or it is
-        not trusted (then it is left alone, with a warning)."""
+        """The stored kernel for `key`, or None if there is none, it is damaged (then it is removed where this
+        process may write the store, else left alone), or it is not trusted (then it is left alone); a warning
+        says which."""
         if self._refused():
             return None
         directory = self.entry_dir(key)
@@ -127,10 +167,14 @@ class DiskStore:
                 raise ValueError("the manifest describes another kernel")
             return _kernel_from(manifest, files)
         except Untrusted as error:
-            _warn_once(("entry", str(directory)), "bitkern: cache entry %s is not used: %s; the kernel is built in "
-                       "memory (remove the entry, or make it yours and writable only by you)", directory, error)
+            _warn_once(("entry", str(directory)), "bitkern: cache entry %s is not used: %s; the kernel is found or "
+                       "built elsewhere (%s)", directory, error, self.how_to_trust())
             return None
         except Exception as error:  # a damaged entry of any kind is rebuilt, never used
+            if self.unwritable():
+                _warn_once(("entry", str(directory)), "bitkern: cache entry %s is damaged (%s) and not used; the "
+                           "kernel is found or built elsewhere", directory, error)
+                return None
             log.warning("bitkern: cache entry %s is damaged (%s); removing it, the kernel will be rebuilt",
                         directory, error)
             shutil.rmtree(directory, ignore_errors=True)
@@ -139,8 +183,9 @@ class DiskStore:
     @contextlib.contextmanager
     def building(self, key: KernelKey):
         """Hold the cross-process lock for building `key` (processes that need the same kernel build it once)
-        and yield True; yield False, after one warning, where the store cannot be used or written or the lock
-        stays held past `lock_timeout` seconds (a stopped or hung builder): the caller builds in memory."""
+        and yield True; yield False, after one warning, where the store cannot be used or written (nothing is
+        attempted in a store `unwritable` names a reason for) or the lock stays held past `lock_timeout` seconds
+        (a stopped or hung builder): the caller builds in memory."""
         lock = self._acquire(key)
         try:
             yield lock is not None
@@ -155,7 +200,7 @@ class DiskStore:
         try:
             return self._save(key, kernel, copy_of)
         except (OSError, Untrusted) as error:
-            self._warn_unusable(f"cannot be written ({error})")
+            self._warn_unwritable(str(error))
             return None
 
     def pinned(self, key: KernelKey) -> list:
@@ -231,9 +276,13 @@ class DiskStore:
         entries = bundle.read(path)
         problem = self.problem()
         if problem:
-            raise ValueError(f"the kernel cache {self.root} {problem}; set BITKERN_CACHE_DIR to a directory of yours")
+            raise ValueError(f"the kernel cache {self.root} {problem}; {self.how_to_trust()}")
+        unwritable = self.unwritable()
+        if unwritable:
+            raise ValueError(f"the kernel cache {self.root} cannot be written: {unwritable}")
         added: list[Path] = []
         try:
+            make_directory(self.root, self.modes[0])
             for entry in entries:
                 final = self.version_dir / entry.target / entry.digest
                 if check_directory(final):
@@ -259,20 +308,33 @@ class DiskStore:
         return problem is not None
 
     def _warn_unusable(self, problem: str) -> None:
-        _warn_once(("root", str(self.root)), "bitkern: the kernel cache %s %s; kernels are built in memory for "
-                   "this process (set BITKERN_CACHE_DIR to a directory of yours that only you can write)",
-                   self.root, problem)
+        _warn_once(("root", str(self.root)), "bitkern: the %s %s %s; its kernels are found or built elsewhere "
+                   "(%s)", self._name, self.root, problem, self.how_to_trust())
+
+    def _warn_unwritable(self, reason: str) -> None:
+        _warn_once(("root", str(self.root)), "bitkern: the %s %s cannot be written (%s); kernels it lacks are built "
+                   "in memory for this process only (set BITKERN_CACHE_DIR to a writable directory of yours to keep "
+                   "them)", self._name, self.root, reason)
+
+    @property
+    def _name(self) -> str:
+        return "system kernel cache" if self.system else "kernel cache"
 
     def _acquire(self, key: KernelKey) -> FileLock | None:
         """The held build lock of `key`, or None (after one warning) where there is none to be had."""
         if self._refused():
             return None
+        unwritable = self.unwritable()
+        if unwritable:
+            self._warn_unwritable(unwritable)
+            return None
         path = self.lock_path(key)
         try:
-            make_directories(self.root, path.parent)
+            make_directory(self.root, self.modes[0])
+            make_directories(self.root, path.parent, self.modes[0])
             if os.path.islink(path):
                 raise Untrusted(f"{path} is a symbolic link")
-            lock = FileLock(str(path), timeout=self.lock_timeout, mode=0o600)
+            lock = FileLock(str(path), timeout=self.lock_timeout, mode=self.modes[1])
             lock.acquire()
             return lock
         except Timeout:
@@ -280,7 +342,7 @@ class DiskStore:
                        "%.0f s (a stopped or hung build?); building the kernel in memory instead (set "
                        "BITKERN_LOCK_TIMEOUT to wait longer)", path, self.lock_timeout)
         except (OSError, Untrusted) as error:
-            self._warn_unusable(f"cannot be written ({error})")
+            self._warn_unwritable(str(error))
         return None
 
     def _read_entry(self, directory: Path) -> tuple[dict, dict[str, bytes]] | None:
@@ -302,7 +364,7 @@ class DiskStore:
         from safetensors.torch import save as save_tensors
 
         final = self.entry_dir(key)
-        make_directories(self.root, final.parent)
+        make_directories(self.root, final.parent, self.modes[0])
         _remove_stale(final.parent)
         files: dict[str, bytes] = {}
         if copy_of is not None:
@@ -324,15 +386,15 @@ class DiskStore:
         return final
 
     def _commit(self, final: Path, files: dict[str, bytes]) -> None:
-        """Write `files` into a hidden 0700 directory beside `final` and rename it into place; whatever is at
+        """Write `files` into a hidden directory beside `final` and rename it into place; whatever is at
         `final` already (another writer's entry, or one this process refused) stays."""
-        make_directories(self.root, final.parent)
+        make_directories(self.root, final.parent, self.modes[0])
         if os.path.lexists(final):
             return
-        temporary = _temporary_beside(final)
+        temporary = _temporary_beside(final, self.modes[0])
         try:
             for name, data in files.items():
-                write_file(temporary / name, data)
+                write_file(temporary / name, data, self.modes[1])
             os.rename(temporary, final)
         except OSError:
             shutil.rmtree(temporary, ignore_errors=True)
@@ -372,10 +434,10 @@ def _subdirectories(path: Path) -> list[Path]:
             and not child.is_symlink()]
 
 
-def _temporary_beside(final: Path) -> Path:
+def _temporary_beside(final: Path, mode: int) -> Path:
     temporary = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.mkdir(temporary, 0o700)
-    os.chmod(temporary, 0o700)
+    os.mkdir(temporary, mode)
+    os.chmod(temporary, mode)
     return temporary
 
 

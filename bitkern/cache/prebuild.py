@@ -106,19 +106,26 @@ def prebuild(shapes: list[LinearShape], dtype: str = "int4", group_size: int = 1
     from ..ttype.quantize import default_zero_mode
 
     ttype = get(dtype)
-    if device_for(target).kind == "cuda":
-        from ..codegen.cuda.layout import check_type
-
-        check_type(ttype)
     zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
     group = ttype.block_size if ttype.block_size > 1 else group_size
     spec = Matmul(ttype.name, activation_dtype, group_size=group, zero_mode=zero_mode, scale_dtype=scale_dtype)
-    for shape in shapes:
-        spec.check_shape(shape.out_features, shape.in_features)
-    buckets = sorted({m_bucket(m) for m in rows})
-    requests = [Request(spec, shape.out_features, shape.in_features, bucket, target) for shape in shapes
-                for bucket in buckets]
+    requests = kernel_requests([(spec, shape.out_features, shape.in_features) for shape in shapes], rows, target)
     return prebuild_requests(requests, store, progress=progress, description=f"prebuild {dtype} for {target}")
+
+
+def kernel_requests(kernels, rows, target: str) -> list[Request]:
+    """The requests of the kernels (Matmul spec, N, K) for every M bucket of `rows` on `target`; ValueError naming
+    what does not fit (an unknown target, a type its kernels lack, a shape the spec cannot have) before anything
+    is built."""
+    if device_for(target).kind == "cuda":
+        from ..codegen.cuda.layout import check_type
+
+        for spec, _, _ in kernels:
+            check_type(get(spec.weight_dtype))
+    for spec, n, k in kernels:
+        spec.check_shape(n, k)
+    buckets = sorted({m_bucket(m) for m in rows})
+    return [Request(spec, n, k, bucket, target) for spec, n, k in kernels for bucket in buckets]
 
 
 def prebuild_requests(requests: list[Request], store: DiskStore | None = None, workers: int = 1,
@@ -127,7 +134,7 @@ def prebuild_requests(requests: list[Request], store: DiskStore | None = None, w
     while it lowers; nvcc runs beside it).  A kernel that fails to build raises, or with `keep_going` is listed in
     the report's `failed` and the others are built.  The report's target names the requests' targets."""
     store = store or DiskStore()
-    problem = store.problem()
+    problem = store.problem() or store.unwritable()
     if problem:  # kernels would be built in memory only: nothing prebuilt
         raise ValueError(f"the kernel cache {store.root} {problem}; prebuild stores kernels there (choose another "
                          f"with --cache-dir or BITKERN_CACHE_DIR)")
@@ -137,7 +144,7 @@ def prebuild_requests(requests: list[Request], store: DiskStore | None = None, w
     if workers > 1 and len(jobs) > 1:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked TVM or torch threads
         with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            done = pool.map(_build, jobs, [str(store.root)] * len(jobs), [keep_going] * len(jobs), chunksize=1)
+            done = pool.map(_build, jobs, [store] * len(jobs), [keep_going] * len(jobs), chunksize=1)
             errors = list(tqdm(done, total=len(jobs), desc=description, disable=not progress))
     else:
         errors = [_build(job, store, keep_going) for job in tqdm(jobs, desc=description, disable=not progress)]
@@ -161,10 +168,9 @@ def _jobs(request: Request) -> list[Request]:
                                        top_k=request.candidates)]
 
 
-def _build(job: Request, store, keep_going: bool = False) -> str | None:
-    """Find or build the kernel of a job (a request without candidates) in `store` (a DiskStore or its root); None,
-    or with `keep_going` the error that stopped the build."""
-    store = store if isinstance(store, DiskStore) else DiskStore(store)
+def _build(job: Request, store: DiskStore, keep_going: bool = False) -> str | None:
+    """Find or build the kernel of a job (a request without candidates) in `store`; None, or with `keep_going` the
+    error that stopped the build."""
     device = device_for(job.target)
     layout = layout_for(get(job.spec.weight_dtype), device.kind)
     try:

@@ -1,7 +1,9 @@
 """File-system primitives of the kernel cache, which treats its files as ssh treats ~/.ssh: directories are
-made 0700 and files 0600 whatever the umask; nothing is used that another user owns or could have
-written, nor a symbolic link below the cache root; every file is read once, so the bytes checked against
-a checksum are the bytes used (a kernel library is loaded from those bytes, not from its path again).
+made 0700 and files 0600 whatever the umask (0755 and 0644 in a shared cache, which other users read); a path is
+used only if this user or root owns it and neither group nor others can write it (so a cache that root built
+into a container image is trusted by the image's unprivileged user, read-only), and never a symbolic link below
+the cache root; every file is read once, so the bytes checked against a checksum are the bytes used (a kernel
+library is loaded from those bytes, not from its path again).
 """
 
 from __future__ import annotations
@@ -24,19 +26,25 @@ class Untrusted(Exception):
     of file expected: it is never used (nor removed)."""
 
 
+ROOT_UID = 0
+PRIVATE_MODES = (0o700, 0o600)  # (directories, files) of a user's own cache
+SHARED_MODES = (0o755, 0o644)  # of a cache other users read (a system cache)
+
+
 def untrusted_reason(status: os.stat_result) -> str | None:
-    """Why a file with this status must not be trusted by this user (None: it may)."""
+    """Why a file with this status must not be trusted by this user (None: it may): only this user and root
+    may own it (as ssh and sudo trust files), and neither group nor others may write it."""
     user = os.geteuid()
-    if status.st_uid != user:
-        return f"it is owned by uid {status.st_uid}, not by this user (uid {user})"
+    if status.st_uid not in (user, ROOT_UID):
+        return f"it is owned by uid {status.st_uid}, not by this user (uid {user}) nor root"
     if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"group or others can write it (mode {stat.S_IMODE(status.st_mode):03o})"
     return None
 
 
 def check_directory(path: Path) -> bool:
-    """True if `path` is a directory of this user that others cannot write, False if there is nothing
-    there; Untrusted for anything else (a symbolic link is never followed)."""
+    """True if `path` is a trusted directory (`untrusted_reason`), False if there is nothing there; Untrusted
+    for anything else (a symbolic link is never followed)."""
     try:
         status = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):  # nothing there (NotADirectoryError: a parent is a file)
@@ -51,8 +59,8 @@ def check_directory(path: Path) -> bool:
     return True
 
 
-def make_directories(root: Path, path: Path) -> None:
-    """Create the directories below `root` down to `path`, each 0700; existing ones must pass
+def make_directories(root: Path, path: Path, mode: int = PRIVATE_MODES[0]) -> None:
+    """Create the directories below `root` down to `path` with `mode`; existing ones must pass
     `check_directory`."""
     current = root
     for part in path.relative_to(root).parts:
@@ -60,21 +68,37 @@ def make_directories(root: Path, path: Path) -> None:
         if check_directory(current):
             continue
         try:
-            os.mkdir(current, 0o700)
+            os.mkdir(current, mode)
         except FileExistsError:  # another process made it meanwhile
             check_directory(current)
             continue
-        os.chmod(current, 0o700)  # mkdir's mode is masked by the umask
+        os.chmod(current, mode)  # mkdir's mode is masked by the umask
 
 
-def make_private_directory(path: Path) -> None:
-    """Create the directory `path` (its parents as usual) with mode 0700; an existing one is left as it is."""
+def make_directory(path: Path, mode: int = PRIVATE_MODES[0]) -> None:
+    """Create the directory `path` (its parents as usual) with `mode`; an existing one is left as it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path, mode)
     except FileExistsError:
         return
-    os.chmod(path, 0o700)
+    os.chmod(path, mode)
+
+
+def write_protection(path: Path) -> str | None:
+    """Why this process cannot create or change files in the directory `path` (or create it, where it does not
+    exist), found without writing: a read-only file system, or no write permission; None where it can."""
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:
+            return f"{existing} is on a read-only file system"
+    except OSError as error:
+        return f"{existing} cannot be examined ({error})"
+    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=True):
+        return f"this user (uid {os.geteuid()}) cannot write {existing}"
+    return None
 
 
 def read_file(path: Path, limit: int | None = None) -> bytes:
@@ -106,11 +130,11 @@ def read_file(path: Path, limit: int | None = None) -> bytes:
         os.close(descriptor)
 
 
-def write_file(path: Path, data: bytes) -> None:
-    """Create `path` (which must not exist) with mode 0600 holding `data`, flushed to disk."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def write_file(path: Path, data: bytes, mode: int = PRIVATE_MODES[1]) -> None:
+    """Create `path` (which must not exist) with `mode` holding `data`, flushed to disk."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        os.fchmod(descriptor, 0o600)
+        os.fchmod(descriptor, mode)
         view = memoryview(data)
         while view:
             view = view[os.write(descriptor, view):]

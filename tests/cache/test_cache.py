@@ -134,7 +134,7 @@ def test_a_writer_killed_while_writing_the_library_leaves_nothing_that_loads(tmp
         import os, signal
         from bitkern.cache import disk, kernel_for
         from bitkern.ops import Matmul
-        def half_then_die(path, data):
+        def half_then_die(path, data, mode):
             open(path, "wb").write(data[:len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
         disk.write_file = half_then_die

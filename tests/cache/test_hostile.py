@@ -198,12 +198,30 @@ def test_a_root_owned_by_another_user_is_refused(world, caplog, in_memory_build)
     _falls_back(world, caplog, in_memory_build, f"is owned by uid {OTHER_UID}, not by this user")
 
 
-def test_a_cache_seen_by_another_user_is_refused(world, caplog, in_memory_build, monkeypatch):
-    """The owner check as another user's process makes it (run as root, this is how the check that the owner
-    is the current user gets tested): this cache is not that uid's."""
+def test_a_cache_of_a_third_user_is_refused_with_the_fix(world, caplog, in_memory_build, monkeypatch):
+    """The owner check as another user's process makes it (how it is tested without root): the cache belongs to
+    neither that user nor root."""
     owner = os.geteuid()
     monkeypatch.setattr(os, "geteuid", lambda: OTHER_UID)
-    _falls_back(world, caplog, in_memory_build, f"is owned by uid {owner}, not by this user (uid {OTHER_UID})")
+    monkeypatch.setattr("bitkern.cache.private.ROOT_UID", OTHER_UID + 1)  # the cache's owner is no root either
+    _falls_back(world, caplog, in_memory_build, f"is owned by uid {owner}, not by this user (uid {OTHER_UID}) nor "
+                f"root; its kernels are found or built elsewhere (make it trusted: own it and let nobody else "
+                f"write it (chmod -R go-w {world.cache})")
+
+
+def test_a_cache_root_owns_serves_other_users_read_only(world, caplog, in_memory_build, monkeypatch):
+    """ssh's rule: a cache that root owns and only root can write is trusted by every user, who reads it and
+    writes nothing there.  Seen as uid OTHER_UID (by its effective uid; a real other user's process is
+    tests/cache/test_system_cache.py): its kernel loads; a kernel it lacks is built in memory, nothing written."""
+    if os.stat(world.cache).st_uid != 0:
+        monkeypatch.setattr("bitkern.cache.private.ROOT_UID", os.stat(world.cache).st_uid)  # stands in for root
+    monkeypatch.setattr(os, "geteuid", lambda: OTHER_UID)
+    kernel_for(SPEC, N, K, 1, "tile16", store=world.store)
+    assert not in_memory_build
+    forget()
+    shutil.rmtree(world.entry)
+    _falls_back(world, caplog, in_memory_build, f"so this user (uid {OTHER_UID}) only reads it); kernels it lacks are "
+                f"built in memory for this process only")
 
 
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
