@@ -30,6 +30,23 @@ def fuse(model, *example_inputs, **options):
     return fuse_model(model, *example_inputs, **options)
 
 
+def prepare(model, tokens, dtype=None, progress: bool = True):
+    """Make ready every kernel a forward of `model` over `tokens` tokens calls (an int or a sequence of counts:
+    batch x sequence length; each count's M bucket), loading it from the kernel caches (the user's, then the
+    read-only system cache) or tuning and building it, with a progress bar, so that no call tunes; returns the
+    summary (`bitkern.nn.prepare.PrepareReport`: kernels built, loaded, seconds).  dtype: the inputs' dtype
+    (default: the model's).  A transformers model that runs bitkern's attention gets its decode-attention kernels
+    too.  Arguments are checked before any kernel is built."""
+    from .nn.prepare import input_dtype, prepare as prepare_model
+
+    attention = ()
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "bitkern":
+        from .integration.hf.attention import decode_attention_specs
+
+        attention = decode_attention_specs(model, input_dtype(model, dtype))
+    return prepare_model(model, tokens, dtype, progress, attention)
+
+
 def load_pretrained(path, **from_pretrained_kwargs):
     """A GPTQ / AWQ / bitsandbytes-4bit checkpoint directory, or one `save_pretrained` of a bitkern model wrote,
     as a transformers model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
@@ -49,4 +66,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "fuse",
-           "load", "load_pretrained", "nn", "ops", "pack", "quantize", "quantize_model", "save", "ttype"]
+           "load", "load_pretrained", "nn", "ops", "pack", "prepare", "quantize", "quantize_model", "save", "ttype"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 
 
 IMPORT_WARNING = ("A bundle's kernels are native code that runs inside every process using this cache, as a "
@@ -15,21 +16,31 @@ def add_commands(commands) -> None:
     """Register the prebuild and cache subcommands on an argparse subparsers object."""
     prebuild = commands.add_parser("prebuild", help="compile a model's kernels into the cache ahead of time")
     source = prebuild.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a transformers model directory: the kernels its bitkern layers call (found "
+                        "without reading the weights; a float checkpoint takes the quantization it will be loaded "
+                        "with: --dtype, --group-size, --zero-mode, --compute-dtype as in bitkern.BitkernConfig)")
     source.add_argument("--config", help="a Hugging Face config.json: its distinct Linear shapes")
     source.add_argument("--shapes", help="explicit shapes out:in,out:in (e.g. 4096:4096,11008:4096)")
-    prebuild.add_argument("--dtype", default="int4", help="weight type (see bitkern.ttype.names())")
-    prebuild.add_argument("--group-size", type=int, default=128)
+    prebuild.add_argument("--dtype", default=None, help="weight type (see bitkern.ttype.names()); default int4, but "
+                          "for --model where the checkpoint is float (then required)")
+    prebuild.add_argument("--group-size", type=int, default=None, help="default: 128, or the type's block")
     prebuild.add_argument("--zero-mode", default=None, help="none, gptq, awq or hqq (default: by type)")
+    prebuild.add_argument("--compute-dtype", default=None, help="--model: the dtype the bitkern layers multiply in "
+                          "(default: their input's)")
     prebuild.add_argument("--target", default="cpu", help="cpu (this CPU at its level), cpu:<level> (e.g. "
                           "cpu:x86-64-v3, for a fleet; levels: bitkern.codegen.cpu.isa.LEVELS), or a CUDA arch: "
                           "sm_80, sm_86, sm_89, sm_90")
-    prebuild.add_argument("--m", default="1,16,128", help="rows the model will run with (one kernel per bucket)")
-    prebuild.add_argument("--activation", default="bfloat16", help="activation dtype: bfloat16, float16, float32")
-    prebuild.add_argument("--cache-dir", default=None, help="store (default: $BITKERN_CACHE_DIR or ~/.cache/bitkern)")
+    prebuild.add_argument("--tokens", "--m", dest="tokens", default="1,16,128",
+                          help="token counts (rows: batch x sequence length) the model will run with; one kernel per "
+                               "M bucket they fall in")
+    prebuild.add_argument("--activation", default=None, help="activation dtype: bfloat16, float16, float32 (default "
+                          "bfloat16; for --model the checkpoint's dtype)")
+    _add_store_arguments(prebuild, "write the system cache, which every user's processes read: run as root, e.g. "
+                                   "while building a container image")
     prebuild.set_defaults(run=_prebuild)
 
     cache = commands.add_parser("cache", help="inspect and manage the kernel cache")
-    cache.add_argument("--cache-dir", default=None)
+    _add_store_arguments(cache, "manage the system cache instead of yours")
     actions = cache.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("ls", help="list the stored kernels")
     listing.add_argument("--all", action="store_true", help="include entries of other bitkern/TVM versions")
@@ -45,28 +56,75 @@ def add_commands(commands) -> None:
     cache.set_defaults(run=_cache)
 
 
-def _prebuild(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .cache.disk import DiskStore
-    from .cache.prebuild import parse_shapes, prebuild, shapes_from_config
+def _add_store_arguments(parser: argparse.ArgumentParser, system_help: str) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--cache-dir", default=None, help="the cache (default: $BITKERN_CACHE_DIR, else "
+                       "$XDG_CACHE_HOME/bitkern, else ~/.cache/bitkern)")
+    where.add_argument("--system", action="store_true", help=f"{system_help} ($BITKERN_SYSTEM_CACHE_DIR, else "
+                       f"/usr/local/share/bitkern/cache)")
 
+
+def _store(args: argparse.Namespace):
+    from .cache.disk import DiskStore
+
+    return DiskStore(system=True) if args.system else DiskStore(args.cache_dir)
+
+
+def _prebuild(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .cache.prebuild import kernel_requests, parse_shapes, prebuild, prebuild_requests, shapes_from_config
+    from .nn.prepare import check_tokens
+
+    if args.system and os.geteuid() != 0:
+        parser.error("--system writes the system cache that every user's processes trust, which only root may own "
+                     "and write: run it as root (e.g. in the image build), or prebuild into your own cache")
+    if args.compute_dtype is not None and not args.model:
+        parser.error("--compute-dtype is a setting of --model's float checkpoints; for --config and --shapes, "
+                     "--activation is the dtype the kernels multiply in")
+    store = _store(args)
     try:
-        shapes = shapes_from_config(args.config) if args.config else parse_shapes(args.shapes)
-        rows = [int(m) for m in args.m.split(",") if m.strip()]
+        rows = check_tokens([int(m) for m in args.tokens.split(",") if m.strip()], "--tokens")
+    except ValueError:
+        parser.error(f"--tokens={args.tokens!r} must be comma-separated positive token counts (batch x sequence "
+                     f"length), e.g. 1,16,128")
+    try:
+        if args.model:
+            from .integration.hf.prebuild import model_kernels
+
+            requests = kernel_requests(model_kernels(args.model, _settings(args, parser), args.activation), rows,
+                                       args.target)
+            for spec, n, k in dict.fromkeys((r.spec, r.n, r.k) for r in requests):
+                print(f"  {n:>6} x {k:<6} {spec.weight_dtype} (group {spec.group_size}) x {spec.activation_dtype}")
+            report = prebuild_requests(requests, store, description=f"prebuild {args.model} for {args.target}")
+        else:
+            shapes = shapes_from_config(args.config) if args.config else parse_shapes(args.shapes)
+            for shape in shapes:
+                print(f"  {shape.out_features:>6} x {shape.in_features:<6} {', '.join(shape.names)}")
+            report = prebuild(shapes, args.dtype or "int4", 128 if args.group_size is None else args.group_size,
+                              args.target, rows, args.activation or "bfloat16", args.zero_mode, store=store)
+    except ImportError as error:
+        parser.error(f"--model reads transformers model directories, which needs transformers: {error}")
     except (OSError, ValueError) as error:
         parser.error(str(error))
-    for shape in shapes:
-        print(f"  {shape.out_features:>6} x {shape.in_features:<6} {', '.join(shape.names)}")
-    report = prebuild(shapes, args.dtype, args.group_size, args.target, rows, args.activation, args.zero_mode,
-                      store=DiskStore(args.cache_dir))
     print(f"prebuild: {report.kernels} kernels for {report.target} ({report.built} built, "
-          f"{report.kernels - report.built} already cached) in {report.seconds:.1f} s")
+          f"{report.kernels - report.built} already cached) in {report.seconds:.1f} s into {store.root}")
     return 0
 
 
-def _cache(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .cache.disk import DiskStore
+def _settings(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The BitkernConfig a float --model checkpoint will be loaded with, from the flags (None: none given)."""
+    given = {"group_size": args.group_size, "zero_mode": args.zero_mode, "compute_dtype": args.compute_dtype}
+    if args.dtype is None:
+        named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None]
+        if named:
+            parser.error(f"{', '.join(named)} without --dtype: give the weight type the model will be quantized to")
+        return None
+    from .integration.hf.config import BitkernConfig
 
-    store = DiskStore(args.cache_dir)
+    return BitkernConfig(args.dtype, **given)
+
+
+def _cache(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    store = _store(args)
     if args.action == "ls":
         entries = store.entries(all_versions=args.all)
         for entry in entries:
@@ -88,6 +146,8 @@ def _cache(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{len(results) - len(bad)} of {len(results)} entries verified")
         return 1 if bad else 0
     elif args.action == "clear":
+        if store.unwritable():
+            parser.error(f"the kernel cache {store.root} cannot be written: {store.unwritable()}")
         print(f"removed {store.clear()} kernels from {store.root}")
     elif args.action == "export":
         print(f"exported {store.export(args.file, args.target)} kernels to {args.file}")

@@ -10,9 +10,9 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from .nn import quantize_model
+from .nn.prepare import prepare
 from .nn.storage import QuantizedModule
 
 DEFAULT_TYPES = ("int8", "int4", "nf4", "mxfp4")
@@ -76,7 +76,9 @@ def run(dtypes=DEFAULT_TYPES, dim: int = 1024, heads: int = 16, hidden: int = 28
         layer = next(m for m in quantized.modules() if isinstance(m, QuantizedModule))
         models.append((name, layer.group_size, quantized, inputs))
     with torch.no_grad():
-        _prepare(models)
+        for _, _, model, sizes in models:
+            if any(isinstance(m, QuantizedModule) for m in model.modules()):
+                prepare(model, tokens=list(sizes), dtype=inputs[1].dtype)
         x = inputs[tokens]
         update = block(x) - x
         times = _interleaved_seconds(models, seconds)
@@ -86,16 +88,6 @@ def run(dtypes=DEFAULT_TYPES, dim: int = 1024, heads: int = 16, hidden: int = 28
                 for name, group, model, sizes in models]
     _print(rows, dim, heads, hidden, tokens, compute_dtype, device)
     return rows
-
-
-def _prepare(models) -> None:
-    """One call of every model at every size: the quantized layers' kernels are tuned, built or loaded here,
-    never inside a timed call."""
-    calls = [(model, x) for _, _, model, sizes in models for x in sizes.values()]
-    for model, x in tqdm(calls, desc="preparing kernels", disable=None):
-        model(x)
-    if calls and calls[0][1].device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _weight_bytes(model: nn.Module) -> int:

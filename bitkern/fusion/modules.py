@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..nn import Linear, library
+from ..nn.prepare import KernelCall
 from .stack import stacked_layer
 
 
@@ -89,6 +90,14 @@ def fused_call(layer: Linear, x: torch.Tensor, epilogue: str = "none", residual:
     return torch.ops.bitkern.linear_epilogue(arguments[0], weight, *arguments[1:], **norm_arguments)
 
 
+def fused_calls(layer: Linear, dtype: torch.dtype, epilogue: str = "none", norm: FoldedNorm | None = None) -> list:
+    """The kernel `fused_call` runs for an x of `dtype` (what `bitkern.prepare` makes ready ahead of it)."""
+    norm_fields = {} if norm is None else {"norm": norm.kind, "norm_eps": norm.eps}
+    spec = library.spec_of(layer.op_weight()[1], layer.compute_dtype or dtype, dtype, layer.bias is not None,
+                           epilogue=epilogue, activation_quant=layer.activation_quant, **norm_fields)
+    return [KernelCall(spec, *layer.gemm_shape, layer.layout, layer.qweight.device)]
+
+
 class EpilogueLinear(nn.Module):
     """y = f(x̂ · Wᵀ + b) (+ residual) in one kernel: `layer` a bitkern.Linear (SwiGLU: its stacked gate/up
     weight), `epilogue` a `bitkern.ops.Matmul` epilogue; `norm` (a `FoldedNorm`, set by the fusion of a norm
@@ -104,6 +113,11 @@ class EpilogueLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return fused_call(self.layer, x, self.epilogue, residual, self.norm)
+
+    def kernel_calls(self, dtype: torch.dtype) -> list:
+        """The kernel a call with an x of `dtype` and no residual runs (a residual is given by rewrites under
+        torch.compile only)."""
+        return fused_calls(self.layer, dtype, self.epilogue, self.norm)
 
     def extra_repr(self) -> str:
         norm = "" if self.norm is None else f", norm={self.norm.kind!r} in the prologue"
@@ -149,6 +163,10 @@ class SharedInputLinears(nn.Module):
         if len(self._taken) == len(self.sizes):  # every member has its output: hold no tensor longer
             self._input, self._outputs, self._taken = None, None, set()
         return output
+
+    def kernel_calls(self, dtype: torch.dtype) -> list:
+        """The kernel of the stacked GEMM for an x of `dtype`."""
+        return self.layer.kernel_calls(dtype) if self.norm is None else fused_calls(self.layer, dtype, norm=self.norm)
 
 
 class StackedOutput(nn.Module):

@@ -1,7 +1,8 @@
 """torch.nn modules over bitkern's kernels: quantized Linear and Conv2d, whole-model quantization, files.
 
 Entry points: `Linear`, `Conv2d`, `quantize_model` / `dequantize_model`, `save` / `load` (safetensors),
-`decode_attention` (one query row per head over a KV cache, on bitkern's CPU kernel).
+`decode_attention` (one query row per head over a KV cache, on bitkern's CPU kernel); `prepare.prepare` makes a
+model's kernels ready before its first call (`bitkern.prepare`).
 The kernels are torch custom ops (`torch.ops.bitkern.linear`, `torch.ops.bitkern.dequantize`,
 `torch.ops.bitkern.decode_attention`).
 """

@@ -9,6 +9,7 @@ from ..codegen import pack
 from ..ops.matmul import ACTIVATION_QUANTS
 from ..ttype import QuantizedWeight
 from . import library
+from .prepare import KernelCall
 from .storage import QuantizedModule, check_positive
 
 
@@ -91,6 +92,12 @@ class Linear(QuantizedModule):
                                       self._activation_quant)
         weight, weight_format = self.op_weight()
         return torch.ops.bitkern.linear(x, weight, weight_format, bias, output_dtype, self._activation_quant)
+
+    def kernel_calls(self, dtype: torch.dtype) -> list[KernelCall]:
+        """The kernel a call with an x of `dtype` runs (what `bitkern.prepare` makes ready ahead of it)."""
+        spec = library.spec_of(self._format_text, self._compute_dtype or dtype, dtype,
+                               self._parameters["bias"] is not None, activation_quant=self._activation_quant)
+        return [KernelCall(spec, *self.gemm_shape, self.layout, self.qweight.device)]
 
     def _gemm_matrix(self, weight: torch.Tensor) -> torch.Tensor:
         return weight if self.input_order is None else weight.index_select(1, self.input_order)

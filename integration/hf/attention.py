@@ -29,7 +29,8 @@ from transformers.masking_utils import sdpa_mask
 from ...cache import KernelNotFound
 from ...cache.attention import CAN_BUILD
 from ...nn.attention import KERNEL_DTYPES, decode_attention
-from ...ops.attention import LANES
+from ...ops.attention import LANES, DecodeAttention
+from ...ttype import dtype_name
 
 log = logging.getLogger("bitkern")
 NAME = "bitkern"
@@ -89,6 +90,20 @@ def _kernel_applies(query, key, value, mask) -> bool:
 @functools.lru_cache(maxsize=1)
 def _warn_no_kernel(reason: str) -> None:
     log.warning("bitkern: decode attention runs on SDPA: %s", reason)
+
+
+def decode_attention_specs(model, dtype: torch.dtype) -> list[DecodeAttention]:
+    """The decode-attention kernels a transformers model running "bitkern" attention on a CPU calls with inputs of
+    `dtype` (what `bitkern.prepare` builds ahead): per distinct (query heads per KV head, head dimension) of its
+    attention modules that the kernel takes (see `_kernel_applies`), one per mask a decode step passes (none, and
+    bool for a padded batch)."""
+    if dtype not in KERNEL_DTYPES or any(p.device.type != "cpu" for p in model.parameters()):
+        return []
+    shapes = {(module.num_key_value_groups, module.head_dim) for module in model.modules()
+              if isinstance(getattr(module, "num_key_value_groups", None), int)
+              and isinstance(getattr(module, "head_dim", None), int)}
+    return [DecodeAttention(dtype_name(dtype), groups, dim, mask) for groups, dim in sorted(shapes)
+            if groups > 1 and dim % LANES == 0 for mask in ("none", "bool")]
 
 
 def register() -> None:

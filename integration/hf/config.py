@@ -7,6 +7,7 @@ import re
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ...nn.prepare import check_tokens
 from ...ttype import TType, dtype_name
 from .format import FORMAT, SETTINGS, LayerSettings
 
@@ -33,12 +34,17 @@ class BitkernConfig(QuantizationConfigMixin):
     name: "lm_head", "down_proj" (every layer's), "model.layers.0" (and everything in it),
     r"layers\\.(0|1)\\.mlp".
     source: the format of a pre-quantized checkpoint's tensors ("bitkern": what save_pretrained writes).
+    prepare: token counts (an int or a sequence, e.g. (1, 512)) whose kernels `from_pretrained` makes ready before
+    it returns the model (`bitkern.prepare`: loaded from the kernel caches or tuned), so that no call tunes; None
+    (default) leaves each kernel to its first call.  A loading option: not saved with the checkpoint, and for a
+    pre-quantized checkpoint transformers uses the checkpoint's config (call `bitkern.prepare(model, tokens)`
+    after loading it).
     """
 
     def __init__(self, dtype="nf4", group_size: int | None = None, zero_mode: str | None = None,
                  compute_dtype=None, scale_dtype="float16", modules_to_not_convert: list[str] | None = None,
                  overrides: dict[str, dict] | None = None, source: str = "bitkern", activation_quant: str = "none",
-                 method: str = "rtn"):
+                 prepare=None, method: str = "rtn"):
         self.quant_method = METHOD
         self.dtype = dtype.name if isinstance(dtype, TType) else dtype
         self.group_size, self.zero_mode = group_size, zero_mode
@@ -48,6 +54,7 @@ class BitkernConfig(QuantizationConfigMixin):
         self.source = source
         self.activation_quant = activation_quant
         self.method = method
+        self.prepare = None if prepare is None else check_tokens(prepare, "prepare")
         self._check()
 
     def _check(self) -> None:

@@ -53,7 +53,7 @@ class BitkernHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         config = self.quantization_config
-        kept = [*get_keys_to_not_convert(model), *(getattr(model, "_keep_in_fp32_modules", None) or [])]
+        kept = kept_modules(model)
         if not self.pre_quantized:
             config.modules_to_not_convert = sorted({*config.modules_to_not_convert, *kept})
         self.plan = _plan(model, config, kept)
@@ -78,6 +78,10 @@ class BitkernHfQuantizer(HfQuantizer):
             elif type(module) is nn.Linear:  # its weight was not in the checkpoint (tied, or initialised)
                 log.info("bitkern: quantizing %s from its weight in the model (the checkpoint had none)", name)
                 _replace(model, name, quantize_linear(module, settings))
+        if self.quantization_config.prepare is not None:
+            from ... import prepare  # defined after `import bitkern` registers this quantizer
+
+            prepare(model, self.quantization_config.prepare)
         return model
 
     def get_state_dict_and_metadata(self, model):
@@ -108,6 +112,12 @@ class BitkernHfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def kept_modules(model) -> list[str]:
+    """The modules transformers keeps float whatever the config says (the output embedding, tied weights, the
+    model's _keep_in_fp32_modules)."""
+    return [*get_keys_to_not_convert(model), *(getattr(model, "_keep_in_fp32_modules", None) or [])]
 
 
 def quantize_linear(module: nn.Linear, settings: LayerSettings) -> Linear:

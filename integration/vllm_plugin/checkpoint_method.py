@@ -85,7 +85,7 @@ class CheckpointLinearMethod(BitkernLayerMethod):
         if len(output_partition_sizes) != len(self.shards):
             raise ValueError(f"{layer.prefix}: vLLM stacks {len(output_partition_sizes)} outputs in this layer, the "
                              f"checkpoint modules {list(self.shards)} are {len(self.shards)}")
-        self.plan_swiglu(output_partition_sizes)
+        self.plan(output_partition_sizes, params_dtype)
         self.partition = Partition(layer.prefix, self.shards, tuple(output_partition_sizes), input_size_per_partition,
                                    input_size)
         weight_loader = extra_weight_attrs.pop("weight_loader")

@@ -9,12 +9,17 @@ slice must hold whole groups (checked when the weights are created).
 
 With bitkern's fusions on (fusion.py), a merged gate/up layer keeps its rows in SwiGLU order and reads its output
 back in vLLM's order, which lets the fusion pass fold vLLM's SiluAndMul into its kernel.
+
+While the engine starts, each layer's kernels are made ready (`bitkern.prepare`'s work: loaded from the kernel
+caches, the user's then the system one, or tuned) for every token count the engine runs its model at
+(`engine_tokens`), so that no request waits for tuning.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.parameter import ModelWeightParameter
@@ -22,33 +27,53 @@ from vllm.model_executor.utils import set_weight_attrs
 
 import bitkern
 from bitkern import ttype
+from bitkern.fusion.modules import fused_calls
 from bitkern.fusion.stack import swiglu_ordered, unstack_swiglu
+from bitkern.nn.prepare import prepare_calls
 from bitkern.nn.storage import default_group_size
 from bitkern.ops.matmul import SWIGLU_BLOCK
 from bitkern.ttype.quantize import check_group_size
 
+from .fusion import logger
 from .settings import Settings
 
 QUANTIZED = "bitkern_linear"  # the layer's attribute holding its bitkern.Linear once the weights are loaded
 
 
+def engine_tokens(vllm_config) -> tuple[int, ...]:
+    """The token counts an engine runs its model at: every batch of up to max_num_batched_tokens tokens (decode
+    batches and prefill chunks), the CUDA-graph capture sizes among them."""
+    largest = vllm_config.scheduler_config.max_num_batched_tokens
+    return (*range(1, largest + 1), *(vllm_config.compilation_config.cudagraph_capture_sizes or ()))
+
+
 class BitkernLayerMethod(LinearMethodBase):
     """A linear method whose layer holds its bitkern.Linear (attribute QUANTIZED) once the weights are loaded.
 
-    swiglu: the engine fuses (fusion.py) and this layer may be a merged gate/up; `plan_swiglu` settles it from the
-    layer's outputs, and such a layer's bitkern.Linear holds its rows in SwiGLU order."""
+    swiglu: the engine fuses (fusion.py) and this layer may be a merged gate/up; `plan` settles it from the layer's
+    outputs, and such a layer's bitkern.Linear holds its rows in SwiGLU order."""
 
     def __init__(self, swiglu: bool = False):
         self.swiglu = swiglu
+        self.dtype, self.tokens = None, ()
 
-    def plan_swiglu(self, output_partition_sizes: list[int]) -> None:
-        """Keep SwiGLU order only for two equal outputs (gate and up) of whole SwiGLU blocks."""
+    def plan(self, output_partition_sizes: list[int], params_dtype: torch.dtype) -> None:
+        """Keep SwiGLU order only for two equal outputs (gate and up) of whole SwiGLU blocks; note what `set_linear`
+        prepares: inputs of `params_dtype` (vLLM's activations) at the engine's token counts."""
         gate, *rest = output_partition_sizes
         self.swiglu = self.swiglu and rest == [gate] and gate % SWIGLU_BLOCK == 0
+        self.dtype, self.tokens = params_dtype, engine_tokens(get_current_vllm_config())
 
     def set_linear(self, layer: nn.Module, linear: bitkern.Linear) -> None:
-        """Give the layer its bitkern.Linear (in SwiGLU order where planned)."""
-        setattr(layer, QUANTIZED, swiglu_ordered(linear) if self.swiglu else linear)
+        """Give the layer its bitkern.Linear (in SwiGLU order where planned) with its kernels ready at every token
+        count the engine runs: the layer's own and, in SwiGLU order, the gate/up + SiluAndMul kernel the fusion
+        pass may put in its place."""
+        linear = swiglu_ordered(linear) if self.swiglu else linear
+        setattr(layer, QUANTIZED, linear)
+        calls = linear.kernel_calls(self.dtype) + (fused_calls(linear, self.dtype, "swiglu") if self.swiglu else [])
+        report = prepare_calls(calls, self.tokens, progress=False)
+        if report.built or report.loaded:
+            logger.info("bitkern: %s: %s", layer.prefix, report)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = getattr(layer, QUANTIZED)(x)
@@ -77,7 +102,7 @@ class BitkernLinearMethod(BitkernLayerMethod):
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         check_partition(self.settings, layer.prefix, input_size_per_partition, input_size)
-        self.plan_swiglu(output_partition_sizes)
+        self.plan(output_partition_sizes, params_dtype)
         weight = ModelWeightParameter(
             data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype, device="meta"),
             input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.pop("weight_loader"))

@@ -132,6 +132,18 @@ def test_bitkern_checkpoint_loads_prequantized(run_vllm, bitkern_checkpoint, tmp
     assert result["tokens"] == tokens
 
 
+def test_kernels_are_ready_when_the_engine_starts(run_vllm, tiny_llama, reference):
+    """Each layer's kernels are prepared while the engine starts, for every token count it runs (1 to
+    max_num_batched_tokens = 128: four M buckets); the generation then tunes nothing."""
+    tokens, _, _ = reference("float32", INT4)
+    result, output = run_vllm({"engine": engine(tiny_llama, "float32", INT4), "prompts": PROMPTS,
+                               "max_tokens": MAX_TOKENS, "no_tuning_after_start": True})
+    assert result["tokens"] == tokens
+    for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert re.search(rf"bitkern: model\.layers\.0\.\w+\.{layer}: bitkern\.prepare: 4 kernels for 1\.\.128 "
+                         rf"\(128 counts of\) tokens", output), layer
+
+
 def test_bitkern_checkpoint_tensor_parallel_2(run_vllm, bitkern_checkpoint, tmp_path):
     """Each of two CPU workers loads its partition of the saved codes and scales (row-parallel layers: whole
     words and groups of its inputs)."""

@@ -6,7 +6,8 @@ writes what the tests compare to a JSON file.
 REQUEST holds "engine" (keyword arguments of vllm.LLM), "prompts" (token id lists), "max_tokens", "result" (the
 JSON file to write: greedy "tokens" per prompt) and optionally "weights" (a folder: every bitkern layer's
 dequantized weight is saved there, one file per tensor-parallel rank), "ignore_eos" (generate max_tokens
-tokens whatever they are) and "profile" (a folder: the generation runs under vLLM's torch profiler, whose traces
+tokens whatever they are), "no_tuning_after_start" (once the engine has started, tuning a bitkern kernel fails
+the generation: the engine must have prepared every kernel) and "profile" (a folder: the generation runs under vLLM's torch profiler, whose traces
 go there, and the result's "bitkern_calls" counts the calls of each bitkern op in them).  With "cases" (a list of
 "engine" keyword sets) instead, it starts each and records the error it raises, or "started".
 """
@@ -30,6 +31,16 @@ def save_weights(directory, model):
     torch.save(weights, f"{directory}/rank{get_tensor_model_parallel_rank()}.pt")
 
 
+def forbid_tuning(when, model):
+    """(run by vLLM in each worker) From now on, tuning a bitkern kernel raises, saying `when` it happened."""
+    import bitkern.cache.lookup
+
+    def tuned(key, *args):
+        raise AssertionError(f"bitkern tuned a kernel {when}: {key.describe()}")
+
+    bitkern.cache.lookup._tuned = tuned
+
+
 def bitkern_calls(folder):
     """{op name: calls} of the bitkern ops in the torch profiler traces (Chrome trace JSON) under `folder`."""
     calls = collections.Counter()
@@ -48,6 +59,8 @@ def generate(request):
         engine["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": request["profile"],
                                      "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False}
     llm = LLM(**engine)
+    if request.get("no_tuning_after_start"):
+        llm.apply_model(functools.partial(forbid_tuning, "after the engine started"))
     if request.get("profile"):
         llm.start_profile()
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in request["prompts"]],
