@@ -14,7 +14,6 @@ from ..template import Work
 from . import isa
 from .kernel import (PREFETCH_WORDS, SMALL_M, CpuTemplate, Footprint, check_prefetch, doublings, norm_prologue,
                      operand_bytes)
-from .emit.vnni import reads_signed_bytes
 from .layout import AMX_TILE_ROWS, padded_k
 from .matrix import PLANES, MatrixTemplate
 
@@ -26,6 +25,12 @@ BODY = 320
 # 16-lane registers a row block may hold: y and an int32 sum per (row, tile); per tile its word and two group factors
 REGISTERS = 30  # of 32 zmm
 REGISTERS_256 = 12  # with 256-bit vectors (two of the 16 ymm each): a few spill, the byte products bound the time
+
+
+def reads_signed_bytes(level, bits: int) -> bool:
+    """Whether the kernel reads `bits`-bit codes as signed bytes: 8-bit codes with AVX2's vpmaddubsw, by the sign
+    trick (|s| times q with the sign of s: pairs of products stay within int16, `dot_bytes`); else as unsigned."""
+    return bits == 8 and level.vector_bytes == 32 and "avx_vnni" not in level.features
 
 
 def dot_cost(level, bits: int) -> float:

@@ -26,6 +26,7 @@ from ....ttype import get
 from ....ttype.types import INT
 from ..isa import IsaLevel
 from ..layout import padded_k, tile16_shift
+from ..vnni import reads_signed_bytes
 from . import nonfinite
 from .tile16 import SMALL_M_ROWS, Tile16Builder, _Decode
 from .tir import LANES, horizontal_max, load, prefetch_ahead, ramp, registers, splat, u32
@@ -56,12 +57,6 @@ class _Codes:
         within the block whose activation it multiplies."""
         return [w * self.per_word + self.k_of[s][byte] for w in range(self.words) for s in range(self.positions)
                 for byte in range(4)]
-
-
-def reads_signed_bytes(level: IsaLevel, bits: int) -> bool:
-    """Whether the kernel reads `bits`-bit codes as signed bytes: 8-bit codes with AVX2's vpmaddubsw, by the sign
-    trick (|s| times q with the sign of s: pairs of products stay within int16, `dot_bytes`); else as unsigned."""
-    return bits == 8 and level.vector_bytes == 32 and "avx_vnni" not in level.features
 
 
 def signed_decode(spec) -> _Decode:
