@@ -216,21 +216,59 @@ class Builder:
 
     def _row_chunks(self, first, end, first_tiles) -> None:
         """Many rows: per chunk of config.m_chunk rows, the prologue for them, then every task of the thread over
-        them in blocks of config.rows rows (the task's words stay in L2 across the blocks; the widened rows of the
-        chunk are read once per block and task) and one block of the rows left over."""
-        block_rows = self.cfg.rows
+        them (`_rows_task`)."""
         with T.serial(0, tirx.floordiv(self.m + self.cfg.m_chunk - 1, self.cfg.m_chunk)) as chunk:
             self.row_base = chunk * self.cfg.m_chunk
             self.chunk_rows = tirx.min(self.cfg.m_chunk, self.m - self.row_base)
             self._prologue(first_tiles)
-            whole = tirx.floordiv(self.chunk_rows, block_rows)
             with T.serial(first, end) as block:
-                with T.serial(0, whole) as row_block:
-                    self._task(block, block_rows, row_block * block_rows)
-                for rows in range(1, block_rows):
-                    with T.If(self.chunk_rows - whole * block_rows == rows):
-                        with T.Then():
-                            self._task(block, rows, whole * block_rows)
+                self._rows_task(block)
+
+    def _rows_task(self, block) -> None:
+        """y for the task's tiles and every row of the chunk: per group, its sums for each block of config.rows rows
+        (and one block of the rows left over) folded into the rows' y in memory, so that the group's words, read from
+        DRAM once, serve every block from L1 (measured at x86-64-v3, int4 4096x14336 M=16: with all of K per block
+        the words of a task no longer stayed in L2 beside the widened rows, 16.7 ms from DRAM, 8.2 in cache)."""
+        n_tiles, block_rows = self.cfg.n_tiles, self.cfg.rows
+        tiles = [tirx.min(block * n_tiles + c, self.n_tiles - 1) for c in range(n_tiles)]
+        yacc = T.alloc_buffer((self.buffer_rows, n_tiles, LANES), "float32", align=64)
+        with T.serial(0, self.chunk_rows) as row:
+            for c in range(n_tiles):
+                T.buffer_store(yacc, splat(0.0, "float32"), [row, c, ramp(0)])
+        whole = tirx.floordiv(self.chunk_rows, block_rows)
+        with T.serial(0, self.groups) as g:
+            for tile in tiles:
+                self.group_args.prefetch(tile, g, n_tiles)
+            scales = [self.group_args.scale(tile, g) for tile in tiles]
+            offsets = [self._group_offset(tile, g) for tile in tiles]
+
+            def block_sums(rows: int, start) -> None:
+                def fold(row, c, total):
+                    if offsets[c] is not None:
+                        total = total - offsets[c] * tirx.Broadcast(load(self.xs, start + row, g), LANES)
+                    T.buffer_store(yacc, load(yacc, start + row, c, ramp(0)) + total * scales[c],
+                                   [start + row, c, ramp(0)])
+
+                self._group_sums(self._sums_buffer(rows), tiles, rows, g, fold, start)
+
+            with T.serial(0, whole) as row_block:
+                block_sums(block_rows, row_block * block_rows)
+            for rows in range(1, block_rows):
+                with T.If(self.chunk_rows - whole * block_rows == rows):
+                    with T.Then():
+                        block_sums(rows, whole * block_rows)
+        swiglu = self.spec.epilogue == "swiglu"
+        with T.serial(0, self.chunk_rows) as row:
+            one = registers((1, n_tiles), "float32")
+            for c in range(n_tiles):
+                T.buffer_store(one, load(yacc, row, c, ramp(0)), [0, c, ramp(0)])
+            nonfinite.add_terms(one, 0, tiles, self.nonfinite, row, self.k, self._x,
+                                lambda tile, j: nonfinite.weight_lanes(self.spec, self.k, self.qweight,
+                                                                       self.group_args, tile, j))
+            for c in range(0, n_tiles, 2 if swiglu else 1):
+                with T.If(block * n_tiles + c < self.n_tiles):
+                    with T.Then():
+                        self._store(one, 1, tiles[c], c, swiglu, row)
 
     def _needs_group_sums(self) -> bool:
         """Whether the group sums XS of x are needed (`_group_offset`)."""
