@@ -18,8 +18,8 @@ from tvm.script.ir_builder import tirx as T
 from ....ops.matmul import Matmul
 from ....ttype import get
 from ....ttype.types import INT
-from ..fma import FmaConfig, looks_up
 from ...template import ANY_ROWS
+from ..fma import FmaConfig, looks_up
 from ..isa import IsaLevel
 from . import lut
 from .tir import LANES, load, lookup16, prefetch_ahead, ramp, registers, splat, u32

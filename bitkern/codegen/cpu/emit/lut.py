@@ -237,16 +237,11 @@ class Builder:
                 T.buffer_store(yacc, splat(0.0, "float32"), [row, c, ramp(0)])
         whole = tirx.floordiv(self.chunk_rows, block_rows)
         with T.serial(0, self.groups) as g:
-            for tile in tiles:
-                self.group_args.prefetch(tile, g, n_tiles)
-            scales = [self.group_args.scale(tile, g) for tile in tiles]
-            offsets = [self._group_offset(tile, g) for tile in tiles]
+            term = self._group_term(tiles, g)
 
             def block_sums(rows: int, start) -> None:
                 def fold(row, c, total):
-                    if offsets[c] is not None:
-                        total = total - offsets[c] * tirx.Broadcast(load(self.xs, start + row, g), LANES)
-                    T.buffer_store(yacc, load(yacc, start + row, c, ramp(0)) + total * scales[c],
+                    T.buffer_store(yacc, load(yacc, start + row, c, ramp(0)) + term(c, start + row, total),
                                    [start + row, c, ramp(0)])
 
                 self._group_sums(self._sums_buffer(rows), tiles, rows, g, fold, start)
@@ -282,8 +277,23 @@ class Builder:
     def _allocate_tables(self) -> None:
         self.tables = T.alloc_buffer((self.buffer_rows, self.positions, LANES), "float32")
 
-    def _task(self, block, rows: int, first=0) -> None:
-        """y for the task's tiles and `rows` rows of the chunk from its row `first`."""
+    def _group_term(self, tiles, g):
+        """For group g of the task's tiles (prefetching the scales of groups ahead): term(c, row, Σ), the group's
+        part of y for tile c and row `row` of the chunk, scale · (Σ - offset · XS[row, g])."""
+        for tile in tiles:
+            self.group_args.prefetch(tile, g, len(tiles))
+        scales = [self.group_args.scale(tile, g) for tile in tiles]
+        offsets = [self._group_offset(tile, g) for tile in tiles]
+
+        def term(c, row, total):
+            if offsets[c] is not None:
+                total = total - offsets[c] * tirx.Broadcast(load(self.xs, row, g), LANES)
+            return total * scales[c]
+
+        return term
+
+    def _task(self, block, rows: int) -> None:
+        """y for the task's tiles and all `rows` rows, the sums in registers over all of K."""
         n_tiles = self.cfg.n_tiles
         tiles = [tirx.min(block * n_tiles + c, self.n_tiles - 1) for c in range(n_tiles)]
         yacc, gacc = registers((rows, n_tiles), "float32"), self._sums_buffer(rows)
@@ -291,27 +301,22 @@ class Builder:
             for c in range(n_tiles):
                 T.buffer_store(yacc, splat(0.0, "float32"), [row, c, ramp(0)])
         with T.serial(0, self.groups) as g:
-            for tile in tiles:
-                self.group_args.prefetch(tile, g, n_tiles)
-            scales = [self.group_args.scale(tile, g) for tile in tiles]
-            offsets = [self._group_offset(tile, g) for tile in tiles]
+            term = self._group_term(tiles, g)
 
             def fold(row, c, total):
                 """y += scale · (Σ - offset · XS) for row `row` and tile c of the task."""
-                if offsets[c] is not None:
-                    total = total - offsets[c] * tirx.Broadcast(load(self.xs, first + row, g), LANES)
-                T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + total * scales[c], [row, c, ramp(0)])
+                T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + term(c, row, total), [row, c, ramp(0)])
 
-            self._group_sums(gacc, tiles, rows, g, fold, first)
+            self._group_sums(gacc, tiles, rows, g, fold, 0)
         for row in range(rows):  # the terms of non-finite x the prologue left out
-            nonfinite.add_terms(yacc, row, tiles, self.nonfinite, first + row, self.k, self._x,
+            nonfinite.add_terms(yacc, row, tiles, self.nonfinite, row, self.k, self._x,
                                 lambda tile, j: nonfinite.weight_lanes(self.spec, self.k, self.qweight,
                                                                        self.group_args, tile, j))
         swiglu = self.spec.epilogue == "swiglu"
         for c in range(0, n_tiles, 2 if swiglu else 1):
             with T.If(block * n_tiles + c < self.n_tiles):
                 with T.Then():
-                    self._store(yacc, rows, tiles[c], c, swiglu, first)
+                    self._store(yacc, rows, tiles[c], c, swiglu, 0)
 
     def _sums_buffer(self, rows: int):
         """Registers for a group's sums: one row's per tile (the rows take turns)."""
@@ -330,7 +335,8 @@ class Builder:
 
     def _lookup_words(self, gacc, tiles, row, word_index, first) -> None:
         """gacc[c] += Σ_j T[first + row, 8·word + j][nibble j of each lane's word] for every tile c of the task."""
-        tables = [load(self.tables, first + row, word_index * NIBBLES_PER_WORD + j, ramp(0)) for j in range(NIBBLES_PER_WORD)]
+        tables = [load(self.tables, first + row, word_index * NIBBLES_PER_WORD + j, ramp(0))
+                  for j in range(NIBBLES_PER_WORD)]
         for c, tile_index in enumerate(tiles):
             if row == 0:
                 prefetch_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, len(tiles))
