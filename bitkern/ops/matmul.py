@@ -55,7 +55,8 @@ class Matmul:
     activation_quant: "int8" quantizes x̂ per row and per ACTIVATION_BLOCK consecutive k's to int8 with one float32
     scale each (symmetric, as llama.cpp's Q8_0; `quantize_activations` defines it) and multiplies the integer codes
     of the weight exactly: y = Σ_groups scale · Σ_blocks d · Σ q·code (offsets and zero points folded); for integer
-    weight types whose groups hold whole blocks (or per-channel).  "none" multiplies x̂ as it is.
+    weight types, and 4-bit code books and floats through their int8 code book (`TType.int8_values`: the codes'
+    values on an int8 grid), whose groups hold whole blocks (or per-channel).  "none" multiplies x̂ as it is.
     """
 
     weight_dtype: str
@@ -126,9 +127,10 @@ class Matmul:
         if activation not in NORM_DTYPES:
             raise ValueError(f"{quant} quantizes float activations; activation_dtype={activation!r} is not one of "
                              f"{list(NORM_DTYPES)}")
-        if weight.kind not in (INT, UINT):
-            raise ValueError(f"{quant} multiplies integer weight codes exactly; weight_dtype={weight.name!r} is a "
-                             f"{weight.kind} type (accepted: int and uint types)")
+        if weight.kind not in (INT, UINT) and weight.int8_values is None:
+            raise ValueError(f"{quant} multiplies integer weight codes, or the int8 code book of a type of at most 4 "
+                             f"bits; weight_dtype={weight.name!r} is a {weight.bits}-bit {weight.kind} type (accepted: "
+                             f"int and uint types, 4-bit code books and floats such as nf4, fp4_e2m1, mxfp4)")
         if self.geometry is not None:
             raise ValueError(f"{quant} is not supported for convolutions (accepted: 'none')")
 
@@ -283,10 +285,18 @@ class Matmul:
         self.check_inputs(x, weight, bias, residual, norm_weight, norm_bias)
         x = norm_reference(self.norm, x, norm_weight, norm_bias, self.norm_eps)
         x = quantize_activations(x) if self.activation_quant == "int8" else x.double()
-        y = x @ weight.to_portable().dequantize(torch.float64).T
+        y = x @ self.weight_values(weight).T
         y = y + bias.double() if bias is not None else y
         y = epilogue_reference(self.epilogue, y)
         return y + residual.double() if residual is not None else y
+
+    def weight_values(self, weight) -> torch.Tensor:
+        """The float64 [N, K] weight the spec multiplies: the dequantized weight, with the type's int8 code book
+        (`TType.int8_values`) for activation_quant="int8"."""
+        portable = weight.to_portable()
+        table = portable.ttype.int8_values if self.activation_quant == "int8" else None
+        values = None if table is None else table[0].double() * table[1]
+        return portable.dequantize(torch.float64, values)
 
     @classmethod
     def for_weight(cls, weight: QuantizedWeight, activation_dtype="float16", bias: bool = False, **options) -> "Matmul":

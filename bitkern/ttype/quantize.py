@@ -105,13 +105,16 @@ class QuantizedWeight(StoredWeight):
         scale = get(self.ttype.block_scale).decode(self.scales)
         return scale * self.tensor_scale if self.tensor_scale is not None else scale
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The [N, K] weight this object represents, computed in float32 and returned in `dtype`."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, values: torch.Tensor | None = None) -> torch.Tensor:
+        """The [N, K] weight this object represents, computed in float32 and returned in `dtype`; `values`: the
+        value of every code in place of the type's own (the int8 code book activation_quant="int8" multiplies)."""
         n, k = self.shape
         groups = k // self.group_size
         codes = self.codes().reshape(n, groups, self.group_size)
         scale = self.scale_values().unsqueeze(-1)
-        if self.zero_mode == "none":
+        if values is not None:
+            weight = values.float()[codes.long()] * scale
+        elif self.zero_mode == "none":
             weight = self.ttype.decode(codes) * scale
         else:
             weight = (codes.float() - self.zeros.float().unsqueeze(-1)) * scale

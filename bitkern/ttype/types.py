@@ -173,6 +173,27 @@ class TType:
         v = self.values
         return float(v[torch.isfinite(v)].abs().max())
 
+    @cached_property
+    def int8_values(self) -> tuple[torch.Tensor, float] | None:
+        """(t, unit): every code's value as unit·t with t int8 in [-127, 127], for types of at most 4 bits that are
+        neither int nor uint (code books and small floats), as activation_quant="int8" multiplies them: exact where
+        every value is a multiple of a power of two within ±127 units (e2m1: 0.5·{0, ±1, …, ±12}), else rounded on a
+        grid of max|v|/127 (nf4, bitsandbytes' fp4), as llama.cpp's IQ4_NL holds its code book.  None for the
+        others (integer codes multiply as they are; wider codes or non-finite values have no int8 table)."""
+        if self.kind in (INT, UINT) or self.bits > 4:
+            return None
+        values = self._value_table()
+        if not bool(torch.isfinite(values).all()) or not bool(values.any()):
+            return None
+        largest = float(values.abs().max())
+        for exponent in range(7, -9, -1):  # the coarsest unit first
+            unit = 2.0 ** exponent
+            steps = values / unit
+            if largest / unit <= _INT8_RANGE[1] and torch.equal(steps.round(), steps):
+                return steps.to(torch.int8), unit
+        unit = largest / _INT8_RANGE[1]
+        return (values / unit).round().to(torch.int8), unit
+
     # -- conversions -----------------------------------------------------------------------------
     @cached_property
     def compute_types(self) -> tuple[str, ...]:

@@ -45,13 +45,13 @@ def test_gradients_pass_the_quantization_as_the_identity():
     assert torch.allclose(grad, x.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("settings, message", [(dict(dtype="nf4"), "integer weight codes"),
+@pytest.mark.parametrize("settings, message", [(dict(dtype="float8_e4m3"), "integer weight codes"),
                                                (dict(group_size=16), "whole activation blocks"),
                                                (dict(activation_quant="fp8"), "accepted: \\['none', 'int8'\\]")])
 def test_settings_the_operator_cannot_take_are_refused_before_any_kernel(settings, message):
     with pytest.raises(ValueError, match=message):
         bitkern.Linear(256, 96, **{"dtype": "int4", "activation_quant": "int8", **settings}, device="meta")
-    layer = bitkern.Linear(256, 96, dtype="nf4", device="meta")
+    layer = bitkern.Linear(256, 96, dtype="mxfp8", device="meta")
     with pytest.raises(ValueError, match="integer weight codes"):
         layer.activation_quant = "int8"
     assert layer.activation_quant == "none"

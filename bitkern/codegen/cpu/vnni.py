@@ -1,11 +1,14 @@
-"""VNNI template: y = x̂ · dequant(W)ᵀ for activation_quant="int8" specs, integer weight codes times int8 activations
-in exact int32 byte dot products, for any number of rows: vpdpbusd with AVX512-VNNI (Intel since Cascade Lake, AMD
+"""VNNI template: y = x̂ · dequant(W)ᵀ for activation_quant="int8" specs, integer weight codes (or, for 4-bit code
+books and floats, their int8 code book looked up by vpshufb, `TType.int8_values`) times int8 activations in exact int32
+byte dot products, for any number of rows: vpdpbusd with AVX512-VNNI (Intel since Cascade Lake, AMD
 Zen 4 and later) and AVX-VNNI (Alder Lake and later, Zen 5), vpmaddubsw and vpmaddwd with AVX2 (`emit.vnni.dot_bytes`);
 its code comes from `emit.vnni` (see there for the kernel's structure)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from ...ops.matmul import ACTIVATION_BLOCK, ACTIVATION_QUANTS, EPILOGUES, NORMS, Matmul
 from ...ttype import effective_group_size, get
@@ -27,22 +30,49 @@ REGISTERS = 30  # of 32 zmm
 REGISTERS_256 = 12  # with 256-bit vectors (two of the 16 ymm each): a few spill, the byte products bound the time
 
 
+def looks_up_bytes(spec: Matmul) -> bool:
+    """Whether the kernel looks each code's byte up in the type's int8 code book (vpshufb, `byte_table`) instead of
+    multiplying the code itself: types that are neither int nor uint."""
+    return get(spec.weight_dtype).kind not in (INT, UINT)
+
+
+def byte_bits(spec: Matmul) -> int:
+    """Bits of the bytes the kernel multiplies: 8 for looked-up code books, else the codes' own."""
+    return 8 if looks_up_bytes(spec) else get(spec.weight_dtype).bits
+
+
+def byte_bias(spec: Matmul, level) -> int:
+    """What the kernel adds to a looked-up code book's values t (`byte_table`): 0 where it reads signed bytes
+    (`reads_signed_bytes`), else -min(t), which makes them unsigned with the least offset to fold back."""
+    values, _ = get(spec.weight_dtype).int8_values
+    return 0 if reads_signed_bytes(level, 8) else max(0, -int(values.min()))
+
+
+def byte_table(spec: Matmul, level) -> torch.Tensor:
+    """The `lut` argument of a looked-up type: its int8 code book t as bytes t + `byte_bias`, 16 of them repeated per
+    128-bit lane as vpshufb reads them, as 16 int32."""
+    values, _ = get(spec.weight_dtype).int8_values
+    codes = values.to(torch.int16) + byte_bias(spec, level)
+    table = torch.zeros(16, dtype=torch.int16)
+    table[:len(codes)] = codes
+    return (table & 0xFF).to(torch.uint8).repeat(4).view(torch.int32)
+
+
 def reads_signed_bytes(level, bits: int) -> bool:
     """Whether the kernel reads `bits`-bit codes as signed bytes: 8-bit codes with AVX2's vpmaddubsw, by the sign
     trick (|s| times q with the sign of s: pairs of products stay within int16, `dot_bytes`); else as unsigned."""
     return bits == 8 and level.vector_bytes == 32 and "avx_vnni" not in level.features
 
 
-def dot_cost(level, bits: int) -> float:
+def dot_cost(level, bits: int, looked_up: bool = False) -> float:
     """Instructions per 64 bytes of byte dot products at a level (`emit.vnni.dot_bytes`), relative to one 512-bit
     vpdpbusd: two 256-bit ones with AVX-VNNI; without VNNI a vpmaddubsw, a vpmaddwd and an add (on two ports) per vector
     (two vectors with AVX2), for 8-bit codes with AVX2 a vpabsb and a vpsignb more (the sign trick), with AVX-512
-    twice over (two nibbles)."""
-    if "avx512_vnni" in level.features:
-        return 1
-    if "avx_vnni" in level.features:
-        return 2
-    operations = 3 if bits <= 4 else 5 if reads_signed_bytes(level, bits) else 6
+    twice over (two nibbles); a looked-up code book (`looks_up_bytes`, bits 8) a vpshufb more per vector."""
+    lookup = int(looked_up)
+    if "avx512_vnni" in level.features or "avx_vnni" in level.features:
+        return (1 + lookup / 2) * (64 / level.vector_bytes)  # vpshufb on another port than vpdpbusd
+    operations = (3 if bits <= 4 else 5 if reads_signed_bytes(level, bits) else 6) + lookup
     return operations * (64 / level.vector_bytes) / 2
 
 
@@ -93,8 +123,9 @@ class VnniTemplate(CpuTemplate):
         ttype = get(spec.weight_dtype)
         if spec.activation_quant == "none":
             return "activation_quant='none' (it multiplies int8 activations)"
-        if ttype.kind not in (INT, UINT) or ttype.bits not in BITS:
-            return f"{ttype.name} codes (it reads int and uint codes of {list(BITS)} bits)"
+        if ttype.bits not in BITS or (ttype.kind not in (INT, UINT) and ttype.int8_values is None):
+            return f"{ttype.name} codes (it reads int and uint codes of {list(BITS)} bits, and code books and floats " \
+                   f"of up to 4 bits through their int8 code book)"
         if spec.activation_dtype not in PLANES:
             return f"activation_dtype={spec.activation_dtype}"
         if spec.geometry is not None:
@@ -138,14 +169,15 @@ class VnniTemplate(CpuTemplate):
                       "vnni_broadcast": column_blocks * blocks * PRODUCTS * m,
                       "vnni_quantize_element": m * k * copies, **norm_prologue(spec, m, k, copies)}
         widths = 64 // device.vector_bytes
-        bound = {"vpdpbusd": tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, bits),
+        bound = {"vpdpbusd": tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, byte_bits(spec),
+                                                                          looks_up_bytes(spec)),
                  "vnni_unpack": tiles_n * blocks * PRODUCTS * row_blocks * widths}
         return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),
                     streams=config.n_tiles, prefetch=config.prefetch)
 
     def program(self, spec: Matmul, n: int, k: int, config: VnniConfig, layout, bucket, device):
-        """The PrimFunc for rows M in `bucket` (at most 16 with small_m); arguments as the tile16 templates' (no
-        constants)."""
+        """The PrimFunc for rows M in `bucket` (at most 16 with small_m); arguments as the tile16 templates', the
+        constant `lut` the int8 code book of a looked-up type (`byte_table`)."""
         from .emit.vnni import VnniBuilder
 
         self.check_config(config)
@@ -157,7 +189,8 @@ class VnniTemplate(CpuTemplate):
         if not MatrixTemplate.for_epilogue(spec, [config]):
             raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
                              f"in pairs)")
-        return VnniBuilder(spec, n, k, config, device.level).build("main"), []
+        constants = [byte_table(spec, device.level)] if looks_up_bytes(spec) else []
+        return VnniBuilder(spec, n, k, config, device.level).build("main"), constants
 
 
 TEMPLATE = VnniTemplate()

@@ -108,6 +108,29 @@ def test_every_template_at_every_level(template, level):
         torch.testing.assert_close(y, spec.reference(x, qweight), rtol=1e-4, atol=1e-3)
 
 
+# the code-book VNNI kernel's inner loop per level: a vpshufb of the int8 code book before the level's byte products
+CODE_BOOK_LOOP = {"x86-64-v3": ["vpshufb", "vpsignb", "vpmaddubsw"], "avx-vnni": ["vpshufb", r"\{vex\} vpdpbusd"],
+                  "avx512": ["vpshufb", "vpmaddubsw"], "avx512-vnni": ["vpshufb", "vpdpbusd"]}
+
+
+@pytest.mark.parametrize("level", CODE_BOOK_LOOP)
+def test_code_books_with_int8_activations_look_up_bytes_at_every_level(level):
+    """nf4 with activation_quant="int8" at every level the VNNI template serves: compiled (run against the
+    reference where this CPU runs the level), its inner loop a byte lookup and the level's products."""
+    device = host_cpu().at_level(level)
+    spec = Matmul("nf4", "bfloat16", group_size=64, activation_quant="int8")
+    _, candidates = enumerate_candidates(spec, N, K, (1, 16), "tile16", device)
+    config = next(c.config for c in candidates if c.template == "vnni")
+    kernel = build_kernel(spec, N, K, "vnni", config, "tile16", (1, 16), device)
+    code = disassembly(kernel.library)
+    assert all(re.search(rf"(?<!\w){instruction}(?!\w)", code) for instruction in CODE_BOOK_LOOP[level])
+    assert device.vector_bytes == 64 or "zmm" not in code
+    if device.runs_here():
+        _, qweight, x, _ = matmul_case("nf4", N, K, 3, "bfloat16", group=64, seed=5)
+        spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
+        torch.testing.assert_close(kernel(x, pack(qweight)), spec.reference(x, qweight), rtol=1e-4, atol=1e-3)
+
+
 def test_forcing_a_lower_level_in_a_fresh_process():
     """$BITKERN_CPU_LEVEL lowers the level of every kernel the process builds (and keys its cache by it); a level
     above this CPU is refused, naming what the CPU lacks."""

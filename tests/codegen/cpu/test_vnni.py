@@ -136,6 +136,51 @@ def test_every_level_computes_the_same_products(level, name, zero_mode, config, 
     _check(spec, qweight, x, kernel(x, pack(qweight)))
 
 
+# the 4-bit code books and floats as independent tables of their values: nf4 from QLoRA, e2m1 from the OCP MX spec
+NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+       0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+@pytest.mark.parametrize("name, group, int8_values", [
+    ("nf4", 64, [round(v * 127) / 127 for v in NF4]),  # rounded on a grid of 1/127, as llama.cpp's IQ4_NL
+    ("fp4_e2m1", 64, E2M1),  # exact: multiples of 1/2
+    ("mxfp4", 32, E2M1),
+])
+@pytest.mark.parametrize("activation, m", [("bfloat16", 1), ("float32", 5), ("bfloat16", 40)])
+def test_code_books_multiply_their_int8_values(name, group, int8_values, activation, m):
+    """activation_quant="int8" multiplies a 4-bit code book's or float's values on an int8 grid (`TType.int8_values`):
+    the definition against the types' published tables, and the kernel (vpshufb of the int8 code book) against it."""
+    t, unit = bitkern.ttype.get(name).int8_values
+    assert int(t.abs().max()) <= 127 and torch.equal((t.double() * unit).float(), torch.tensor(int8_values))
+    generator = torch.Generator().manual_seed(m)
+    n, k = 48, 256
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=group)
+    spec = Matmul.for_weight(qweight, activation, output_dtype="float32", activation_quant="int8")
+    x = torch.randn(m, k, generator=generator).to(getattr(torch, activation))
+    values = torch.tensor(int8_values, dtype=torch.float64)[qweight.codes().long()]
+    weight = values * qweight.scale_values().double().repeat_interleave(group, 1)
+    assert torch.allclose(spec.exact(x, qweight), quantize_activations(x) @ weight.T, rtol=1e-5, atol=1e-4)
+    _check(spec, qweight, x, spec(x, pack(qweight)))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", ["nf4", "bnb_fp4", "mxfp4"])
+@pytest.mark.parametrize("config, m", [(VnniConfig(1, True, 16, 1, 16), 1), (VnniConfig(2, False, 32, 2, 32), 37)])
+def test_every_level_looks_up_the_same_code_book(level, name, config, m):
+    """The code book's bytes as each level reads them (`vnni.byte_table`: signed with AVX2's sign trick, unsigned
+    with the least bias elsewhere) give the same products within the kernels' bound."""
+    generator = torch.Generator().manual_seed(m)
+    n, k = 40, 256
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=32)
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", activation_quant="int8")
+    bucket = (1, 16) if config.small_m else (17, 256)
+    kernel = vnni.TEMPLATE.build(spec, n, k, config, "tile16", bucket, host_cpu().at_level(level))
+    x = (torch.randn(m, k, generator=generator) * 100).bfloat16()
+    _check(spec, qweight, x, kernel(x, pack(qweight)))
+
+
 @pytest.mark.parametrize("config, m", [(VnniConfig(1, True, 16, 1, 0), 1), (VnniConfig(6, True, 16, 1, 128), 2),
                                        (VnniConfig(3, True, 16, 2, 16), 7), (VnniConfig(2, False, 32, 4, 32), 70),
                                        (VnniConfig(3, False, 64, 2, 64), 130)])
@@ -222,8 +267,8 @@ def test_a_cpu_without_avx2_has_no_kernel_for_quantized_activations():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(weight_dtype="nf4"), "integer weight codes"),
-    (dict(weight_dtype="fp4_e2m1"), "integer weight codes"),
+    (dict(weight_dtype="float8_e4m3"), "4-bit code books and floats"),
+    (dict(weight_dtype="mxfp8"), "is a 8-bit float type"),
     (dict(activation_dtype="int8", accumulate_dtype="int32"), "quantizes float activations"),
     (dict(activation_quant="int4"), "accepted: \\['none', 'int8'\\]"),
 ])

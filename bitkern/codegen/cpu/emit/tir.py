@@ -147,6 +147,24 @@ def lookup16(table, index, vector_bytes: int):
     return tirx.Shuffle(picked, list(range(LANES)))
 
 
+def lookup_bytes(table, index, vector_bytes: int):
+    """Per byte, the byte of `table` at the low 4 bits of `index`'s byte (both 16 int32 lanes, bytes of index below
+    16): vpshufb, which looks up within each 128-bit lane, so `table` holds its 16 bytes once per lane.  One
+    512-bit vpshufb with AVX-512, one per 8 lanes with AVX2."""
+    if vector_bytes >= 64:
+        picked = tirx.call_llvm_pure_intrin("int8x64", "llvm.x86.avx512.pshuf.b.512",
+                                            tirx.reinterpret("int8x64", table), tirx.reinterpret("int8x64", index))
+        return tirx.reinterpret("uint32x16", picked)
+    halves = []
+    for start in (0, 8):
+        lanes_of = list(range(start, start + 8))
+        part_table, part_index = (tirx.reinterpret("int8x32", tirx.Shuffle([vector], lanes_of))
+                                  for vector in (table, index))
+        halves.append(tirx.reinterpret("uint32x8", tirx.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b",
+                                                                              part_table, part_index)))
+    return tirx.Shuffle(halves, list(range(LANES)))
+
+
 def prefetch_ahead(buffer, tile_index, index, distance: int, tiles_per_task: int) -> None:
     """Prefetch the line `distance` rows past (tile, index) of a per-tile buffer [tiles, rows, lanes] (tile16
     weight words, or the per-group scales and zeros).  Past a tile's end it reaches the same stream of the

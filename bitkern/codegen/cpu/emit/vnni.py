@@ -7,8 +7,9 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
             4-byte groups vpdpbusd multiplies with the bytes of a masked tile16 word, so one broadcast serves a
             whole weight vector; per quantization group the sums XS = Σ d·q (for offsets and zero points);
   main      per block of `rows` rows, all of K: each tile16 word (16 columns) is masked per byte position (its
-            codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1)), and
-            vpdpbusd adds u·q of 4 k's per lane into int32 sums C; per activation block y += (scale·alpha·d)·C, per
+            codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1); code
+            books and floats looked up by vpshufb in their int8 code book, `vnni.byte_table`), and vpdpbusd adds
+            u·q of 4 k's per lane into int32 sums C; per activation block y += (scale·alpha·d)·C, per
             group y += scale·beta·XS, where v = alpha·u + offset and beta = offset - zero point;
   output    the tile16 builder's (non-finite terms, bias, epilogue, residual).
 The decode is a mask (and a shift) per byte position, so rows re-decode it per block instead of staging it.
@@ -26,10 +27,10 @@ from ....ttype import get
 from ....ttype.types import INT
 from ..isa import IsaLevel
 from ..layout import padded_k, tile16_shift
-from ..vnni import reads_signed_bytes
+from ..vnni import byte_bias, byte_bits, looks_up_bytes, reads_signed_bytes
 from . import nonfinite
 from .tile16 import SMALL_M_ROWS, Tile16Builder, _Decode
-from .tir import LANES, horizontal_max, load, prefetch_ahead, ramp, registers, splat, u32
+from .tir import LANES, horizontal_max, load, lookup_bytes, prefetch_ahead, ramp, registers, splat, u32
 
 QUADS = ACTIVATION_BLOCK // 4  # int32 words of int8 codes per activation block
 # Independent vpdpbusd chains a row block keeps in flight (its latency, 5 cycles on Sapphire Rapids, at one per cycle,
@@ -57,6 +58,15 @@ class _Codes:
         within the block whose activation it multiplies."""
         return [w * self.per_word + self.k_of[s][byte] for w in range(self.words) for s in range(self.positions)
                 for byte in range(4)]
+
+
+def table_decode(spec, level: IsaLevel) -> _Decode:
+    """v = alpha·b + offset for the bytes b a code book's codes look up (`vnni.byte_table`): b = t, read as signed
+    bytes, or t + bias (offset -bias units), with alpha the code book's unit (`TType.int8_values`)."""
+    ttype = get(spec.weight_dtype)
+    unit = ttype.int8_values[1]
+    signed = reads_signed_bytes(level, 8)
+    return _Decode("lut", ttype.bits, signed=signed, alpha=(unit,), offset=-byte_bias(spec, level) * unit)
 
 
 def signed_decode(spec) -> _Decode:
@@ -93,8 +103,12 @@ class VnniBuilder(Tile16Builder):
         self.group_blocks = self.s.kgroup // ACTIVATION_BLOCK
 
     def _set_decode(self, config) -> None:
-        decode = signed_decode if reads_signed_bytes(self.level, self.ttype.bits) else unsigned_decode
-        self.dec, self.nibbles, self.offset_shortfall = decode(self.spec), 1, None
+        if looks_up_bytes(self.spec):
+            self.dec = table_decode(self.spec, self.level)
+        else:
+            decode = signed_decode if reads_signed_bytes(self.level, self.ttype.bits) else unsigned_decode
+            self.dec = decode(self.spec)
+        self.nibbles, self.offset_shortfall = 1, None
 
     def body_scope(self):
         return contextlib.nullcontext()
@@ -151,6 +165,10 @@ class VnniBuilder(Tile16Builder):
         block_registers = (registers((cfg.rows, cfg.n_tiles), "float32"),
                            registers((self._splits(1), cfg.rows, cfg.n_tiles), "int32"),
                            registers((2, cfg.n_tiles), "float32"))
+        self.table = None
+        if self.lut is not None:  # the code book, read once per task
+            self.table = registers((1,), "int32")
+            T.buffer_store(self.table, load(self.lut, ramp(0)), [0, ramp(0)])
         with T.serial(0, tirx.floordiv(here + (cfg.rows - 1), cfg.rows)) as rb:
             left = here - rb * cfg.rows
             for count in range(1, cfg.rows + 1):
@@ -215,10 +233,12 @@ class VnniBuilder(Tile16Builder):
                 for c, word in enumerate(words):
                     shifted = word if s == 0 else tirx.shift_right(word, u32(codes.bits * s))
                     unsigned = shifted if codes.bits == 8 else tirx.bitwise_and(shifted, u32(codes.mask))
+                    if self.table is not None:
+                        unsigned = lookup_bytes(load(self.table, 0, ramp(0)), unsigned, self.level.vector_bytes)
                     for r, quad in enumerate(quads):
                         cell = [product % splits, r, c, ramp(0)]
-                        T.buffer_store(acc, dot_bytes(load(acc, *cell), unsigned, quad, self.level, codes.bits,
-                                                      self.dec.signed), cell)
+                        T.buffer_store(acc, dot_bytes(load(acc, *cell), unsigned, quad, self.level,
+                                                      byte_bits(self.spec), self.dec.signed), cell)
         for r, row in enumerate(rows):
             d = tirx.Broadcast(load(self.xscale, row, block), LANES)
             for c in range(cfg.n_tiles):
