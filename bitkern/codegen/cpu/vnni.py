@@ -190,7 +190,7 @@ class VnniTemplate(CpuTemplate):
             raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
                              f"in pairs)")
         constants = [byte_table(spec, device.level)] if looks_up_bytes(spec) else []
-        return VnniBuilder(spec, n, k, config, device.level).build("main"), constants
+        return VnniBuilder(spec, n, k, config, device.level, bucket[1]).build("main"), constants
 
 
 TEMPLATE = VnniTemplate()

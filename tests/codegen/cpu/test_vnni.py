@@ -181,18 +181,22 @@ def test_every_level_looks_up_the_same_code_book(level, name, config, m):
     _check(spec, qweight, x, kernel(x, pack(qweight)))
 
 
-@pytest.mark.parametrize("config, m", [(VnniConfig(1, True, 16, 1, 0), 1), (VnniConfig(6, True, 16, 1, 128), 2),
-                                       (VnniConfig(3, True, 16, 2, 16), 7), (VnniConfig(2, False, 32, 4, 32), 70),
-                                       (VnniConfig(3, False, 64, 2, 64), 130)])
+@pytest.mark.parametrize("config, m, bucket", [(VnniConfig(1, True, 16, 1, 0), 1, (1, 16)),
+                                               (VnniConfig(6, True, 16, 1, 128), 2, (1, 16)),
+                                               (VnniConfig(3, True, 16, 2, 16), 7, (1, 16)),
+                                               (VnniConfig(2, False, 32, 4, 32), 70, (17, 256)),
+                                               (VnniConfig(3, False, 64, 2, 64), 130, (17, 256)),
+                                               (VnniConfig(2, True, 16, 1, 32), 1, (1, 1)),
+                                               (VnniConfig(2, True, 16, 4, 32), 3, (2, 4))])
 @pytest.mark.parametrize("group", [32, 128, -1])
-def test_register_blocks_row_chunks_and_groups(config, m, group):
+def test_register_blocks_row_chunks_and_groups(config, m, bucket, group):
     """Tiles that do not divide N (the last block repeats a tile), row counts that do not fill a block or a chunk,
-    K not a multiple of 32 where per-channel."""
+    K not a multiple of 32 where per-channel; buckets of one row block (y in registers over all of K) and of
+    several (groups outside the blocks)."""
     generator = torch.Generator().manual_seed(m)
     n, k = 72, 256 if group != -1 else 232
     qweight = bitkern.quantize(torch.randn(n, k, generator=generator), "int4", group_size=group)
     spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="bfloat16", activation_quant="int8")
-    bucket = (1, 16) if config.small_m else (17, 256)
     kernel = vnni.TEMPLATE.build(spec, n, k, config, "tile16", bucket, host_cpu())
     x = torch.randn(m, k, generator=generator).bfloat16()
     _check(spec, qweight, x, kernel(x, pack(qweight)))

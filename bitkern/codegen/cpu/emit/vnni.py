@@ -6,7 +6,8 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
             defines them (non-finite x̂ count as 0 and flag the row, see `nonfinite`); the codes are stored as the
             4-byte groups vpdpbusd multiplies with the bytes of a masked tile16 word, so one broadcast serves a
             whole weight vector; per quantization group the sums XS = Σ d·q (for offsets and zero points);
-  main      per block of `rows` rows, all of K: each tile16 word (16 columns) is masked per byte position (its
+  main      per block of `rows` rows (all of K with y in registers where one block holds the call's rows, else
+            per group, every block in turn, so a group's words come from DRAM once): each tile16 word (16 columns) is masked per byte position (its
             codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1); code
             books and floats looked up by vpshufb in their int8 code book, `vnni.byte_table`), and vpdpbusd adds
             u·q of 4 k's per lane into int32 sums C; per activation block y += (scale·alpha·d)·C, per
@@ -94,8 +95,9 @@ class VnniBuilder(Tile16Builder):
     """Emits one VNNI kernel: the tile16 builder's arguments, row loop and output stage around an int8 prologue and
     vpdpbusd products."""
 
-    def __init__(self, spec, n: int, k: int, config, level: IsaLevel):
+    def __init__(self, spec, n: int, k: int, config, level: IsaLevel, max_rows: int):
         self.level = level  # before the tile16 builder's set-up, which picks the decode (`_set_decode`)
+        self.max_rows = max_rows  # the most rows a call brings (the bucket's): one row block or several
         super().__init__(spec, n, k, config)
         self.chains = CHAINS if "avx512_vnni" in level.features or "avx_vnni" in level.features else 1
         self.codes = _Codes(self.ttype.bits)
@@ -157,6 +159,9 @@ class VnniBuilder(Tile16Builder):
 
     # -- main loop -------------------------------------------------------------------------------------------------
     def task(self, rows, block, row0) -> None:
+        """The task's rows in blocks of cfg.rows.  Where the bucket holds one block, y stays in registers over all of K;
+        with more, the groups run outside the blocks (`_group_rows`), so each group's words come from DRAM once and
+        serve every block from L1."""
         cfg = self.cfg
         tiles, owned = self._block_tiles(block)
         chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
@@ -169,12 +174,24 @@ class VnniBuilder(Tile16Builder):
         if self.lut is not None:  # the code book, read once per task
             self.table = registers((1,), "int32")
             T.buffer_store(self.table, load(self.lut, ramp(0)), [0, ramp(0)])
-        with T.serial(0, tirx.floordiv(here + (cfg.rows - 1), cfg.rows)) as rb:
-            left = here - rb * cfg.rows
-            for count in range(1, cfg.rows + 1):
-                with T.If(left == count if count < cfg.rows else left >= count):
-                    with T.Then():
-                        self._rows(yacc, block_registers, tiles, row0, rb * cfg.rows, count)
+
+        def each_block(emit) -> None:
+            with T.serial(0, tirx.floordiv(here + (cfg.rows - 1), cfg.rows)) as rb:
+                left = here - rb * cfg.rows
+                for count in range(1, cfg.rows + 1):
+                    with T.If(left == count if count < cfg.rows else left >= count):
+                        with T.Then():
+                            emit(rb * cfg.rows, count)
+
+        if self.max_rows <= cfg.rows:
+            each_block(lambda local_row, count: self._rows(yacc, block_registers, tiles, row0, local_row, count))
+        else:
+            with T.serial(0, here) as r:
+                for c in range(cfg.n_tiles):
+                    T.buffer_store(yacc, splat(0.0, "float32"), [r, c, ramp(0)])
+            with T.serial(0, self.s.groups) as group:
+                each_block(lambda local_row, count: self._group_rows(yacc, block_registers, tiles, row0, local_row,
+                                                                     count, group))
         self._store_output(yacc, tiles, owned, row0, chunk_rows)
 
     def _splits(self, count: int) -> int:
@@ -187,29 +204,46 @@ class VnniBuilder(Tile16Builder):
     def _rows(self, yacc, block_registers, tiles, row0, local_row, count: int) -> None:
         """yacc[local_row + r] for the `count` rows of a block: all of K, y in registers (`block_registers`: y, the
         int32 sums and the group's factors scale·alpha, scale·beta per tile)."""
+        y = block_registers[0]
+        cells = [(r, c) for r in range(count) for c in range(self.cfg.n_tiles)]
+        for r, c in cells:
+            T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
+        with T.serial(0, self.s.groups) as group:
+            self._group(block_registers, tiles, row0 + local_row, count, group)
+        for r, c in cells:
+            T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, c, ramp(0)])
+
+    def _group_rows(self, yacc, block_registers, tiles, row0, local_row, count: int, group) -> None:
+        """yacc[local_row + r] += one group's terms for the `count` rows of a block (y through registers)."""
+        y = block_registers[0]
+        cells = [(r, c) for r in range(count) for c in range(self.cfg.n_tiles)]
+        for r, c in cells:
+            T.buffer_store(y, load(yacc, local_row + r, c, ramp(0)), [r, c, ramp(0)])
+        self._group(block_registers, tiles, row0 + local_row, count, group)
+        for r, c in cells:
+            T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, c, ramp(0)])
+
+    def _group(self, block_registers, tiles, first_row, count: int, group) -> None:
+        """y += quantization group `group`'s terms for rows first_row.. of a block: its activation blocks' products
+        scaled by scale·alpha·d, then the offset and zero point term scale·beta·XS."""
         cfg = self.cfg
         splits = self._splits(count)
         cells = [(r, c) for r in range(count) for c in range(cfg.n_tiles)]
         y, acc, factors = block_registers
-        rows = [row0 + local_row + r for r in range(count)]
-        for r, c in cells:
-            T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
-        with T.serial(0, self.s.groups) as group:
-            scale_group = self._scale_group(group)
-            for c in range(cfg.n_tiles):
-                scale, beta = self._group_factors(tiles[c], scale_group)
-                alpha = self.dec.alpha[0]
-                T.buffer_store(factors, scale if alpha == 1.0 else scale * splat(alpha, "float32"), [0, c, ramp(0)])
-                if beta is not None:
-                    T.buffer_store(factors, scale * beta, [1, c, ramp(0)])
-            with T.serial(0, self.group_blocks) as inner:
-                self._block(y, acc, factors, tiles, rows, group * self.group_blocks + inner, splits)
-            if self.dec.offset != 0.0 or self.group_args.zeros is not None:
-                for r, c in cells:
-                    xs = tirx.Broadcast(load(self.xs, rows[r], group), LANES)
-                    T.buffer_store(y, load(y, r, c, ramp(0)) + load(factors, 1, c, ramp(0)) * xs, [r, c, ramp(0)])
-        for r, c in cells:
-            T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, c, ramp(0)])
+        rows = [first_row + r for r in range(count)]
+        scale_group = self._scale_group(group)
+        for c in range(cfg.n_tiles):
+            scale, beta = self._group_factors(tiles[c], scale_group)
+            alpha = self.dec.alpha[0]
+            T.buffer_store(factors, scale if alpha == 1.0 else scale * splat(alpha, "float32"), [0, c, ramp(0)])
+            if beta is not None:
+                T.buffer_store(factors, scale * beta, [1, c, ramp(0)])
+        with T.serial(0, self.group_blocks) as inner:
+            self._block(y, acc, factors, tiles, rows, group * self.group_blocks + inner, splits)
+        if self.dec.offset != 0.0 or self.group_args.zeros is not None:
+            for r, c in cells:
+                xs = tirx.Broadcast(load(self.xs, rows[r], group), LANES)
+                T.buffer_store(y, load(y, r, c, ramp(0)) + load(factors, 1, c, ramp(0)) * xs, [r, c, ramp(0)])
 
     def _block(self, y, acc, factors, tiles, rows, block, splits: int) -> None:
         """One activation block: C = Σ u·q per cell in int32 (product t of the block into split t mod splits), then
