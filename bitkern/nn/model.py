@@ -12,7 +12,8 @@ from torch import nn
 from .conv import Conv2d
 from .linear import Linear
 from .. import ttype
-from ..ttype.quantize import CAST_TYPES, check_group_size, check_method
+from ..ttype.quantize import CALIBRATED_METHODS, CAST_TYPES, check_group_size, check_method
+from .calibration import quantize_calibrated
 from .storage import QuantizedModule, check_weight_dtype, default_group_size
 
 log = logging.getLogger("bitkern")
@@ -22,7 +23,9 @@ _QUANTIZED = {nn.Linear: Linear, nn.Conv2d: Conv2d}
 
 def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: str | None = None, compute_dtype=None,
                    scale_dtype=torch.float16, skip: Iterable[str] | Callable | None = None,
-                   output_layer: str | None = "auto", activation_quant: str = "none", method: str = "rtn") -> nn.Module:
+                   output_layer: str | None = "auto", activation_quant: str = "none", method: str = "rtn",
+                   calibration: Iterable | None = None, act_order: bool = False,
+                   static_groups: bool = False) -> nn.Module:
     """Replace every nn.Linear and nn.Conv2d of `model` by a bitkern.Linear / bitkern.Conv2d in `dtype`.
 
     skip: module names to leave in float (a name covers its submodules), or a predicate
@@ -44,11 +47,15 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
     kernel (`bitkern.Linear`'s option, as llama.cpp's Q8_0 activations); an output layer kept in bfloat16 and the
     convolutions multiply x as it is.
 
-    method: how every quantized layer's scales and zeros are chosen (`bitkern.quantize`'s: "rtn", "hqq"); checked
-    against `dtype` before any layer is quantized.  An output layer kept in bfloat16 is cast ("rtn").
+    method: how every quantized layer's scales and zeros are chosen (`bitkern.quantize`'s: "rtn", "hqq"; or
+    "gptq", calibrated: each nn.Linear by GPTQ against its inputs when the model runs `calibration`, an iterable
+    of model inputs, each a tensor, a tuple of positional arguments or a dict of keyword arguments; act_order and
+    static_groups are GPTQ's options, see `bitkern.ttype.gptq`); checked against `dtype` before any layer is
+    quantized.  An output layer kept in bfloat16 is cast ("rtn").
     """
     weight_type = ttype.get(check_weight_dtype(dtype))
-    check_method(weight_type, method)
+    check_method(weight_type, method, calibrated=calibration is not None)
+    _check_calibration_options(method, calibration, act_order, static_groups)
     skipped = _skip_predicate(model, skip)
     options = {"dtype": dtype, "group_size": group_size, "zero_mode": zero_mode, "compute_dtype": compute_dtype,
                "scale_dtype": scale_dtype, "activation_quant": activation_quant, "method": method}
@@ -68,7 +75,13 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
                      "may read directly (as nn.MultiheadAttention does)", name or "(model)", type(module).__name__)
     _check_group_size([(name, module) for name, module, settings in targets if settings in (options, plain)],
                       weight_type, group_size)
-    replaced = [(name, _QUANTIZED[type(module)].from_float(module, **settings)) for name, module, settings in targets]
+    if method in CALIBRATED_METHODS:
+        _check_calibrated_targets(targets)
+        replaced = quantize_calibrated(model, targets, calibration, lambda name, layer: name and _replace(
+            model, name, layer), act_order, static_groups)
+    else:
+        replaced = [(name, _QUANTIZED[type(module)].from_float(module, **settings))
+                    for name, module, settings in targets]
     for name, layer in replaced:
         if name:
             _replace(model, name, layer)
@@ -144,6 +157,28 @@ def _check_group_size(targets, weight_type, group_size) -> None:
         raise ValueError(f"group_size={default_group_size(weight_type, group_size)} does not divide the input size "
                          f"of these layers: {', '.join(misfits)}; pick a group size that divides them, or -1 (per channel), or pass "
                          f"them in skip=[...]")
+
+
+def _check_calibration_options(method: str, calibration, act_order, static_groups) -> None:
+    """calibration, act_order and static_groups belong to the calibrated methods only."""
+    if method in CALIBRATED_METHODS:
+        for argument, value in (("act_order", act_order), ("static_groups", static_groups)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{argument} must be a bool, got {value!r}")
+        return
+    for argument, value, unset in (("calibration", calibration, None), ("act_order", act_order, False),
+                                   ("static_groups", static_groups, False)):
+        if value is not unset:
+            raise ValueError(f"{argument}= is taken by method={CALIBRATED_METHODS[0]!r} only; method={method!r} "
+                             f"quantizes without data")
+
+
+def _check_calibrated_targets(targets) -> None:
+    """Raise once, listing the convolutions, which the calibrated methods do not quantize."""
+    convolutions = [name or "(model)" for name, module, _ in targets if type(module) is not nn.Linear]
+    if convolutions:
+        raise ValueError(f"method={CALIBRATED_METHODS[0]!r} quantizes nn.Linear layers only; these are nn.Conv2d: "
+                         f"{', '.join(convolutions)}; pass them in skip=[...]")
 
 
 def _in_features(module: nn.Module) -> int:

@@ -106,7 +106,7 @@ class QuantizedModule(nn.Module, abc.ABC):
         self.group_size = check_group_size(weight_type, default_group_size(weight_type, group_size), k)
         self.zero_mode = default_zero_mode(weight_type) if zero_mode is None else zero_mode
         check_zero_mode(weight_type, self.zero_mode)
-        check_method(weight_type, method)
+        check_method(weight_type, method, calibrated=True)  # recorded; quantize refuses a calibrated one itself
         self.method = method
         self.scale_dtype = check_float_dtype("scale_dtype", scale_dtype, SCALE_DTYPES)
         self.compute_dtype = compute_dtype

@@ -23,6 +23,8 @@ IEEE round-to-nearest-even for floats).
 
 `method` says how the scales and zeros are chosen ("rtn": by the rules above; "hqq": optimized per group
 without data, see `_optimized`); the codes are then always the nearest ones for the group's scale and zero.
+"gptq" (`bitkern.ttype.gptq`) needs calibration data; it takes a `Grid` (the scales and zeros of some groups and
+their rounding) per group and rounds one column at a time.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ _ROWS_PER_CHUNK = 256  # bounds the float64 temporaries of nearest-value roundin
 _CHUNK_ELEMENTS = 1 << 20  # quantize rows in chunks of about this many weights, so temporaries stay in cache
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # weight dtypes that divide by float32 scales exactly
 CAST_TYPES = ("bfloat16",)  # 16-bit types a weight is cast to (scale 1), not quantized
-METHODS = ("rtn", "hqq")  # how scales and zeros are chosen: the rules of the module table, or optimized per group
+METHODS = ("rtn", "hqq", "gptq")  # how a weight was quantized: the module table's rules, optimized per group, GPTQ
+CALIBRATED_METHODS = ("gptq",)  # methods that need calibration data (bitkern.quantize_model's calibration=)
 # "hqq" on scale search: the group's range (or absmax) times each factor, the best one by squared error after an
 # exact least-squares refit of the scale; 1.0 first, so that ties keep round-to-nearest's choice
 _SEARCH_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7)
@@ -142,30 +145,59 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
     reconstruction error (never more than "rtn"'s: its choice is one of the candidates).  Rows are quantized a
     chunk at a time, so the temporaries stay small.
     """
-    ttype = get(dtype)
-    if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
-        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise TypeError(f"weight must be a floating-point torch.Tensor, got {got}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    if ttype.bits > 8 and ttype.name not in CAST_TYPES:
-        raise ValueError(f"dtype={ttype.name!r} is not a low-precision type; quantize accepts types of at most "
-                         f"8 bits and {', '.join(CAST_TYPES)} (for {ttype.name} cast the weight with .to())")
-    if scale_dtype not in SCALE_DTYPES:
-        raise ValueError(f"scale_dtype={scale_dtype} is not supported; accepted: {list(SCALE_DTYPES)}")
+    ttype, group_size, zero_mode = resolve_arguments(weight, dtype, group_size, zero_mode, scale_dtype)
     n, k = weight.shape
-    group_size = check_group_size(ttype, DEFAULT_GROUP_SIZE if group_size is None and ttype.block_size == 1
-                                  else group_size, k)
-    zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
-    check_zero_mode(ttype, zero_mode)
     check_method(ttype, method)
 
     if ttype.name in CAST_TYPES:
         return _cast(ttype, weight, group_size, zero_mode, scale_dtype)
+    grid = group_grid(weight, ttype, group_size, zero_mode, scale_dtype, method)
+    qweight = torch.empty(n, packed_length(k, ttype.bits), dtype=torch.int32, device=weight.device)
+    rows = max(1, _CHUNK_ELEMENTS // k)
+    for start in range(0, n, rows):
+        chunk = weight[start:start + rows]
+        codes = grid.rule.codes(_as_float(chunk).reshape(chunk.shape[0], -1, group_size), slice(start, start + rows))
+        qweight[start:start + rows] = pack_codes(codes.reshape(chunk.shape), ttype.bits)
+    return QuantizedWeight(ttype, (n, k), group_size, zero_mode, qweight, grid.scales, grid.zeros, grid.tensor_scale)
+
+
+@dataclass
+class Grid:
+    """The scales and zeros chosen for the groups of a weight ([N, groups] as `QuantizedWeight` stores them) and
+    the rounding they give: what `quantize` codes a whole weight with, and what GPTQ rounds one column of a group
+    with (`codes`) and takes back to values (`values`) to feed the rounding error forward."""
+
+    ttype: TType
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    tensor_scale: torch.Tensor | None
+    rule: _Rounding
+
+    def codes(self, column: torch.Tensor, group: int) -> torch.Tensor:
+        """The uint8 codes [N] of a float32 column [N] of group `group`."""
+        return self.rule.codes(column.reshape(-1, 1, 1), slice(None), group).reshape(-1)
+
+    def values(self, codes: torch.Tensor, group: int) -> torch.Tensor:
+        """The float32 values [N] that codes [N] of group `group` stand for (`QuantizedWeight.dequantize`'s)."""
+        if self.ttype.block_size == 1:
+            scale = self.scales[:, group].float()
+        else:
+            scale = get(self.ttype.block_scale).decode(self.scales[:, group])
+            scale = scale * self.tensor_scale if self.tensor_scale is not None else scale
+        if self.zeros is None:
+            return self.ttype.decode(codes) * scale
+        return (codes.float() - self.zeros[:, group].float()) * scale
+
+
+def group_grid(weight: torch.Tensor, ttype: TType, group_size: int, zero_mode: str, scale_dtype: torch.dtype,
+               method: str, tensor_scale: torch.Tensor | None = None) -> Grid:
+    """The `Grid` of a float [N, K] weight's groups chosen by `method` ("rtn" or "hqq"; the arguments checked by
+    the caller).  tensor_scale: for types with one (nvfp4), the tensor scale to use instead of the weight's own
+    (GPTQ takes the whole weight's while it chooses one group at a time)."""
     low, high = _group_range(weight, group_size)
-    zeros = tensor_scale = None
+    zeros = None
     if ttype.block_size > 1:
-        scales, tensor_scale, divisor = _block_scales(ttype, torch.maximum(low.abs(), high.abs()))
+        scales, tensor_scale, divisor = _block_scales(ttype, torch.maximum(low.abs(), high.abs()), tensor_scale)
         if method == "hqq":
             scales, divisor = _optimized(_search_block_scale, weight, group_size, ttype, scales, tensor_scale)
         rule = _Rounding(ttype, _nonzero(divisor))
@@ -181,13 +213,29 @@ def quantize(weight: torch.Tensor, dtype="int4", group_size: int | None = None, 
             scales, zeros = _optimized(search, weight, group_size, ttype, scales, zeros, low, high, zero_mode)
             divisor, offset = _nonzero(scales.float()), zeros.float()
         rule = _Rounding(ttype, divisor, offset, zero_mode)
-    qweight = torch.empty(n, packed_length(k, ttype.bits), dtype=torch.int32, device=weight.device)
-    rows = max(1, _CHUNK_ELEMENTS // k)
-    for start in range(0, n, rows):
-        chunk = weight[start:start + rows]
-        codes = rule.codes(_as_float(chunk).reshape(chunk.shape[0], -1, group_size), slice(start, start + rows))
-        qweight[start:start + rows] = pack_codes(codes.reshape(chunk.shape), ttype.bits)
-    return QuantizedWeight(ttype, (n, k), group_size, zero_mode, qweight, scales, zeros, tensor_scale)
+    return Grid(ttype, scales, zeros, tensor_scale, rule)
+
+
+def resolve_arguments(weight: torch.Tensor, dtype, group_size, zero_mode, scale_dtype) -> tuple[TType, int, str]:
+    """`quantize`'s arguments checked (ValueError/TypeError naming the one at fault), with the type, the group
+    size and the zero mode they resolve to (defaults filled in, -1 as K)."""
+    ttype = get(dtype)
+    if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
+        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise TypeError(f"weight must be a floating-point torch.Tensor, got {got}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if ttype.bits > 8 and ttype.name not in CAST_TYPES:
+        raise ValueError(f"dtype={ttype.name!r} is not a low-precision type; quantize accepts types of at most "
+                         f"8 bits and {', '.join(CAST_TYPES)} (for {ttype.name} cast the weight with .to())")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype={scale_dtype} is not supported; accepted: {list(SCALE_DTYPES)}")
+    k = weight.shape[1]
+    group_size = check_group_size(ttype, DEFAULT_GROUP_SIZE if group_size is None and ttype.block_size == 1
+                                  else group_size, k)
+    zero_mode = default_zero_mode(ttype) if zero_mode is None else zero_mode
+    check_zero_mode(ttype, zero_mode)
+    return ttype, group_size, zero_mode
 
 
 def _cast(ttype: TType, weight: torch.Tensor, group_size: int, zero_mode: str, scale_dtype) -> QuantizedWeight:
@@ -202,13 +250,20 @@ def _cast(ttype: TType, weight: torch.Tensor, group_size: int, zero_mode: str, s
     return QuantizedWeight(ttype, (n, k), group_size, zero_mode, words, scales)
 
 
-def check_method(ttype: TType, method) -> None:
-    """Validate that `method` is known and applies to `ttype` (a cast type has no scale or zero to optimize)."""
+def check_method(ttype: TType, method, calibrated: bool = False) -> None:
+    """Validate that `method` is known and applies to `ttype` (a cast type has no scale or zero to optimize), and
+    that a method needing calibration data has it (`calibrated`: data comes with it, or the weight was quantized
+    with it and is only recorded)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not known; accepted: {list(METHODS)}")
     if method != "rtn" and ttype.name in CAST_TYPES:
         raise ValueError(f"method={method!r} does not apply to dtype={ttype.name!r}, which is cast, not quantized "
                          f"(no scale or zero to optimize); accepted: method='rtn'")
+    if method in CALIBRATED_METHODS and not calibrated:
+        data_free = [m for m in METHODS if m not in CALIBRATED_METHODS]
+        raise ValueError(f"method={method!r} needs calibration data (inputs whose activations weigh each layer's "
+                         f"error), which is not given here; pass it as bitkern.quantize_model(model, "
+                         f"method={method!r}, calibration=...), or use a data-free method: {data_free}")
 
 
 def default_zero_mode(ttype: TType) -> str:
@@ -387,11 +442,14 @@ class _Rounding:
     offset: torch.Tensor | None = None
     zero_mode: str = "none"
 
-    def codes(self, groups: torch.Tensor, rows: slice) -> torch.Tensor:
-        x = groups / self.divisor[rows].unsqueeze(-1)
+    def codes(self, groups: torch.Tensor, rows: slice, group: int | None = None) -> torch.Tensor:
+        """Codes of `groups` [rows, G, group_size] (the rows `rows` of the weight), or with `group`, of one
+        group's elements [rows, 1, m] (that group's divisor and offset)."""
+        columns = slice(None) if group is None else slice(group, group + 1)
+        x = groups / self.divisor[rows, columns].unsqueeze(-1)
         if self.zero_mode == "none":
             return nearest_codes(self.ttype, x)
-        offset = self.offset[rows].unsqueeze(-1)
+        offset = self.offset[rows, columns].unsqueeze(-1)
         x = x.add_(offset).round_() if self.zero_mode == "hqq" else x.round_().add_(offset)
         return _as_bytes(x.clamp_(0, self.ttype.num_codes - 1), self.ttype.num_codes - 1)
 
@@ -577,15 +635,16 @@ def _positive_code_range(scale_type: TType) -> tuple[int, int]:
     return lowest, highest
 
 
-def _block_scales(ttype: TType, absmax: torch.Tensor):
+def _block_scales(ttype: TType, absmax: torch.Tensor, tensor_scale: torch.Tensor | None = None):
     """Block scale codes (uint8), tensor scale, and the float32 divisor per block (from each block's largest
-    magnitude), by the type's rule."""
+    magnitude), by the type's rule (the tensor scale given, or from absmax's largest)."""
     element_max = float(ttype.values[torch.isfinite(ttype.values)].max())
     scale_type = get(ttype.block_scale)
     if ttype.tensor_scale:
-        tensor_amax = float(absmax.max())
-        tensor_scale = torch.tensor(tensor_amax / (element_max * scale_type.max_abs) if tensor_amax else 1.0,
-                                    dtype=torch.float32, device=absmax.device)
+        if tensor_scale is None:
+            tensor_amax = float(absmax.max())
+            tensor_scale = torch.tensor(tensor_amax / (element_max * scale_type.max_abs) if tensor_amax else 1.0,
+                                        dtype=torch.float32, device=absmax.device)
         codes = nearest_codes(scale_type, absmax / element_max / tensor_scale)
         return codes, tensor_scale, scale_type.decode(codes) * tensor_scale
     if scale_type.name != "float8_e8m0":

@@ -9,6 +9,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ...nn.prepare import check_tokens
 from ...ttype import TType, dtype_name
+from ...ttype.quantize import CALIBRATED_METHODS
 from .format import FORMAT, SETTINGS, LayerSettings
 
 METHOD = "bitkern"
@@ -133,6 +134,10 @@ def _check_settings(where: str, settings: LayerSettings) -> None:
     try:
         LayerSettings(settings.dtype, group, settings.zero_mode, settings.scale_dtype, settings.compute_dtype,
                       settings.activation_quant, settings.method).layer(group or 512, 16)
+        if settings.method in CALIBRATED_METHODS:
+            raise ValueError(f"method={settings.method!r} needs calibration data, which quantize-on-load has none "
+                             f"of; quantize with bitkern.quantize_model(model, method={settings.method!r}, "
+                             f"calibration=...) and save that, or use method='rtn' or 'hqq'")
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {error}") from None
     if settings.group_size is not None and (isinstance(settings.group_size, bool) or not isinstance(

@@ -69,8 +69,8 @@ def test_hqq_is_deterministic_across_runs_and_threads(name, zero_mode):
 
 def test_a_method_is_refused_where_it_does_not_apply():
     weight = torch.randn(8, 128)
-    with pytest.raises(ValueError, match=r"method='gptq' is not known; accepted: \['rtn', 'hqq'\]"):
-        bitkern.quantize(weight, "int4", method="gptq")
+    with pytest.raises(ValueError, match=r"method='best' is not known; accepted: \['rtn', 'hqq', 'gptq'\]"):
+        bitkern.quantize(weight, "int4", method="best")
     with pytest.raises(ValueError, match=r"method='hqq' does not apply to dtype='bfloat16'.*accepted: method='rtn'"):
         bitkern.quantize(weight, "bfloat16", method="hqq")
     with pytest.raises(ValueError, match="method='best' is not known"):
@@ -79,7 +79,7 @@ def test_a_method_is_refused_where_it_does_not_apply():
     with pytest.raises(ValueError, match="method='hqq' does not apply to dtype='bfloat16'"):
         bitkern.quantize_model(model, "bfloat16", method="hqq")
     assert all(type(m) is torch.nn.Linear for m in model)  # refused before any layer was replaced
-    assert METHODS == ("rtn", "hqq")
+    assert METHODS == ("rtn", "hqq", "gptq")
 
 
 def test_the_method_is_recorded_in_checkpoints_and_not_rerun_on_load(tmp_path):
@@ -115,7 +115,7 @@ def test_bitkern_config_records_and_checks_the_method():
     assert config.to_dict()["method"] == "hqq" and config.layer_settings("mlp.down_proj").method == "rtn"
     assert config.layer_settings("mlp.up_proj").method == "hqq"
     assert type(config).from_dict(config.to_dict()).method == "hqq"
-    with pytest.raises(ValueError, match="BitkernConfig: method='gptq' is not known"):
-        bitkern.BitkernConfig("int4", method="gptq")
+    with pytest.raises(ValueError, match="BitkernConfig: method='best' is not known"):
+        bitkern.BitkernConfig("int4", method="best")
     with pytest.raises(ValueError, match=r"overrides\['lm_head'\]: method='hqq' does not apply to dtype='bfloat16'"):
         bitkern.BitkernConfig("int4", overrides={"lm_head": {"dtype": "bfloat16", "method": "hqq"}})

@@ -1,0 +1,125 @@
+"""GPTQ (Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers",
+2022): a [N, K] weight quantized one input column at a time, each column's rounding error fed forward into the
+columns not yet quantized so that the layer's output on calibration inputs X changes least.  With H = Σ x·xᵀ
+over X's rows (`Hessian`), the error of column j is spread by the row j of the upper Cholesky factor U of H⁻¹
+(U[j, j:] / U[j, j]); columns are processed in blocks, the columns after a block updated once per block.
+
+Scales and zeros: per group of `group_size` columns, chosen by `bitkern.quantize`'s rules (`group_method`:
+"hqq"'s search by default, or "rtn"'s range) from the group's columns as they stand when its first column is
+reached (GPTQ's dynamic groups) or, with `static_groups`, from the original weight before any column moves.
+`act_order` processes the columns by decreasing H[j, j] (the inputs with the most energy first, while there is
+the most freedom left to compensate).  Stored as `bitkern.QuantizedWeight` with groups of consecutive columns:
+with act-order and dynamic groups, the groups run in the processing order, so the weight keeps its columns in
+that order and `gptq` returns the permutation (`bitkern.Linear.from_quantized(..., input_order=)`, as the GPTQ
+importer holds act-order checkpoints); with static groups the columns go back to their own order and no
+permutation is needed.
+
+Entry point: `gptq(weight, hessian, ...)` -> (QuantizedWeight, input_order or None); `Hessian` accumulates H.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .packing import pack
+from .quantize import CALIBRATED_METHODS, CAST_TYPES, METHODS, QuantizedWeight, group_grid, resolve_arguments
+
+_BLOCK = 128  # columns per block of lazy updates (a multiple of the group size where groups are chosen on the way)
+GROUP_METHODS = tuple(m for m in METHODS if m not in CALIBRATED_METHODS)  # how a group's scale and zero are chosen
+
+
+class Hessian:
+    """H = Σ x·xᵀ over the rows x of every batch `add`ed (float32 [K, K]), and how many rows went in."""
+
+    def __init__(self, in_features: int, device=None):
+        self.matrix = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add the rows of x [..., K] (any float dtype)."""
+        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        self.matrix.addmm_(rows.T, rows)
+        self.rows += rows.shape[0]
+
+
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, dtype="int4", group_size: int | None = None,
+         zero_mode: str | None = None, scale_dtype: torch.dtype = torch.float16, act_order: bool = False,
+         static_groups: bool = False, damp: float = 0.01, group_method: str = "hqq"
+         ) -> tuple[QuantizedWeight, torch.Tensor | None]:
+    """Quantize a float [N, K] weight by GPTQ against `hessian` (Σ x·xᵀ of the calibration inputs, [K, K]).
+
+    dtype, group_size, zero_mode, scale_dtype: as for `bitkern.quantize` (any type it quantizes; bfloat16, which
+    is cast, is refused).  act_order: quantize the columns by decreasing H[j, j].  static_groups: choose every
+    group's scale and zero from the original weight first (with act_order, the stored weight then keeps its
+    column order).  damp: added to H's diagonal, as a fraction of its mean, so that H is positive definite.
+    group_method: how a group's scale and zero are chosen (`bitkern.quantize`'s methods: "hqq", the default, or
+    "rtn", GPTQ's original min/max rule).
+    Returns the weight and the permutation of its stored columns (None where they keep their order): the layer
+    computes x[..., input_order] · dequant(weight)ᵀ.
+    """
+    ttype, group_size, zero_mode = resolve_arguments(weight, dtype, group_size, zero_mode, scale_dtype)
+    if ttype.name in CAST_TYPES:
+        raise ValueError(f"dtype={ttype.name!r} is cast, not quantized: GPTQ has no rounding to correct; "
+                         f"accepted: the types of at most 8 bits")
+    if group_method not in GROUP_METHODS:
+        raise ValueError(f"group_method={group_method!r} is not known; accepted: {list(GROUP_METHODS)}")
+    n, k = weight.shape
+    if not isinstance(hessian, torch.Tensor) or tuple(hessian.shape) != (k, k):
+        got = tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian).__name__
+        raise ValueError(f"hessian must be a [{k}, {k}] tensor (Σ x·xᵀ over inputs of in_features={k}), got {got}")
+    if not 0 <= damp < 1:
+        raise ValueError(f"damp={damp!r} must be in [0, 1): the fraction of H's mean diagonal added to it")
+    w = weight.detach().float().clone()
+    h = hessian.detach().to(torch.float64, copy=True)
+    dead = h.diagonal() == 0  # inputs never active: independent of the others (their error goes nowhere)
+    h.diagonal()[dead] = 1
+    order = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else None
+    tensor_scale = group_grid(w, ttype, group_size, zero_mode, scale_dtype, "rtn").tensor_scale \
+        if ttype.tensor_scale else None  # one per tensor, from the whole weight, whatever group is chosen
+    static = group_grid(w, ttype, group_size, zero_mode, scale_dtype, group_method) if static_groups else None
+    if order is not None:
+        w, h = w[:, order], h[order][:, order]
+    h.diagonal().add_(damp * float(h.diagonal().mean()))
+    factor = _inverse_factor(h).float()
+    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    grids = []
+    block = _BLOCK if static is not None or group_size == k else group_size * max(1, _BLOCK // group_size)
+    for start in range(0, k, block):
+        end = min(start + block, k)
+        errors = torch.empty(n, end - start, dtype=torch.float32, device=w.device)
+        for j in range(start, end):
+            if static is not None:
+                grid, group = static, int(j if order is None else order[j]) // group_size
+            elif j % group_size == 0:
+                grids.append(group_grid(w[:, j:j + group_size], ttype, group_size, zero_mode, scale_dtype,
+                                        group_method, tensor_scale))
+                grid, group = grids[-1], 0
+            column = w[:, j]
+            codes[:, j] = grid.codes(column, group)
+            error = (column - grid.values(codes[:, j], group)) / factor[j, j]
+            w[:, j + 1:end].addr_(error, factor[j, j + 1:end], alpha=-1)
+            errors[:, j - start] = error
+        w[:, end:].addmm_(errors, factor[start:end, end:], alpha=-1)
+    if static is not None:
+        if order is not None:
+            codes = codes[:, torch.argsort(order)]
+        scales, zeros, tensor_scale, order = static.scales, static.zeros, static.tensor_scale, None
+    else:
+        scales = torch.cat([grid.scales for grid in grids], 1)
+        zeros = None if grids[0].zeros is None else torch.cat([grid.zeros for grid in grids], 1)
+    quantized = QuantizedWeight(ttype, (n, k), group_size, zero_mode, pack(codes.contiguous(), ttype.bits), scales,
+                                zeros, tensor_scale)
+    return quantized, order
+
+
+def _inverse_factor(h: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor U of H⁻¹ (H⁻¹ = Uᵀ·U), in float64; H is damped further if it is not positive
+    definite (a calibration set with fewer independent rows than inputs)."""
+    mean = float(h.diagonal().mean())
+    for extra in (0.0, 0.01, 0.1, 1.0):
+        damped = h if extra == 0 else h + extra * mean * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+    raise ValueError("the calibration Hessian is not positive definite even damped by its mean diagonal; the "
+                     "calibration inputs hold NaN or infinity")
