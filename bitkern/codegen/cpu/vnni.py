@@ -66,13 +66,14 @@ def reads_signed_bytes(level, bits: int) -> bool:
 
 def dot_cost(level, bits: int, looked_up: bool = False) -> float:
     """Instructions per 64 bytes of byte dot products at a level (`emit.vnni.dot_bytes`), relative to one 512-bit
-    vpdpbusd: two 256-bit ones with AVX-VNNI; without VNNI a vpmaddubsw, a vpmaddwd and an add (on two ports) per vector
-    (two vectors with AVX2), for 8-bit codes with AVX2 a vpabsb and a vpsignb more (the sign trick), with AVX-512
-    twice over (two nibbles); a looked-up code book (`looks_up_bytes`, bits 8) a vpshufb more per vector."""
+    vpdpbusd: two 256-bit ones with AVX-VNNI; without VNNI a vpmaddubsw and a vpaddw (on two ports) per vector (two
+    vectors with AVX2) and per block of 8 a vpmaddwd and an add (`emit.vnni.sums_pairs`); 8-bit codes widen per
+    vector, with AVX2 with a vpabsb and a vpsignb more (the sign trick), with AVX-512 twice over (two nibbles); a
+    looked-up code book (`looks_up_bytes`, bits 8) a vpshufb more per vector."""
     lookup = int(looked_up)
     if "avx512_vnni" in level.features or "avx_vnni" in level.features:
         return (1 + lookup / 2) * (64 / level.vector_bytes)  # vpshufb on another port than vpdpbusd
-    operations = (3 if bits <= 4 else 5 if reads_signed_bytes(level, bits) else 6) + lookup
+    operations = (2.25 if bits <= 4 else 5 if reads_signed_bytes(level, bits) else 6) + lookup
     return operations * (64 / level.vector_bytes) / 2
 
 

@@ -39,8 +39,8 @@ KERNELS = {"amx": (Matmul("int4", "bfloat16", group_size=64), (1, 16)),
            "generic": (Matmul("int4", "float32", group_size=64), (1, 16))}
 # the instructions a template's inner loop is made of, per level name or vector width of the level
 INNER_LOOP = {"amx": ["tdpbf16ps", "tileloadd"], "dot": ["vdpbf16ps"],
-              "vnni": {"x86-64-v3": ["vpmaddubsw", "vpmaddwd"], "avx-vnni": [r"\{vex\} vpdpbusd"],
-                       "avx512": ["vpmaddubsw", "vpmaddwd"], 64: ["vpdpbusd"]},
+              "vnni": {"x86-64-v3": ["vpmaddubsw", "vpaddw", "vpmaddwd"], "avx-vnni": [r"\{vex\} vpdpbusd"],
+                       "avx512": ["vpmaddubsw", "vpaddw", "vpmaddwd"], 64: ["vpdpbusd"]},
               "lut": {32: ["vperm(ps|d)", "vblendvps"], 64: ["vperm(ps|d)"]},
               "fma": [r"vfmadd\w*ps", "vcvtdq2ps", "vpsrad"],
               "generic": {16: ["mulps"], 32: [r"vfmadd\w*ps"], 64: [r"vfmadd\w*ps"]}}
@@ -92,6 +92,8 @@ def test_every_template_at_every_level(template, level):
     if isinstance(expected, dict):
         expected = expected.get(level, expected.get(device.vector_bytes))
     assert all(re.search(rf"(?<!\w){instruction}(?!\w)", code) for instruction in expected), (expected, level)
+    if template == "vnni" and "vpmaddwd" in expected:  # int4's products widen once per block of 8 (sums_pairs)
+        assert 4 * len(re.findall(r"\bvpmaddwd\b", code)) <= len(re.findall(r"\bvpmaddubsw\b", code))
     if device.vector_bytes < 64:
         assert "zmm" not in code
     if device.vector_bytes < 32:

@@ -246,9 +246,10 @@ class VnniBuilder(Tile16Builder):
                 T.buffer_store(y, load(y, r, c, ramp(0)) + load(factors, 1, c, ramp(0)) * xs, [r, c, ramp(0)])
 
     def _block(self, y, acc, factors, tiles, rows, block, splits: int) -> None:
-        """One activation block: C = Σ u·q per cell in int32 (product t of the block into split t mod splits), then
-        y += (scale·alpha·d)·C."""
+        """One activation block: C = Σ u·q per cell in int32 (product t of the block into split t mod splits; or
+        as int16 pairs widened once, `sums_pairs`), then y += (scale·alpha·d)·C."""
         cfg, codes = self.cfg, self.codes
+        pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
         count = len(rows)
         for split in range(splits):
             for r in range(count):
@@ -271,16 +272,57 @@ class VnniBuilder(Tile16Builder):
                         unsigned = lookup_bytes(load(self.table, 0, ramp(0)), unsigned, self.level.vector_bytes)
                     for r, quad in enumerate(quads):
                         cell = [product % splits, r, c, ramp(0)]
-                        T.buffer_store(acc, dot_bytes(load(acc, *cell), unsigned, quad, self.level,
-                                                      byte_bits(self.spec), self.dec.signed), cell)
+                        if pairs:
+                            total = add_byte_pairs(load(acc, *cell), unsigned, quad, self.level)
+                        else:
+                            total = dot_bytes(load(acc, *cell), unsigned, quad, self.level, byte_bits(self.spec),
+                                              self.dec.signed)
+                        T.buffer_store(acc, total, cell)
         for r, row in enumerate(rows):
             d = tirx.Broadcast(load(self.xscale, row, block), LANES)
             for c in range(cfg.n_tiles):
-                total = load(acc, 0, r, c, ramp(0))
-                for split in range(1, splits):
-                    total = total + load(acc, split, r, c, ramp(0))
+                sums = [load(acc, split, r, c, ramp(0)) for split in range(splits)]
+                total = None
+                for value in (widen_pairs(v, self.level) for v in sums) if pairs else sums:
+                    total = value if total is None else total + value
                 term = tirx.Cast("float32x16", total) * (load(factors, 0, c, ramp(0)) * d)
                 T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
+
+
+def sums_pairs(level: IsaLevel, bits: int, signed_codes: bool) -> bool:
+    """Whether a block's byte products add up as vpmaddubsw's int16 pairs, widened to int32 once per block by a
+    vpmaddwd (`add_byte_pairs`, `widen_pairs`): without VNNI, for unsigned codes of at most 4 bits, whose pairs
+    (at most 2·15·127) summed over a block's 8 products stay below 2^15."""
+    has_vnni = "avx512_vnni" in level.features if level.vector_bytes >= 64 else "avx_vnni" in level.features
+    return not has_vnni and bits <= 4 and not signed_codes
+
+
+def add_byte_pairs(pairs, unsigned, signed, level: IsaLevel):
+    """pairs + vpmaddubsw(unsigned, signed): int16 sums of adjacent byte products (held as 16 int32 lanes), on 16
+    lanes with AVX-512, per 8 with AVX2."""
+    pairs_name, _, lanes = _AVX512_MADD if level.vector_bytes >= 64 else _AVX2_MADD
+    parts = []
+    for start in range(0, LANES, lanes):
+        picked = [tirx.Shuffle([vector], list(range(start, start + lanes))) if lanes < LANES else vector
+                  for vector in (unsigned, signed)]
+        product = tirx.call_llvm_pure_intrin(f"int16x{2 * lanes}", pairs_name,
+                                             *(tirx.reinterpret(f"int8x{4 * lanes}", part) for part in picked))
+        parts.append(tirx.reinterpret(f"int32x{lanes}", product))
+    product = parts[0] if len(parts) == 1 else tirx.Shuffle(parts, list(range(LANES)))
+    total = tirx.reinterpret("int16x32", pairs) + tirx.reinterpret("int16x32", product)
+    return tirx.reinterpret("int32x16", total)
+
+
+def widen_pairs(pairs, level: IsaLevel):
+    """The int32 lanes of `add_byte_pairs`'s int16 pair sums: vpmaddwd by ones."""
+    _, words_name, lanes = _AVX512_MADD if level.vector_bytes >= 64 else _AVX2_MADD
+    parts = []
+    for start in range(0, LANES, lanes):
+        part = tirx.Shuffle([pairs], list(range(start, start + lanes))) if lanes < LANES else pairs
+        parts.append(tirx.call_llvm_pure_intrin(f"int32x{lanes}", words_name, tirx.reinterpret(f"int16x{2 * lanes}",
+                                                                                                 part),
+                                                splat(1, "int16", 2 * lanes)))
+    return parts[0] if len(parts) == 1 else tirx.Shuffle(parts, list(range(LANES)))
 
 
 def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int, signed_codes: bool = False):
