@@ -4,7 +4,8 @@ by layer, each layer's input Hessian collected by a forward hook while the model
 Layers are taken in the order the model first calls them, and each sees its inputs as the layers before it
 produce them once quantized (GPTQ's sequential scheme: later layers correct for earlier layers' error).  One
 layer's Hessian exists at a time; per layer the model runs every calibration input, stopping at that layer (a
-layer called more than once per forward, e.g. a shared one, lets the forward run to its end).  A quantized layer
+layer called more than once per forward, e.g. a shared one, lets the forward run to its end); layers that read
+the same input tensor (q/k/v projections, gate/up) share one Hessian and one set of passes.  A quantized layer
 stands in the model as an nn.Linear with its dequantized weight until every layer is done (no kernel is built
 while calibrating); then the bitkern layers take their places.  Entry point: `quantize_calibrated`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,8 +41,8 @@ def quantize_calibrated(model: nn.Module, targets: list, calibration: Iterable, 
         raise ValueError(f"calibration must be a non-empty iterable of model inputs (a tensor, a tuple of "
                          f"positional arguments or a dict of keyword arguments each), got {calibration!r:.80}")
     calls = _calls(model, [module for _, module, _ in targets], inputs[0])
-    ordered = sorted(targets, key=lambda target: calls.get(target[1], (len(calls), 0))[0])
-    layers = []
+    ordered = sorted(targets, key=lambda target: calls[target[1]].rank if target[1] in calls else len(calls))
+    layers, hessians = [], {}
     for name, module, settings in ordered:
         if settings["method"] == "gptq" and module not in calls:
             log.warning("bitkern: %s is not called by the calibration inputs; quantized without data "
@@ -49,7 +51,11 @@ def quantize_calibrated(model: nn.Module, targets: list, calibration: Iterable, 
         if settings["method"] != "gptq":
             layer = Linear.from_float(module, **settings)
         else:
-            hessian = _hessian(model, module, inputs, calls[module][1])
+            key = calls[module].shared_input
+            if key is None or key not in hessians:
+                hessians = {}  # one Hessian at a time: kept for the next layers that read the same input
+                hessians[key] = _hessian(model, module, inputs, calls[module].count)
+            hessian = hessians[key]
             options = {key: settings[key] for key in ("dtype", "group_size", "zero_mode", "scale_dtype")}
             weight, order = gptq(module.weight, hessian.matrix, **options, act_order=act_order,
                                  static_groups=static_groups)
@@ -62,13 +68,28 @@ def quantize_calibrated(model: nn.Module, targets: list, calibration: Iterable, 
     return layers
 
 
+@dataclass
+class _Calls:
+    """How one forward calls a module: the rank of its first call among the modules', how many times, and the
+    id of the input it shares with other modules (q/k/v projections read one tensor: one Hessian serves them), or
+    None where it is called more than once."""
+
+    rank: int
+    count: int
+    shared_input: int | None
+
+
 def _calls(model: nn.Module, modules: list, item) -> dict:
-    """{module: (rank of its first call, calls)} for the modules one forward of `item` calls."""
-    calls = {}
+    """{module: _Calls} for the modules one forward of `item` calls."""
+    calls, inputs = {}, []
 
     def count(module, args):
-        rank, seen = calls.get(module, (len(calls), 0))
-        calls[module] = (rank, seen + 1)
+        if module in calls:
+            calls[module].count += 1
+            calls[module].shared_input = None
+        else:
+            inputs.append(args[0])  # held until the forward ends, so that no other tensor takes its id
+            calls[module] = _Calls(len(calls), 1, id(args[0]))
 
     handles = [module.register_forward_pre_hook(count) for module in modules]
     try:

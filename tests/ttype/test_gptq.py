@@ -127,6 +127,35 @@ def test_quantize_model_gptq_beats_rtn_and_round_trips_through_a_checkpoint(tmp_
         assert torch.equal(theirs.dequantize_weight(), ours.dequantize_weight())
 
 
+class _TwoHeads(torch.nn.Module):
+    """Two layers reading one input (as q/k/v projections do), then a layer reading both."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.out = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.out(torch.cat([self.query(x), self.key(x)], -1))
+
+
+def test_layers_reading_one_input_share_its_hessian_and_its_passes():
+    """One tracing forward, then per calibration input one forward for query and key together (stopped at query)
+    and one for out; the result equals GPTQ on each layer's own Hessian."""
+    torch.manual_seed(0)
+    model, calibration = _TwoHeads(), [torch.randn(96, 64) for _ in range(3)]
+    reference = copy.deepcopy(model)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    bitkern.quantize_model(model, "uint4", group_size=32, method="gptq", calibration=calibration)
+    assert len(forwards) == 1 + 2 * len(calibration)
+    hessian = Hessian(64)
+    for x in calibration:
+        hessian.add(x)
+    for name in ("query", "key"):
+        weight, _ = gptq(getattr(reference, name).weight, hessian.matrix, "uint4", 32)
+        assert torch.equal(getattr(model, name).dequantize_weight(), weight.dequantize())
+
+
 def test_gptq_without_calibration_is_refused_by_name_before_anything_is_quantized():
     model, calibration, _ = _model_and_calibration()
     with pytest.raises(ValueError, match=r"method='gptq' needs calibration data.*calibration=\.\.\."):
