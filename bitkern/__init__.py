@@ -12,7 +12,7 @@ from . import cache, ops, ttype  # noqa: E402  (after the thread count; importin
 from .codegen import PackedWeight, pack  # noqa: E402
 from .ttype import QuantizedWeight, quantize  # noqa: E402
 from . import nn  # noqa: E402
-from .nn import Conv2d, Linear, dequantize_model, load, quantize_model, save  # noqa: E402
+from .nn import Conv2d, Experts, Linear, dequantize_model, load, quantize_model, save  # noqa: E402
 
 from .integration.hf import registration as _hf_registration  # noqa: E402
 
@@ -65,5 +65,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'bitkern' has no attribute {name!r}")
 
 
-__all__ = ["Conv2d", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "fuse",
+__all__ = ["Conv2d", "Experts", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "fuse",
            "load", "load_pretrained", "nn", "ops", "pack", "prepare", "quantize", "quantize_model", "save", "ttype"]

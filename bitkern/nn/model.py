@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from .conv import Conv2d
+from .experts import Experts, experts_in_features, experts_targets
 from .linear import Linear
 from .. import ttype
 from ..ttype.quantize import CALIBRATED_METHODS, CAST_TYPES, check_group_size, check_method
 from .calibration import quantize_calibrated
+from .report import log_float_report
 from .storage import QuantizedModule, check_weight_dtype, default_group_size
 
 log = logging.getLogger("bitkern")
@@ -26,14 +28,17 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
                    output_layer: str | None = "auto", activation_quant: str = "none", method: str = "rtn",
                    calibration: Iterable | None = None, act_order: bool = False,
                    static_groups: bool = False) -> nn.Module:
-    """Replace every nn.Linear and nn.Conv2d of `model` by a bitkern.Linear / bitkern.Conv2d in `dtype`.
+    """Replace every nn.Linear and nn.Conv2d of `model` by a bitkern.Linear / bitkern.Conv2d in `dtype`, and every
+    mixture-of-experts experts module of transformers (3-D expert weights, see `bitkern.nn.experts`) by a
+    `bitkern.Experts` whose projections are quantized one expert at a time with the same settings.
 
     skip: module names to leave in float (a name covers its submodules), or a predicate
     `skip(name, module) -> bool`.  Only modules of exactly these classes are replaced: subclasses (such as
     nn.MultiheadAttention's out_proj, whose weight its owner reads directly) stay float, and this is logged.
     Layers whose input size `group_size` does not divide are reported together, before anything is replaced.
     Weights on the meta device give empty layers to load a checkpoint into.  Returns `model` (or the new module
-    when `model` itself is a Linear/Conv2d).
+    when `model` itself is a Linear/Conv2d/experts module).  The share of the parameters quantized and every weight
+    left float (name and size) are logged.
 
     output_layer: what becomes of the model's output layer (transformers' `get_output_embeddings()`, an
     nn.Linear; a name in `skip` leaves it as it is): "auto" (default) stores a bfloat16 weight as it is in
@@ -73,7 +78,10 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
         else:
             log.info("bitkern: %s stays float: %s is a subclass of nn.Linear/nn.Conv2d, whose weight its owner "
                      "may read directly (as nn.MultiheadAttention does)", name or "(model)", type(module).__name__)
-    _check_group_size([(name, module) for name, module, settings in targets if settings in (options, plain)],
+    experts = _experts_targets(model, skipped, method)
+    _check_group_size([(name, _in_features(module)) for name, module, settings in targets
+                       if settings in (options, plain)]
+                      + [entry for name, module in experts for entry in experts_in_features(name, module)],
                       weight_type, group_size)
     if method in CALIBRATED_METHODS:
         _check_calibrated_targets(targets)
@@ -82,14 +90,18 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
     else:
         replaced = [(name, _QUANTIZED[type(module)].from_float(module, **settings))
                     for name, module, settings in targets]
+    before = sum(m.weight.numel() * m.weight.element_size() for _, m, _ in targets) + sum(
+        p.numel() * p.element_size() for _, m in experts for p in m.parameters() if p.dim() == 3)
+    replaced += [(name, Experts.from_float(module, options)) for name, module in experts]
     for name, layer in replaced:
         if name:
             _replace(model, name, layer)
-    before = sum(m.weight.numel() * m.weight.element_size() for _, m, _ in targets)
     after = sum(layer.nbytes for _, layer in replaced)
-    log.info("bitkern: quantized %d layers to %s (weights %.1f MiB -> %.1f MiB)", len(replaced), dtype,
-             before / 2**20, after / 2**20)
-    return replaced[0][1] if replaced and replaced[0][0] == "" else model
+    log.info("bitkern: quantized %d layers and %d experts modules to %s (weights %.1f MiB -> %.1f MiB)",
+             len(replaced) - len(experts), len(experts), dtype, before / 2**20, after / 2**20)
+    result = replaced[0][1] if replaced and replaced[0][0] == "" else model
+    log_float_report(result)
+    return result
 
 
 def _output_layer(model: nn.Module, output_layer, options: dict) -> tuple[nn.Module | None, dict | None]:
@@ -118,12 +130,15 @@ def _output_layer(model: nn.Module, output_layer, options: dict) -> tuple[nn.Mod
 
 
 def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Replace every bitkern module of `model` by its float nn.Linear / nn.Conv2d (weights in `dtype`)."""
-    if isinstance(model, QuantizedModule):
+    """Replace every bitkern module of `model` by its float nn.Linear / nn.Conv2d / experts module (weights in
+    `dtype`)."""
+    if isinstance(model, (QuantizedModule, Experts)):
         return model.dequantize(dtype)
+    done = []
     for name, module in list(model.named_modules()):
-        if isinstance(module, QuantizedModule):
+        if isinstance(module, (QuantizedModule, Experts)) and not any(name.startswith(d + ".") for d in done):
             _replace(model, name, module.dequantize(dtype))
+            done.append(name)
     return model
 
 
@@ -143,16 +158,26 @@ def _skip_predicate(model: nn.Module, skip) -> Callable:
     return lambda name, module: any(name == s or name.startswith(s + ".") for s in names)
 
 
+def _experts_targets(model: nn.Module, skipped: Callable, method: str) -> list:
+    """The experts modules to quantize; none with a calibrated method (logged), which quantizes nn.Linear only."""
+    experts = experts_targets(model, skipped)
+    if experts and method in CALIBRATED_METHODS:
+        log.warning("bitkern: method=%r calibrates nn.Linear layers only; these experts modules stay float: %s",
+                    method, ", ".join(name or "(model)" for name, _ in experts))
+        return []
+    return experts
+
+
 def _check_group_size(targets, weight_type, group_size) -> None:
-    """Raise once, listing every layer whose input size the group size does not divide."""
+    """Raise once, listing every layer (name, in_features) whose input size the group size does not divide."""
     misfits = []
-    for name, module in targets:
+    for name, in_features in targets:
         try:
-            check_group_size(weight_type, default_group_size(weight_type, group_size), _in_features(module))
+            check_group_size(weight_type, default_group_size(weight_type, group_size), in_features)
         except ValueError:
             if weight_type.block_size > 1 and group_size not in (None, weight_type.block_size):
                 raise
-            misfits.append(f"{name or '(model)'} (in_features {_in_features(module)})")
+            misfits.append(f"{name or '(model)'} (in_features {in_features})")
     if misfits:
         raise ValueError(f"group_size={default_group_size(weight_type, group_size)} does not divide the input size "
                          f"of these layers: {', '.join(misfits)}; pick a group size that divides them, or -1 (per channel), or pass "

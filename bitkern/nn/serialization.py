@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from .conv import Conv2d
+from .experts import FLOAT_PARAMETERS, ExpertWeights, Experts, is_float_experts
 from .linear import Linear
 from .storage import QuantizedModule, log
 
 FILE_FORMAT = "bitkern.safetensors/1"
 _EXTRA = "._extra_state"
-_CLASSES = {"Linear": (Linear, nn.Linear), "Conv2d": (Conv2d, nn.Conv2d)}
+_CLASSES = {"Linear": (Linear, nn.Linear), "Conv2d": (Conv2d, nn.Conv2d), "ExpertWeights": (ExpertWeights, None)}
 _HEADER = {"format": str, "modules": dict, "aliases": dict}
 _SETTINGS = {"class": str, "dtype": str, "group_size": int, "zero_mode": str, "scale_dtype": str, "layout": str,
              "weight_shape": list}
@@ -75,9 +76,9 @@ def load(model: nn.Module, path: str | os.PathLike, device=None, strict: bool = 
     path = os.fspath(path)
     metadata, tensors = _header(path)
     header = _parsed(metadata, tensors, path)
-    replacements = {}
+    replacements = _planned_experts(model, header["modules"], path)
     for name, settings in header["modules"].items():
-        layer = _planned_module(model, name, settings, path)
+        layer = _planned_module(model, name, settings, path, replacements)
         if layer is not None:
             replacements[name] = layer
     for name, module in model.named_modules():
@@ -149,11 +150,47 @@ def _parsed(metadata: dict, tensors: dict, path: str) -> dict:
     return header
 
 
-def _planned_module(model: nn.Module, name: str, settings: dict, path: str) -> QuantizedModule | None:
+def _planned_experts(model: nn.Module, modules: dict, path: str) -> dict:
+    """{name: new empty bitkern.Experts (on meta)} for each float experts module of the model whose projections the
+    file holds quantized (`ExpertWeights` named `<experts module>.<projection>`)."""
+    planned = {}
+    for name, settings in modules.items():
+        parent, _, projection = name.rpartition(".")
+        if settings["class"] != "ExpertWeights" or parent in planned:
+            continue
+        try:
+            module = model.get_submodule(parent)
+        except AttributeError:
+            raise ValueError(f"{path} holds quantized experts {name!r}, which the model lacks") from None
+        if isinstance(module, Experts):
+            continue
+        if not is_float_experts(module):
+            raise ValueError(f"{path} holds quantized experts {name!r}, but the model has a {type(module).__name__} "
+                             f"at {parent!r}, not a transformers experts module")
+        projections = {FLOAT_PARAMETERS[p]: _layer_settings(modules[f"{parent}.{p}"]) for p in ("gate_up", "up", "down")
+                       if f"{parent}.{p}" in modules}
+        try:
+            planned[parent] = Experts.empty_like(module, lambda parameter: projections[parameter])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path}: experts {parent!r} (projections {sorted(projections)}) do not fit the "
+                             f"model's {type(module).__name__}: {error}") from None
+    return planned
+
+
+def _layer_settings(settings: dict) -> dict:
+    """A module's settings in the file as the constructor's keyword arguments."""
+    return dict(dtype=settings["dtype"], group_size=settings["group_size"], zero_mode=settings["zero_mode"],
+                compute_dtype=settings.get("compute_dtype"),
+                scale_dtype=getattr(torch, settings["scale_dtype"], settings["scale_dtype"]),
+                activation_quant=settings.get("activation_quant", "none"), method=settings.get("method", "rtn"))
+
+
+def _planned_module(model: nn.Module, name: str, settings: dict, path: str,
+                    replacements: dict) -> QuantizedModule | None:
     """The new, empty bitkern module (on meta, off the model) that replaces the float module at `name`, or None
-    where the model already has a bitkern module there (its settings are checked here)."""
+    where the model already has a bitkern module there, or one is planned there (its settings are checked here)."""
     try:
-        module = model.get_submodule(name)
+        module = _module_at(model, name, replacements)
     except AttributeError:
         raise ValueError(f"{path} holds a quantized {settings['class']} {name!r}, which the model lacks") from None
     quantized, float_class = _CLASSES.get(settings["class"], (None, None))
@@ -173,11 +210,7 @@ def _planned_module(model: nn.Module, name: str, settings: dict, path: str) -> Q
                          f"has {list(module.weight.shape)}")
     else:
         try:
-            layer = quantized._meta_layer(module, dtype=settings["dtype"], group_size=settings["group_size"],
-                                          zero_mode=settings["zero_mode"], compute_dtype=settings.get("compute_dtype"),
-                                          scale_dtype=getattr(torch, settings["scale_dtype"], settings["scale_dtype"]),
-                                          activation_quant=settings.get("activation_quant", "none"),
-                                          method=settings.get("method", "rtn"))
+            layer = quantized._meta_layer(module, **_layer_settings(settings))
         except (TypeError, ValueError) as error:
             raise ValueError(f"{path}: module {name!r}: {error}") from None
     try:
@@ -194,10 +227,10 @@ def _check_tensors(model: nn.Module, modules: dict, replacements: dict, files: d
     expected = {}
     quantized = set(modules)
     for key, tensor in model.state_dict(keep_vars=True).items():
-        if _owner(key) not in quantized and not key.endswith("_extra_state"):
+        if _owner(key) not in quantized and _owner(key) not in replacements and not key.endswith("_extra_state"):
             expected[key] = tensor
     for name, settings in modules.items():
-        module = replacements.get(name) or model.get_submodule(name)
+        module = _module_at(model, name, replacements)
         prefix = f"{name}." if name else ""
         given = {name: files[prefix + name] for name in module.state_tensors() if prefix + name in files}
         try:
@@ -205,7 +238,7 @@ def _check_tensors(model: nn.Module, modules: dict, replacements: dict, files: d
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
         if module.bias is not None:
-            expected[prefix + "bias"] = torch.empty(module.gemm_shape[0], device="meta")
+            expected[prefix + "bias"] = torch.empty(module.bias_shape, device="meta")
         expected.update({prefix + buffer: None for buffer in given})
     for key, tensor in expected.items():
         if tensor is None or key not in files:
@@ -240,6 +273,16 @@ def _swap_in(model: nn.Module, replacements: dict, state: dict, strict: bool) ->
                 live.clear()
                 live.update(before)
         raise
+
+
+def _module_at(model: nn.Module, name: str, replacements: dict) -> nn.Module:
+    """The module called `name` once the planned replacements are in (AttributeError where there is none)."""
+    if name in replacements:
+        return replacements[name]
+    parent, _, child = name.rpartition(".")
+    if parent in replacements:
+        return replacements[parent].get_submodule(child)
+    return model.get_submodule(name)
 
 
 def _is(value, kind) -> bool:

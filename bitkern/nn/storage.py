@@ -152,7 +152,7 @@ class QuantizedModule(nn.Module, abc.ABC):
         if tuple(weight.shape) != self.weight_shape:
             raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {self.weight_shape}")
         if weight.is_meta:
-            self._store(PackedWeight.empty(self.weight_format(Layout.ROWMAJOR), weight.device))
+            self._store_empty(Layout.ROWMAJOR, weight.device)
             return
         q = ttype.quantize(self._gemm_matrix(weight.detach()), self.weight_dtype, group_size=self.group_size,
                            zero_mode=self.zero_mode, scale_dtype=self.scale_dtype, method=self.method)
@@ -215,8 +215,26 @@ class QuantizedModule(nn.Module, abc.ABC):
         if target is not None and target != self.layout and not self.qweight.is_meta:
             log.info("bitkern: re-laying %s weight from %s to %s for %s", self.weight_dtype, self.layout, target,
                      self.qweight.device)
-            self._store(to_layout(self.packed_weight().to_portable(), target))
+            self._relayout(target)
         return result
+
+    def _relayout(self, target) -> None:
+        """Store the weight again in layout `target` (the kernels of its new device read that one)."""
+        self._store(to_layout(self.packed_weight().to_portable(), target))
+
+    def _store_empty(self, layout, device) -> None:
+        """Hold an uninitialised weight in `layout` on `device` (meta: shapes only), for a checkpoint to fill."""
+        self._store(packed_class(layout).empty(self.weight_format(layout), device))
+
+    def _relaid_tensors(self, tensors: list, source_layout, target) -> list:
+        """Op-argument tensors of a weight in `source_layout` (a checkpoint's), given in layout `target`."""
+        incoming = library.weight_of(tensors, self.weight_format(source_layout))
+        return library.op_arguments(to_layout(incoming.to_portable(), target))[0]
+
+    @property
+    def bias_shape(self) -> tuple:
+        """The shape of the bias this module adds (one per output)."""
+        return (self.gemm_shape[0],)
 
     def _store(self, weight: PackedWeight) -> None:
         """Hold `weight` as this module's buffers (float metadata as raw bits) and its format as the ops take it."""
@@ -271,9 +289,9 @@ class QuantizedModule(nn.Module, abc.ABC):
             raise TypeError(f"x has dtype {x.dtype}; {type(self).__name__} takes "
                             f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)} (convert it explicitly)")
         bias = self._parameters["bias"]  # (the module's own dicts: attribute lookups cost µs per call)
-        if bias is not None and tuple(bias.shape) != (self.gemm_shape[0],):
+        if bias is not None and tuple(bias.shape) != self.bias_shape:
             raise ValueError(f"bias has shape {tuple(bias.shape)}; {type(self).__name__} with "
-                             f"{self.gemm_shape[0]} outputs takes a bias of shape ({self.gemm_shape[0]},)")
+                             f"{self.gemm_shape[0]} outputs takes a bias of shape {self.bias_shape}")
         compute = self._compute_dtype or x.dtype
         return (x if x.dtype is compute else x.to(compute)), x.dtype
 
@@ -380,24 +398,24 @@ class QuantizedModule(nn.Module, abc.ABC):
             layout = self.layout if state is None else state["layout"]
             self.check_weight_tensors({name: (t.shape, t.dtype) for name, t in given.items()}, layout, prefix)
         bias = state_dict.get(prefix + "bias")
-        if self.bias is not None and isinstance(bias, torch.Tensor) and tuple(bias.shape) != (self.gemm_shape[0],):
-            raise ValueError(f"{prefix}bias has shape {list(bias.shape)}; this {type(self).__name__} has "
-                             f"{self.gemm_shape[0]} outputs")
+        if self.bias is not None and isinstance(bias, torch.Tensor) and tuple(bias.shape) != self.bias_shape:
+            raise ValueError(f"{prefix}bias has shape {list(bias.shape)}; this {type(self).__name__} takes a bias "
+                             f"of shape {list(self.bias_shape)}")
         for name in given:  # float metadata given as floats is taken as its bits, never converted
             state_dict[prefix + name] = raw_bits(state_dict[prefix + name])
         if state is not None and given:
-            incoming = library.weight_of([state_dict.get(prefix + name) for name in WEIGHT_BUFFERS],
-                                         self.weight_format(state["layout"]))
-            target = kernel_layout(self.weight_dtype, self.qweight.device) or incoming.layout
-            if target != incoming.layout:
+            source = Layout(state["layout"])
+            target = kernel_layout(self.weight_dtype, self.qweight.device) or source
+            if target != source:
                 log.info("bitkern: re-laying %s weight %s from %s to %s", self.weight_dtype, prefix or "(root)",
-                         incoming.layout, target)
-                incoming = to_layout(incoming.to_portable(), target)
-                for name, tensor in zip(WEIGHT_BUFFERS, library.op_arguments(incoming)[0]):
+                         source, target)
+                relaid = self._relaid_tensors([state_dict.get(prefix + name) for name in WEIGHT_BUFFERS], source,
+                                              target)
+                for name, tensor in zip(WEIGHT_BUFFERS, relaid):
                     if tensor is not None:
                         state_dict[prefix + name] = tensor
             if target != self.layout:  # this module's buffers take the shapes of the incoming layout
-                self._store(packed_class(target).empty(incoming.format, self.qweight.device))
+                self._store_empty(target, self.qweight.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         with torch.no_grad():  # assigned tensors (e.g. slices of a file) may sit anywhere; kernels need alignment
@@ -408,7 +426,7 @@ class QuantizedModule(nn.Module, abc.ABC):
                     setattr(self, name, nn.Parameter(realigned, tensor.requires_grad) if name == "bias" else realigned)
 
     def _weight_repr(self) -> str:
-        float32_bytes = 4 * self.gemm_shape[0] * self.gemm_shape[1]
+        float32_bytes = 4 * int(torch.Size(self.weight_shape).numel())
         text = (f"dtype={self.weight_dtype}, group_size={self.group_size}, zero_mode={self.zero_mode}, "
                 f"weight={_size(self.nbytes)} (saves {_size(float32_bytes - self.nbytes)}, "
                 f"{1 - self.nbytes / float32_bytes:.0%} of float32)")

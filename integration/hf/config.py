@@ -18,8 +18,9 @@ _KEYS = ("quant_method", "format", "source", *SETTINGS, "modules_to_not_convert"
 
 
 class BitkernConfig(QuantizationConfigMixin):
-    """Quantize every nn.Linear of a model on load with bitkern (`import bitkern` registers it with
-    transformers as the method "bitkern"):
+    """Quantize every nn.Linear and every mixture-of-experts experts module (transformers' 3-D expert weights, as
+    `bitkern.Experts`) of a model on load with bitkern (`import bitkern` registers it with transformers as the
+    method "bitkern"):
 
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bitkern.BitkernConfig("nf4"))
 
@@ -30,7 +31,9 @@ class BitkernConfig(QuantizationConfigMixin):
     per group without data); recorded in the saved config, and a checkpoint loads as stored (never re-run).
     modules_to_not_convert: modules kept float besides those transformers keeps by default (the output
     embedding lm_head, tied weights).  overrides: {pattern: {setting: value}} gives the modules a pattern
-    matches other settings, e.g. {"down_proj": {"dtype": "int8"}} (the first matching pattern wins).
+    matches other settings, e.g. {"down_proj": {"dtype": "int8"}} (the first matching pattern wins).  An experts
+    module's projections take the settings of their float parameters' names ("...mlp.experts.gate_up_proj",
+    "...mlp.experts.down_proj"), so {"experts": {"dtype": "int4"}} gives every experts module int4.
     A pattern (or name) is a regular expression matched against whole dot-separated parts of a module's
     name: "lm_head", "down_proj" (every layer's), "model.layers.0" (and everything in it),
     r"layers\\.(0|1)\\.mlp".

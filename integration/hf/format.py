@@ -19,6 +19,15 @@ group size (K for per-channel), all in bitkern's portable layout (`bitkern.Quant
                            absent for zero_mode "none"
     m.weight_tensor_scale  float32 []: nvfp4's per-tensor scale; absent otherwise
     m.bias                 as nn.Linear stores it
+Per quantized mixture-of-experts experts module `e` (a transformers experts module, stored as a `bitkern.Experts`)
+with E experts, its projections `e.gate_up` (or `e.up` where the experts have no gate) and `e.down`, each the same
+tensors as a Linear's with a leading expert dimension: `e.gate_up.weight` int32 [E, N, ceil(K / (32 // b))],
+`e.gate_up.weight_scale` [E, N, K / g], `e.gate_up.weight_zero`, `e.gate_up.weight_tensor_scale` [E], and
+`e.gate_up.bias` [E, N] where the model's experts have biases.  N and K are those of one expert's projection as a
+matrix (gate_up: N = 2 × intermediate size, K = hidden size, in the order of the model's gate/up outputs;
+down: N = hidden size, K = intermediate size), whichever way the model stores its 3-D parameters.  The settings
+of a projection are those the config gives the name `e.gate_up_proj` (`e.up_proj`) or `e.down_proj`, the float
+model's parameter names.
 The weight is v(q)·s for zero_mode "none" (v: the type's value of code q; block types: s = block scale ×
 tensor scale) and (q − z)·s otherwise (`QuantizedWeight.dequantize`).  The codes are named `weight` and
 are not [N, K], so a transformers without bitkern registered fails loading them (a size mismatch) instead of
@@ -32,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import Linear, QuantizedWeight
+from ...nn.experts import ExpertWeights
 
 FORMAT = "bitkern.hf/1"
 # QuantizedWeight field -> tensor name in the checkpoint, relative to the module
@@ -76,13 +86,17 @@ def expected_tensors(settings: LayerSettings, in_features: int, out_features: in
 
 def misfits(found: dict[str, tuple], settings: LayerSettings, in_features: int, out_features: int) -> list[str]:
     """What keeps tensors of these {name: (shape, dtype)} from being a Linear of this shape and settings."""
-    expected = expected_tensors(settings, in_features, out_features)
+    return compare(found, expected_tensors(settings, in_features, out_features), settings.dtype)
+
+
+def compare(found: dict[str, tuple], expected: dict[str, tuple], dtype: str) -> list[str]:
+    """What keeps tensors of these {name: (shape, dtype)} from being the `expected` ones (of a `dtype` weight)."""
     problems = []
     for name in sorted(set(expected) | set(found)):
         if name not in found:
             problems.append(f"{name} is missing")
         elif name not in expected:
-            problems.append(f"{name} is not a tensor of a {settings.dtype} Linear")
+            problems.append(f"{name} is not a tensor of a {dtype} weight")
         elif tuple(found[name]) != expected[name]:
             problems.append(f"{name} is {_describe(found[name])}, expected {_describe(expected[name])}")
     return problems
@@ -103,6 +117,38 @@ def linear_from_checkpoint(tensors: dict[str, torch.Tensor], settings: LayerSett
                              *(tensors.get(name) for name in TENSOR_NAMES.values()))
     return Linear.from_quantized(weight, bias, compute_dtype=settings.compute_dtype,
                                  activation_quant=settings.activation_quant, method=settings.method)
+
+
+def experts_checkpoint_tensors(projection: ExpertWeights) -> dict[str, torch.Tensor]:
+    """A quantized experts projection's weights as the checkpoint stores them (each a Linear's, stacked), named
+    relative to the module (no bias)."""
+    weights = projection.quantized_weights()
+    return {name: torch.stack([getattr(weight, field) for weight in weights]) for field, name in TENSOR_NAMES.items()
+            if getattr(weights[0], field) is not None}
+
+
+def expected_experts_tensors(settings: LayerSettings, num_experts: int, in_features: int,
+                             out_features: int) -> dict[str, tuple]:
+    """{name: (shape, dtype)} of the tensors `experts_checkpoint_tensors` gives for these experts."""
+    return {name: ((num_experts, *shape), dtype)
+            for name, (shape, dtype) in expected_tensors(settings, in_features, out_features).items()}
+
+
+def experts_from_checkpoint(tensors: dict[str, torch.Tensor], settings: LayerSettings, num_experts: int,
+                            in_features: int, out_features: int, bias: torch.Tensor | None = None) -> ExpertWeights:
+    """The experts projection that a checkpoint's tensors (named as `experts_checkpoint_tensors` names them)
+    describe; ValueError naming each tensor whose name, shape or dtype does not fit."""
+    problems = compare({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()},
+                       expected_experts_tensors(settings, num_experts, in_features, out_features), settings.dtype)
+    if problems:
+        raise ValueError(f"the checkpoint's tensors do not fit {num_experts} experts' [{out_features}, {in_features}] "
+                         f"weights quantized with {settings}: {'; '.join(problems)}")
+    layout = settings.layer(in_features, out_features)
+    weights = [QuantizedWeight(layout.weight_dtype, (out_features, in_features), layout.group_size, layout.zero_mode,
+                               *(None if tensors.get(name) is None else tensors[name][expert]
+                                 for name in TENSOR_NAMES.values())) for expert in range(num_experts)]
+    return ExpertWeights.from_quantized(weights, bias, compute_dtype=settings.compute_dtype,
+                                        activation_quant=settings.activation_quant, method=settings.method)
 
 
 def _describe(shape_and_dtype: tuple) -> str:

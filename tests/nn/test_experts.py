@@ -1,0 +1,223 @@
+"""`bitkern.Experts` (bitkern/nn/experts.py): quantized mixture-of-experts experts against a pure-torch float64
+reference over every type family, top-k 1..8, experts without tokens and one expert taking every token; a
+transformers experts module (gpt-oss: transposed weights, biases, its clamped gate) through `from_float`;
+`quantize_model` / `dequantize_model`, `bitkern.save` / `bitkern.load` (transactional), bad input refused by name
+before any kernel is built.  Shapes are tiny: hidden 64, intermediate 32, so each kernel builds in well under a
+second."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import bitkern
+from bitkern.nn.experts import ExpertWeights, swiglu
+
+HIDDEN, INTERMEDIATE = 64, 32
+
+
+def reference(experts: bitkern.Experts, x, top_k_index, top_k_weights, gate=swiglu) -> torch.Tensor:
+    """Σ_k w · down_e(gate(gate_up_e(x) + b)) + b, token by token in float64 from the dequantized weights."""
+    gate_up, down = (experts.gate_up.dequantize_weight(torch.float64), experts.down.dequantize_weight(torch.float64))
+    biases = [None if p.bias is None else p.bias.double() for p in (experts.gate_up, experts.down)]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for token in range(x.shape[0]):
+        for slot in range(top_k_index.shape[1]):
+            e = int(top_k_index[token, slot])
+            h = gate_up[e] @ x[token].double() + (0 if biases[0] is None else biases[0][e])
+            y = down[e] @ gate(h.unsqueeze(0))[0] + (0 if biases[1] is None else biases[1][e])
+            out[token] += float(top_k_weights[token, slot]) * y
+    return out
+
+
+def _relative_error(actual, expected) -> float:
+    return float((actual.double() - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def _routing(tokens: int, experts: int, top_k: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=generator)
+    weights, index = scores.topk(top_k, dim=-1)
+    return index, torch.softmax(weights, dim=-1)
+
+
+# every type family: integers of 2 to 8 bits (symmetric and with zero points), code books, float4, MX, float8
+TYPES = {"int2": 32, "int3": 32, "uint4": 32, "int4": 32, "int8": 32, "nf4": 32, "fp4_e2m1": 32, "mxfp4": None,
+         "float8_e4m3": -1}
+
+
+@pytest.mark.parametrize("dtype", list(TYPES))
+def test_experts_match_the_reference_in_every_type_family(dtype):
+    torch.manual_seed(1)
+    experts = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype=dtype, group_size=TYPES[dtype])
+    x = torch.randn(6, HIDDEN)
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])  # 3 rows per expert: one M bucket
+    weights = torch.rand(6, 2)
+    out = experts(x, index, weights)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert _relative_error(out, reference(experts, x, index, weights)) < 1e-5
+    assert experts.gate_up.weight_dtype == experts.down.weight_dtype == dtype
+
+
+@pytest.mark.parametrize("top_k", range(1, 9))
+def test_top_k_from_one_to_eight(top_k):
+    torch.manual_seed(2)
+    experts = bitkern.Experts(8, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32)
+    x = torch.randn(5, HIDDEN)
+    index, weights = _routing(5, 8, top_k, seed=top_k)
+    assert _relative_error(experts(x, index, weights), reference(experts, x, index, weights)) < 1e-5
+
+
+def test_experts_without_tokens_and_one_expert_taking_every_token():
+    torch.manual_seed(3)
+    experts = bitkern.Experts(8, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32)
+    x = torch.randn(20, HIDDEN)
+    every = torch.zeros(20, 1, dtype=torch.long) + 5  # expert 5 takes all 20 tokens, the 7 others none
+    weights = torch.rand(20, 1)
+    assert _relative_error(experts(x, every, weights), reference(experts, x, every, weights)) < 1e-5
+    empty = experts(x[:0], every[:0], weights[:0])
+    assert empty.shape == (0, HIDDEN)
+
+
+def test_bfloat16_inputs_give_bfloat16_outputs():
+    torch.manual_seed(4)
+    experts = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype="int8", group_size=32)
+    x = torch.randn(3, HIDDEN)
+    index, weights = _routing(3, 4, 2)
+    out = experts(x.bfloat16(), index, weights.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert _relative_error(out.float(), reference(experts, x, index, weights)) < 0.02
+
+
+def _gpt_oss_experts():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_local_experts=4,
+                          num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    module = GptOssExperts(config)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.normal_(0, 0.5)
+    return module
+
+
+def test_a_transformers_experts_module_with_biases_transposed_weights_and_its_own_gate():
+    """gpt-oss stores [E, K, N] weights with biases and gates with a clamped, interleaved SwiGLU: the quantized
+    experts keep its gate and equal its own forward over the dequantized weights."""
+    module = _gpt_oss_experts()
+    experts = bitkern.Experts.from_float(module, {"dtype": "int8", "group_size": 32})
+    assert experts.gate_up.bias is not None and experts.gate_up.weight_shape == (4, 2 * INTERMEDIATE, HIDDEN)
+    x = torch.randn(5, HIDDEN) * 3
+    index, weights = _routing(5, 4, 2)
+    float_module = experts.dequantize(torch.float32)
+    assert type(float_module) is type(module) and float_module.gate_up_proj.shape == module.gate_up_proj.shape
+    with torch.no_grad():
+        expected = float_module(x, index, weights)
+    assert _relative_error(experts(x, index, weights), expected.double()) < 1e-5
+    assert _relative_error(experts(x, index, weights), reference(experts, x, index, weights, module._apply_gate)) < 1e-5
+
+
+def test_bad_input_is_refused_by_name_before_any_kernel_is_built(monkeypatch):
+    experts = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32)
+    monkeypatch.setattr(ExpertWeights, "grouped", lambda *a, **k: pytest.fail("a kernel ran"))
+    x = torch.randn(2, HIDDEN)
+    index, weights = _routing(2, 4, 2)
+    with pytest.raises(ValueError, match="top_k_index holds expert ids outside"):
+        experts(x, index + 3, weights)
+    with pytest.raises(TypeError, match="top_k_index must be an int32/int64"):
+        experts(x, index.float(), weights)
+    with pytest.raises(ValueError, match="top_k_weights must be"):
+        experts(x, index, weights[:, :1])
+    with pytest.raises(ValueError, match=f"hidden_states must be a \\[tokens, {HIDDEN}\\]"):
+        experts(x[:, :10], index, weights)
+    with pytest.raises(ValueError, match="dtype='int5' is not supported"):
+        bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype="int5")
+    with pytest.raises(ValueError, match="num_experts=0"):
+        bitkern.Experts(0, HIDDEN, INTERMEDIATE)
+    with pytest.raises(TypeError, match="gate must be a callable"):
+        bitkern.Experts(4, HIDDEN, INTERMEDIATE, gate="silu")
+    with pytest.raises(ValueError, match="module must be a transformers experts module"):
+        bitkern.Experts.from_float(nn.Linear(4, 4), {"dtype": "int4"})
+
+
+def _tiny_qwen3_moe(num_experts: int = 4):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=INTERMEDIATE,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            vocab_size=128, num_experts=num_experts, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(6)
+    return Qwen3MoeForCausalLM(config).eval(), config
+
+
+def test_quantize_model_quantizes_experts_reports_the_share_and_dequantizes_back(caplog):
+    model, _ = _tiny_qwen3_moe()
+    experts_weight = model.model.layers[0].mlp.experts.down_proj.detach().clone()
+    with caplog.at_level(logging.INFO, logger="bitkern"):
+        bitkern.quantize_model(model, "int4", group_size=32, skip=["model.layers.1.mlp.experts"])
+    assert isinstance(model.model.layers[0].mlp.experts, bitkern.Experts)
+    assert not isinstance(model.model.layers[1].mlp.experts, bitkern.Experts)
+    assert "quantized 8 layers and 1 experts modules to int4" in caplog.text
+    report = next(r.getMessage() for r in caplog.records if "of the parameters quantized" in r.getMessage())
+    assert "model.layers.1.mlp.experts.gate_up_proj [4, 64, 64] (64.0 KiB)" in report
+    assert "model.embed_tokens.weight [128, 64]" in report and "model.layers.0.mlp.gate.weight [4, 64]" in report
+    down = model.model.layers[0].mlp.experts.down
+    bitkern.dequantize_model(model)
+    restored = model.model.layers[0].mlp.experts
+    assert type(restored).__name__ == "Qwen3MoeExperts"
+    assert torch.equal(restored.down_proj, down.dequantize_weight())
+    assert (restored.down_proj - experts_weight).abs().max() < 0.1 * experts_weight.abs().max()
+
+
+def test_save_and_load_round_trip_into_a_float_model_and_a_bad_file_changes_nothing(tmp_path):
+    model, config = _tiny_qwen3_moe()
+    from transformers import Qwen3MoeForCausalLM
+
+    bitkern.quantize_model(model, "nf4", group_size=32)
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    bitkern.save(model, tmp_path / "model.safetensors")
+    target = Qwen3MoeForCausalLM(config).eval()
+    bitkern.load(target, tmp_path / "model.safetensors")
+    assert isinstance(target.model.layers[1].mlp.experts, bitkern.Experts)
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, expected)
+
+    other, _ = _tiny_qwen3_moe()
+    bitkern.quantize_model(other, "int4", group_size=32)
+    bitkern.save(other, tmp_path / "int4.safetensors")
+    fresh = Qwen3MoeForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="int4.safetensors"):  # fits the float model, not nf4 experts
+        bitkern.load(target, tmp_path / "int4.safetensors")
+    assert target.model.layers[1].mlp.experts.down.weight_dtype == "nf4"
+    wider, _ = _tiny_qwen3_moe(num_experts=8)
+    with pytest.raises(ValueError, match="experts"):
+        bitkern.load(wider, tmp_path / "int4.safetensors")
+    assert all(not isinstance(m, bitkern.Experts) for m in wider.modules())
+    bitkern.load(fresh, tmp_path / "int4.safetensors")
+    assert fresh.model.layers[0].mlp.experts.gate_up.weight_dtype == "int4"
+
+
+def test_shared_experts_follow_the_other_layers_and_the_router_stays_float(caplog):
+    """Qwen2-MoE: the shared expert's nn.Linears take the model's settings like any layer; the router, a bare
+    parameter, stays float and is listed by name and size."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=INTERMEDIATE,
+                            shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, num_experts=4, num_experts_per_tok=2,
+                            tie_word_embeddings=False)
+    model = Qwen2MoeForCausalLM(config)
+    with caplog.at_level(logging.INFO, logger="bitkern"):
+        bitkern.quantize_model(model, "int4", group_size=32)
+    block = model.model.layers[0].mlp
+    assert isinstance(block.experts, bitkern.Experts)
+    assert all(isinstance(getattr(block.shared_expert, name), bitkern.Linear) and
+               getattr(block.shared_expert, name).weight_dtype == "int4" for name in ("gate_proj", "up_proj",
+                                                                                      "down_proj"))
+    assert "model.layers.0.mlp.gate.weight [4, 64] (1.0 KiB)" in caplog.text
