@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import ttype
 from ..codegen import pack, packed_class, to_layout
+from ..ops.matmul import ACTIVATION_QUANTS
 from ..ttype import QuantizedWeight, WeightFormat
 from . import library
 from .storage import WEIGHT_BUFFERS, QuantizedModule, check_positive
@@ -39,6 +40,8 @@ class ExpertWeights(QuantizedModule):
     stored per expert as `bitkern.Linear` stores its weight (the same settings: dtype, group_size, zero_mode,
     scale_dtype, compute_dtype, activation_quant, method), in buffers with a leading expert dimension; bias
     [num_experts, out_features] or None.  Called with rows sorted by expert and each expert's row count."""
+
+    activation_quants = ACTIVATION_QUANTS
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False, dtype="nf4",
                  group_size=None, zero_mode: str | None = None, compute_dtype=None, device=None,

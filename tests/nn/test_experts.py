@@ -42,9 +42,10 @@ def _routing(tokens: int, experts: int, top_k: int, seed: int = 0):
     return index, torch.softmax(weights, dim=-1)
 
 
-# every type family: integers of 2 to 8 bits (symmetric and with zero points), code books, float4, MX, float8
+# every type family: integers of 2 to 8 bits (symmetric and with zero points), code books, float4, MX and NVFP4
+# (block scales; a tensor scale per expert), float8
 TYPES = {"int2": 32, "int3": 32, "uint4": 32, "int4": 32, "int8": 32, "nf4": 32, "fp4_e2m1": 32, "mxfp4": None,
-         "float8_e4m3": -1}
+         "nvfp4": None, "float8_e4m3": -1}
 
 
 @pytest.mark.parametrize("dtype", list(TYPES))
@@ -78,6 +79,15 @@ def test_experts_without_tokens_and_one_expert_taking_every_token():
     assert _relative_error(experts(x, every, weights), reference(experts, x, every, weights)) < 1e-5
     empty = experts(x[:0], every[:0], weights[:0])
     assert empty.shape == (0, HIDDEN)
+
+
+def test_int8_activations_quantize_each_experts_rows_in_the_kernel():
+    torch.manual_seed(7)
+    experts = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32, activation_quant="int8")
+    assert experts.gate_up.activation_quant == experts.down.activation_quant == "int8"
+    x = torch.randn(6, HIDDEN)
+    index, weights = _routing(6, 4, 2)
+    assert _relative_error(experts(x, index, weights), reference(experts, x, index, weights)) < 0.03
 
 
 def test_bfloat16_inputs_give_bfloat16_outputs():
