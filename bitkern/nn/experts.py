@@ -241,6 +241,7 @@ class ExpertWeights(QuantizedModule):
                 f"bias={self.bias is not None}, {self._weight_repr()}")
 
 
+@torch.compiler.disable  # run as it is, not traced, under torch.compile
 @functools.cache
 def _note_per_expert_path() -> None:
     log.info("bitkern: mixture-of-experts projections run one dense matmul kernel call per expert with tokens "
