@@ -181,3 +181,28 @@ def test_a_checkpoint_for_other_experts_is_refused_naming_them_before_any_tensor
     with pytest.raises(ValueError, match=r"does not fit this model.*model\.layers\.0\.mlp\.experts\.gate_up: weight "
                                          r"is \[8, 64, 16\] int32, expected \[4, 64, 16\] int32"):
         AutoModelForCausalLM.from_pretrained(tmp_path, num_experts=4)
+
+
+def test_quantize_on_load_takes_one_experts_weight_at_a_time(checkpoints, monkeypatch):
+    """Each 3-D weight (a layer's gate/up or down of all experts) is quantized as transformers hands it over, while
+    the model's float experts tensors stay empty (meta): the float experts never exist whole."""
+    from transformers import AutoModelForCausalLM
+
+    from bitkern.integration.hf.quantizer import BitkernHfQuantizer
+
+    calls, original = [], BitkernHfQuantizer.quantize_experts_weight
+
+    def recording(self, model, name, parameter, weight):
+        materialized = [n for n, p in model.named_parameters() if p.dim() == 3 and not p.is_meta]
+        calls.append((name, parameter, tuple(weight.shape), materialized))
+        original(self, model, name, parameter, weight)
+
+    monkeypatch.setattr(BitkernHfQuantizer, "quantize_experts_weight", recording)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["mixtral"],
+                                                 quantization_config=BitkernConfig("int4", group_size=32))
+    assert sorted((name, parameter) for name, parameter, _, _ in calls) == [
+        (f"model.layers.{layer}.mlp.experts", parameter) for layer in (0, 1) for parameter in ("down_proj",
+                                                                                             "gate_up_proj")]
+    assert all(materialized == [] for *_, materialized in calls)
+    assert {shape for _, _, shape, _ in calls} == {(8, 64, 32), (8, 64, 64)}
+    assert all(isinstance(layer.mlp.experts, bitkern.Experts) for layer in model.model.layers)
