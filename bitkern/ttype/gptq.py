@@ -2,10 +2,11 @@
 2022): a [N, K] weight quantized one input column at a time, each column's rounding error fed forward into the
 columns not yet quantized so that the layer's output on calibration inputs X changes least.  With H = Σ x·xᵀ
 over X's rows (`Hessian`), the error of column j is spread by the row j of the upper Cholesky factor U of H⁻¹
-(U[j, j:] / U[j, j]); columns are processed in blocks, the columns after a block updated once per block.
+(U[j, j:] / U[j, j]); columns are processed in blocks: a column takes the errors of its block's earlier columns
+when it is reached (one matrix-vector product), the columns after a block take the block's errors at once.
 
 Scales and zeros: per group of `group_size` columns, chosen by `bitkern.quantize`'s rules (`group_method`:
-"hqq"'s search by default, or "rtn"'s range) from the group's columns as they stand when its first column is
+"hqq"'s search, by default for zero points, or "rtn"'s range, by default for symmetric types) from the group's columns as they stand when its first column is
 reached (GPTQ's dynamic groups) or, with `static_groups`, from the original weight before any column moves.
 `act_order` processes the columns by decreasing H[j, j] (the inputs with the most energy first, while there is
 the most freedom left to compensate).  Stored as `bitkern.QuantizedWeight` with groups of consecutive columns:
@@ -44,7 +45,7 @@ class Hessian:
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, dtype="int4", group_size: int | None = None,
          zero_mode: str | None = None, scale_dtype: torch.dtype = torch.float16, act_order: bool = False,
-         static_groups: bool = False, damp: float = 0.01, group_method: str = "hqq"
+         static_groups: bool = False, damp: float = 0.01, group_method: str | None = None
          ) -> tuple[QuantizedWeight, torch.Tensor | None]:
     """Quantize a float [N, K] weight by GPTQ against `hessian` (Σ x·xᵀ of the calibration inputs, [K, K]).
 
@@ -52,8 +53,10 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, dtype="int4", group_size: 
     is cast, is refused).  act_order: quantize the columns by decreasing H[j, j].  static_groups: choose every
     group's scale and zero from the original weight first (with act_order, the stored weight then keeps its
     column order).  damp: added to H's diagonal, as a fraction of its mean, so that H is positive definite.
-    group_method: how a group's scale and zero are chosen (`bitkern.quantize`'s methods: "hqq", the default, or
-    "rtn", GPTQ's original min/max rule).
+    group_method: how a group's scale and zero are chosen (`bitkern.quantize`'s methods: "hqq" or "rtn", GPTQ's
+    own min/max rule); None: "hqq" for zero points, "rtn" for zero_mode "none" (a symmetric scale searched
+    below the absmax clips the group's largest weight, whose error GPTQ then spreads: MiniLM int4 g128's worst
+    cosine 0.948 with "rtn" against 0.902 with "hqq", while uint4's is 0.967 with "hqq" against 0.958).
     Returns the weight and the permutation of its stored columns (None where they keep their order): the layer
     computes x[..., input_order] · dequant(weight)ᵀ.
     """
@@ -61,6 +64,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, dtype="int4", group_size: 
     if ttype.name in CAST_TYPES:
         raise ValueError(f"dtype={ttype.name!r} is cast, not quantized: GPTQ has no rounding to correct; "
                          f"accepted: the types of at most 8 bits")
+    group_method = ("rtn" if zero_mode == "none" else "hqq") if group_method is None else group_method
     if group_method not in GROUP_METHODS:
         raise ValueError(f"group_method={group_method!r} is not known; accepted: {list(GROUP_METHODS)}")
     n, k = weight.shape
@@ -81,25 +85,27 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, dtype="int4", group_size: 
         w, h = w[:, order], h[order][:, order]
     h.diagonal().add_(damp * float(h.diagonal().mean()))
     factor = _inverse_factor(h).float()
-    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    rows = w.T.contiguous()  # [K, N]: a column of the weight is a contiguous row here
+    codes = torch.empty(k, n, dtype=torch.uint8, device=w.device)
     grids = []
     block = _BLOCK if static is not None or group_size == k else group_size * max(1, _BLOCK // group_size)
     for start in range(0, k, block):
         end = min(start + block, k)
-        errors = torch.empty(n, end - start, dtype=torch.float32, device=w.device)
+        errors = torch.zeros(end - start, n, dtype=torch.float32, device=w.device)  # scaled errors, one per column
         for j in range(start, end):
+            done = j - start  # the block's columns quantized so far: their errors reach column j only now
             if static is not None:
                 grid, group = static, int(j if order is None else order[j]) // group_size
             elif j % group_size == 0:
-                grids.append(group_grid(w[:, j:j + group_size], ttype, group_size, zero_mode, scale_dtype,
+                current = rows[j:j + group_size] - factor[start:j, j:j + group_size].T @ errors[:done]
+                grids.append(group_grid(current.T.contiguous(), ttype, group_size, zero_mode, scale_dtype,
                                         group_method, tensor_scale))
                 grid, group = grids[-1], 0
-            column = w[:, j]
-            codes[:, j] = grid.codes(column, group)
-            error = (column - grid.values(codes[:, j], group)) / factor[j, j]
-            w[:, j + 1:end].addr_(error, factor[j, j + 1:end], alpha=-1)
-            errors[:, j - start] = error
-        w[:, end:].addmm_(errors, factor[start:end, end:], alpha=-1)
+            column = rows[j] - errors[:done].T.mv(factor[start:j, j])
+            codes[j] = grid.codes(column, group)
+            errors[done] = (column - grid.values(codes[j], group)) / factor[j, j]
+        rows[end:].addmm_(factor[start:end, end:].T, errors, alpha=-1)
+    codes = codes.T
     if static is not None:
         if order is not None:
             codes = codes[:, torch.argsort(order)]
@@ -119,7 +125,9 @@ def _inverse_factor(h: torch.Tensor) -> torch.Tensor:
     for extra in (0.0, 0.01, 0.1, 1.0):
         damped = h if extra == 0 else h + extra * mean * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
         lower, info = torch.linalg.cholesky_ex(damped)
-        if int(info) == 0:
-            return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+        if int(info) == 0:  # H⁻¹ = L⁻ᵀ·L⁻¹ by a triangular solve (LAPACK's potri stalls on a crowded machine)
+            inverse = torch.linalg.solve_triangular(lower, torch.eye(h.shape[0], dtype=h.dtype, device=h.device),
+                                                    upper=False)
+            return torch.linalg.cholesky(inverse.T @ inverse, upper=True)
     raise ValueError("the calibration Hessian is not positive definite even damped by its mean diagonal; the "
                      "calibration inputs hold NaN or infinity")
