@@ -119,15 +119,15 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, dtype="int4", group_size: 
 
 
 def _inverse_factor(h: torch.Tensor) -> torch.Tensor:
-    """The upper Cholesky factor U of H⁻¹ (H⁻¹ = Uᵀ·U), in float64; H is damped further if it is not positive
-    definite (a calibration set with fewer independent rows than inputs)."""
+    """The upper triangular U with H⁻¹ = Uᵀ·U, in float64, from one Cholesky factorization and one triangular
+    inverse: with J the order reversal and J·H·J = M·Mᵀ (M lower), H = R·Rᵀ for the upper R = J·M·J, so U = R⁻¹ =
+    J·M⁻¹·J.  H is damped further if it is not positive definite (a calibration set with fewer independent rows
+    than inputs)."""
     mean = float(h.diagonal().mean())
+    identity = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     for extra in (0.0, 0.01, 0.1, 1.0):
-        damped = h if extra == 0 else h + extra * mean * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-        lower, info = torch.linalg.cholesky_ex(damped)
-        if int(info) == 0:  # H⁻¹ = L⁻ᵀ·L⁻¹ by a triangular solve (LAPACK's potri stalls on a crowded machine)
-            inverse = torch.linalg.solve_triangular(lower, torch.eye(h.shape[0], dtype=h.dtype, device=h.device),
-                                                    upper=False)
-            return torch.linalg.cholesky(inverse.T @ inverse, upper=True)
+        lower, info = torch.linalg.cholesky_ex((h + extra * mean * identity).flip(0, 1))
+        if int(info) == 0:
+            return torch.linalg.solve_triangular(lower, identity, upper=False).flip(0, 1)
     raise ValueError("the calibration Hessian is not positive definite even damped by its mean diagonal; the "
                      "calibration inputs hold NaN or infinity")
