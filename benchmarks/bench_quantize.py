@@ -9,8 +9,9 @@ read rate of the bfloat16 checkpoint (above 1: quantizing keeps up with reading)
 rounds in which every case takes its turn (`interleaved`); the machine's 1-minute load average is in each row.
 Table `quantize_method`: `bitkern.quantize` of a 4096 x 4096 bfloat16 weight (group 128, 2 threads) with each
 `method` ("rtn", "hqq") per type and zero mode, in weights per second and as a ratio to "rtn" in the same run.
-Run: python -m pytest benchmarks/bench_quantize.py  (tables `quantize`, `quantize_method` land in
-benchmarks/results/).
+Table `quantize_gptq`: `bitkern.ttype.gptq` of the same weight against a given Hessian (group 128, 2 threads).
+Run: python -m pytest benchmarks/bench_quantize.py  (tables `quantize`, `quantize_method`, `quantize_gptq` land
+in benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import statistics
+import time
 
 import pytest
 import safetensors
@@ -25,6 +27,7 @@ import safetensors.torch
 import torch
 
 import bitkern
+from bitkern.ttype.gptq import Hessian, gptq
 
 from conftest import interleaved
 
@@ -114,3 +117,31 @@ def test_quantize_methods(record):
         record("quantize_method", case=name, zero_mode=zero_mode, method=method, threads=METHOD_THREADS,
                M_weights_per_s=METHOD_SHAPE[0] * METHOD_SHAPE[1] / median / 1e6,
                time_vs_rtn=median / seconds[name, zero_mode, "rtn"], load_1min=load)
+
+
+def test_quantize_gptq(record):
+    """Weights per second of method="gptq" (bitkern.ttype.gptq on one layer, its Hessian given: what quantize_model
+    spends per layer besides the calibration forwards) at METHOD_THREADS threads, with and without act-order; one
+    call per case (seconds each), after one small call that builds the rounding tables."""
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(METHOD_SHAPE, generator=generator) * 0.02).to(torch.bfloat16)
+    hessian = Hessian(METHOD_SHAPE[1])
+    hessian.add(torch.randn(2 * METHOD_SHAPE[1], METHOD_SHAPE[1], generator=generator))
+    cases = [(name, zero_mode, act_order) for name, zero_mode in (("int4", "none"), ("uint4", "gptq"))
+             for act_order in (False, True)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(METHOD_THREADS)
+    seconds = {}
+    try:
+        for name, zero_mode, act_order in cases:
+            gptq(weight[:16, :256], hessian.matrix[:256, :256], name, 128, zero_mode)
+            start = time.perf_counter()
+            gptq(weight, hessian.matrix, name, 128, zero_mode, act_order=act_order)
+            seconds[name, zero_mode, act_order] = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(previous)
+    with open("/proc/loadavg") as loadavg:
+        load = loadavg.read().split()[0]
+    for (name, zero_mode, act_order), elapsed in seconds.items():
+        record("quantize_gptq", case=name, zero_mode=zero_mode, act_order=act_order, threads=METHOD_THREADS,
+               M_weights_per_s=METHOD_SHAPE[0] * METHOD_SHAPE[1] / elapsed / 1e6, load_1min=load)
