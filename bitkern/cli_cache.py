@@ -28,8 +28,9 @@ def add_commands(commands) -> None:
     prebuild.add_argument("--compute-dtype", default=None, help="--model: the dtype the bitkern layers multiply in "
                           "(default: their input's)")
     prebuild.add_argument("--target", default="cpu", help="cpu (this CPU at its level), cpu:<level> (e.g. "
-                          "cpu:x86-64-v3, for a fleet; levels: bitkern.codegen.cpu.isa.LEVELS), or a CUDA arch: "
-                          "sm_80, sm_86, sm_89, sm_90")
+                          "cpu:x86-64-v3, for a fleet; levels: bitkern.codegen.cpu.isa), cpu:<part> (an aarch64 part, "
+                          "e.g. cpu:neoverse-v1; parts: bitkern.tuner.device.CPU_TARGETS), or a CUDA arch: sm_80, "
+                          "sm_86, sm_89, sm_90")
     prebuild.add_argument("--tokens", "--m", dest="tokens", default="1,16,128",
                           help="token counts (rows: batch x sequence length) the model will run with; one kernel per "
                                "M bucket they fall in")

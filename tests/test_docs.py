@@ -4,7 +4,6 @@ README and a page, and every code block meant to run run as written (tests/docs_
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -19,7 +18,7 @@ import torch
 import bitkern
 from bitkern.codegen.cpu import isa
 from bitkern.ops import Matmul
-from bitkern.tuner import cuda_device, host_cpu, tune
+from bitkern.tuner import cuda_device, device_for, host_cpu, tune
 
 from tests.docs_pages import (LANGUAGES, PAGES, README, ROOT, blocks, build_tiny_llama, placeholders, prose,
                               substitute, support_matrix)
@@ -135,11 +134,13 @@ def test_a_level_the_matrix_calls_tested_or_emulated_runs_here(level, cells):
     assert claims == runs or (level == "amx" and "**built**" in cells[0]), (level, cells)
 
 
-def test_arm_cpus_get_the_error_the_matrix_quotes(monkeypatch):
-    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    with pytest.raises(RuntimeError) as error:
-        host_cpu.__wrapped__()  # past its cache: the process's own answer was read on x86-64
-    assert f"`RuntimeError: {error.value}`" in README.read_text()
+def test_the_arm_row_names_aarch64_levels_and_parts_and_claims_only_builds():
+    """The ARM row: the levels and parts it names exist (aarch64), and its weight types are built, not run."""
+    _, rows = support_matrix()
+    row = next(row for row in rows if row[0].startswith("ARM64"))
+    names = re.findall(r"`([^`]+)`", row[0])
+    assert names and all(device_for(name if ":" in name else f"cpu:{name}").level.arch == "aarch64" for name in names)
+    assert re.findall(r"\*\*([^*]+)\*\*", row[1]) == ["built"] and "generic template only" in row[1]
 
 
 @pytest.mark.parametrize("weight, activation_quant", [("int4", "int8"), ("int3", "none")])

@@ -75,9 +75,14 @@ class Template(abc.ABC):
         """Why the device's instruction-set level cannot run the template's code (the features it lacks), or
         None."""
         missing = self.requires - device.flags if device.kind == "cpu" else ()
-        if missing:
-            return f"the {device.level.name} level (it needs {', '.join(sorted(missing))})"
-        return None
+        if not missing:
+            return None
+        from .cpu.isa import architecture
+
+        arch = architecture(self.requires)
+        if arch != device.level.arch:
+            return f"the {device.level.name} level ({device.level.arch}; the {self.title} template is {arch} code)"
+        return f"the {device.level.name} level (it needs {', '.join(sorted(missing))})"
 
     def unsupported_rows(self, bucket: tuple[int, int], device) -> str | None:
         """Why the template does not serve the M bucket `bucket` on the device (beyond max_rows), or None."""

@@ -1,7 +1,9 @@
 """tTile-device descriptions (LADDER §3.1): what a target's memory levels and compute units prefer.
 
-`host_cpu()` reads the machine this process runs on (instruction sets from /proc/cpuinfo, cache sizes
-from sysfs, usable cores from the scheduler) and gives the TVM LLVM target that compiles for it.
+`host_cpu()` reads the machine this process runs on (x86-64 or aarch64: instruction sets from /proc/cpuinfo, or
+macOS's sysctl; cache sizes from sysfs or sysctl; usable cores from the scheduler) and gives the TVM LLVM target that
+compiles for it.  `named_cpu(part)` describes an aarch64 part by name (Neoverse, Apple M, Cortex-A76), to
+cross-compile for it.
 `cuda_device(arch)` describes an NVIDIA architecture by name (for cross-compiling on a machine without
 it); `cuda_device()` reads the present GPU through torch's device properties.
 """
@@ -14,6 +16,7 @@ import logging
 import os
 import platform
 import re
+import sys
 from dataclasses import dataclass
 
 from ..codegen.cpu import isa
@@ -26,7 +29,8 @@ LEVEL_VARIABLE = "BITKERN_CPU_LEVEL"  # names a lower instruction-set level for 
 
 @dataclass(frozen=True)
 class CpuDevice:
-    """An x86-64 CPU at one instruction-set level (`codegen.cpu.isa`): the level, cache capacities, cores."""
+    """A CPU (x86-64 or aarch64) at one instruction-set level (`codegen.cpu.isa`; for a named part, the level with
+    the part's LLVM CPU): the level, cache capacities, cores."""
 
     name: str
     level: IsaLevel
@@ -60,8 +64,10 @@ class CpuDevice:
 
     @property
     def key(self) -> str:
-        """Identifies the code this device runs: the cache key's target part."""
-        return f"cpu-{self.level.name}-{self.cores}c"
+        """Identifies the code this device runs: the cache key's target part ("+<llvm cpu>" where a named part's
+        LLVM CPU tunes the level's code; a directory name, as `cache.entry.TARGET` accepts)."""
+        tuned = "" if self.level.llvm_cpu == isa.level(self.level.name).llvm_cpu else f"+{self.level.llvm_cpu}"
+        return f"cpu-{self.level.name}{tuned}-{self.cores}c"
 
     def at_level(self, name: str) -> CpuDevice:
         """This CPU with its kernels compiled for the level `name` (a lower one runs here; a higher one only
@@ -69,8 +75,8 @@ class CpuDevice:
         return dataclasses.replace(self, level=isa.level(name))
 
     def runs_here(self) -> bool:
-        """Whether this machine's CPU runs code of this device's level."""
-        return self.level.runs_on(_cpu_flags())
+        """Whether this machine's CPU runs code of this device's level (its architecture and features)."""
+        return _not_here(self.level) is None
 
     def tvm_target(self):
         """The TVM LLVM target for this CPU's level."""
@@ -83,19 +89,23 @@ class CpuDevice:
 def host_cpu() -> CpuDevice:
     """The CPU this process runs on, at its highest instruction-set level, or at the lower level that
     $BITKERN_CPU_LEVEL names (refused, naming what is missing, where this CPU cannot run it)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"bitkern's CPU kernels need an x86-64 CPU; this machine is {platform.machine()}")
+    arch = _host_arch()
     flags = _cpu_flags()
-    device = CpuDevice(name=_cpu_model(), level=isa.best_level(flags), cores=_usable_cores(),
-                       l1_bytes=_cache_bytes(1, "Data", 48 << 10), l2_bytes=_cache_bytes(2, "Unified", 2 << 20),
-                       llc_bytes=_cache_bytes(3, "Unified", 32 << 20), clock_hz=_cpu_mhz() * 1e6)
+    if sys.platform == "darwin":
+        values = parse_sysctl(_sysctl_text())
+        name, caches = values.get("machdep.cpu.brand_string", "Apple silicon"), sysctl_caches(values)
+    else:
+        name, caches = _cpu_model(), (_cache_bytes(1, "Data", 48 << 10), _cache_bytes(2, "Unified", 2 << 20),
+                                      _cache_bytes(3, "Unified", 32 << 20))
+    device = CpuDevice(name=name, level=isa.best_level(flags, arch), cores=_usable_cores(), l1_bytes=caches[0],
+                       l2_bytes=caches[1], llc_bytes=caches[2], clock_hz=_cpu_mhz() * 1e6)
     forced = os.environ.get(LEVEL_VARIABLE)
     if not forced:
         return device
     device = device.at_level(forced)
     if not device.runs_here():
         missing = sorted(device.level.features - flags)
-        runnable = [level.name for level in isa.LEVELS if level.runs_on(flags)]
+        runnable = [level.name for level in isa.ARCHITECTURES[arch] if level.runs_on(flags)]
         raise ValueError(f"{LEVEL_VARIABLE}={forced!r}: this CPU ({device.name}) lacks {', '.join(missing)}; "
                          f"it runs the levels {runnable}")
     log.info("bitkern: CPU kernels compiled for %s (%s=%s)", forced, LEVEL_VARIABLE, forced)
@@ -103,17 +113,101 @@ def host_cpu() -> CpuDevice:
 
 
 def unrunnable(target: str) -> str | None:
-    """Why kernels of the cache target `target` ("cpu-<level>-<cores>c") cannot run on this machine's CPU (the
-    features it lacks), or None (they can, or it is not a CPU target)."""
-    match = re.fullmatch(r"cpu-(.+)-\d+c", target)
+    """Why kernels of the cache target `target` ("cpu-<level>[+<llvm cpu>]-<cores>c") cannot run on this machine's
+    CPU (its architecture, or the features it lacks), or None (they can, or it is not a CPU target)."""
+    match = re.fullmatch(r"cpu-([^+]+?)(\+[\w.-]+)?-\d+c", target)
     if match is None:
         return None
     try:
         level = isa.level(match[1])
     except ValueError:
         return f"the level {match[1]!r} is not one this bitkern knows"
+    return _not_here(level)
+
+
+def _not_here(level: IsaLevel) -> str | None:
+    """Why this machine's CPU cannot run code of `level`, or None."""
+    if level.arch != _host_arch():
+        return f"they are {level.arch} code and this machine is {platform.machine()}"
     missing = level.features - _cpu_flags()
     return f"this CPU lacks {', '.join(sorted(missing))}" if missing else None
+
+
+def _host_arch() -> str:
+    """This machine's architecture as the levels name it ("x86_64" or "aarch64")."""
+    machine = platform.machine()
+    arch = {"x86_64": "x86_64", "AMD64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(machine)
+    if arch is None:
+        raise RuntimeError(f"bitkern's CPU kernels need an x86-64 or aarch64 CPU; this machine is {machine}")
+    return arch
+
+
+# (implementer, part) of /proc/cpuinfo on aarch64 Linux: the core's name
+ARM_PARTS = {("0x41", "0xd0b"): "Cortex-A76", ("0x41", "0xd0c"): "Neoverse N1", ("0x41", "0xd40"): "Neoverse V1",
+             ("0x41", "0xd4f"): "Neoverse V2", ("0x41", "0xd08"): "Cortex-A72"}
+
+
+def cpuinfo_features(text: str) -> frozenset[str]:
+    """The CPU features in the text of Linux's /proc/cpuinfo: the first "flags" (x86) or "Features" (aarch64)
+    line."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpuinfo_model(text: str) -> str:
+    """The CPU's name in the text of /proc/cpuinfo: x86's "model name", else the aarch64 core named by its
+    implementer and part (or those numbers)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if fields.get("model name"):
+        return fields["model name"]
+    implementer, part = fields.get("CPU implementer", "").lower(), fields.get("CPU part", "").lower()
+    if part:
+        return ARM_PARTS.get((implementer, part), f"aarch64 (implementer {implementer}, part {part})")
+    return platform.processor() or "unknown CPU"
+
+
+# macOS `sysctl hw.optional.*` names of the features the levels read, and their /proc/cpuinfo spelling
+SYSCTL_FEATURES = {"hw.optional.floatingpoint": "fp", "hw.optional.AdvSIMD": "asimd", "hw.optional.neon": "asimd",
+                   "hw.optional.arm.FEAT_DotProd": "asimddp", "hw.optional.arm.FEAT_I8MM": "i8mm",
+                   "hw.optional.arm.FEAT_BF16": "bf16", "hw.optional.arm.FEAT_SVE": "sve",
+                   "hw.optional.arm.FEAT_SVE2": "sve2", "hw.optional.arm.FEAT_SME": "sme",
+                   "hw.optional.arm.FEAT_FP16": "asimdhp"}
+
+
+def parse_sysctl(text: str) -> dict[str, str]:
+    """{name: value} of `sysctl` output lines "name: value"."""
+    values = {}
+    for line in text.splitlines():
+        name, separator, value = line.partition(":")
+        if separator:
+            values[name.strip()] = value.strip()
+    return values
+
+
+def sysctl_features(values: dict[str, str]) -> frozenset[str]:
+    """The CPU features (/proc/cpuinfo names) macOS reports as present (`hw.optional.*` = 1)."""
+    return frozenset(feature for name, feature in SYSCTL_FEATURES.items() if values.get(name) == "1")
+
+
+def sysctl_caches(values: dict[str, str]) -> tuple[int, int, int]:
+    """(L1 data per core, L2 per cluster, last level) bytes of the performance cores macOS reports; Apple's
+    system-level cache is not reported, so the last level is taken as the L2."""
+    l1 = int(values.get("hw.perflevel0.l1dcachesize", values.get("hw.l1dcachesize", 128 << 10)))
+    l2 = int(values.get("hw.perflevel0.l2cachesize", values.get("hw.l2cachesize", 4 << 20)))
+    return l1, l2, l2
+
+
+def _sysctl_text() -> str:
+    import subprocess
+
+    return subprocess.run(["sysctl", "hw", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                          check=False).stdout
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,30 +246,28 @@ def _cpu_mhz() -> float:
 def _usable_cores() -> int:
     import torch
 
-    return max(1, min(len(os.sched_getaffinity(0)), torch.get_num_threads()))
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS
+    return max(1, min(allowed, torch.get_num_threads()))
 
 
 @functools.lru_cache(maxsize=None)
 def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """This CPU's features, as Linux's /proc/cpuinfo names them (on macOS: translated from sysctl)."""
+    if sys.platform == "darwin":
+        return sysctl_features(parse_sysctl(_sysctl_text()))
+    return cpuinfo_features(_cpuinfo_text())
 
 
 def _cpu_model() -> str:
+    return cpuinfo_model(_cpuinfo_text())
+
+
+def _cpuinfo_text() -> str:
     try:
         with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return info.read()
     except OSError:
-        pass
-    return platform.processor() or "x86-64"
+        return ""
 
 
 def _cache_bytes(level: int, kind: str, default: int) -> int:
@@ -291,14 +383,53 @@ def cuda_device(arch: str | None = None) -> CudaDevice:
                       base.memory_bytes_per_s, base.tensor_flops, base.threads_per_sm, base.blocks_per_sm)
 
 
+@dataclass(frozen=True)
+class NamedCpu:
+    """A CPU part to cross-compile or prebuild for: the level it runs, the LLVM CPU that tunes for it, its caches
+    (L1 data per core, L2 per core or cluster, last level) and clock, from the vendors' published figures."""
+
+    title: str
+    level: str
+    llvm_cpu: str
+    l1_bytes: int
+    l2_bytes: int
+    llc_bytes: int
+    clock_hz: float
+
+
+CPU_TARGETS = {
+    "neoverse-n1": NamedCpu("Neoverse N1 (Ampere Altra, AWS Graviton 2)", "armv8.2-a", "neoverse-n1", 64 << 10,
+                            1 << 20, 32 << 20, 3.0e9),
+    "neoverse-v1": NamedCpu("Neoverse V1 (AWS Graviton 3)", "sve", "neoverse-v1", 64 << 10, 1 << 20, 32 << 20,
+                            2.6e9),
+    "neoverse-v2": NamedCpu("Neoverse V2 (AWS Graviton 4)", "sve2", "neoverse-v2", 64 << 10, 2 << 20, 36 << 20,
+                            2.8e9),
+    "apple-m1": NamedCpu("Apple M1", "armv8.2-a", "apple-m1", 128 << 10, 12 << 20, 12 << 20, 3.2e9),
+    "apple-m4": NamedCpu("Apple M4", "armv8.6-a", "apple-m4", 128 << 10, 16 << 20, 16 << 20, 4.4e9),
+    "cortex-a76": NamedCpu("Cortex-A76 (Raspberry Pi 5)", "armv8.2-a", "cortex-a76", 64 << 10, 512 << 10, 2 << 20,
+                           2.4e9),
+}
+
+
+def named_cpu(name: str) -> CpuDevice:
+    """The part `name` of `CPU_TARGETS`, with this machine's usable cores (as "cpu:<level>" targets have), its
+    level's code tuned by the part's LLVM CPU."""
+    if name not in CPU_TARGETS:
+        raise ValueError(f"cpu target {name!r} is not known; accepted: {sorted(CPU_TARGETS)}")
+    part = CPU_TARGETS[name]
+    level = dataclasses.replace(isa.level(part.level), llvm_cpu=part.llvm_cpu)
+    return CpuDevice(part.title, level, _usable_cores(), part.l1_bytes, part.l2_bytes, part.llc_bytes, part.clock_hz)
+
+
 def device_for(target: str):
-    """A device description from a target name: "cpu" (the host), "cpu:<level>" (the host's cores and caches at
-    an instruction-set level of `codegen.cpu.isa.LEVELS`, e.g. "cpu:x86-64-v3" to prebuild for a fleet), or a CUDA
-    arch like "sm_90"."""
+    """A device description from a target name: "cpu" (the host), "cpu:<part>" (a CPU of `CPU_TARGETS`, e.g.
+    "cpu:neoverse-v1"), "cpu:<level>" (the host's cores and caches at an instruction-set level of
+    `codegen.cpu.isa`, e.g. "cpu:x86-64-v3" to prebuild for a fleet), or a CUDA arch like "sm_90"."""
     if target == "cpu":
         return host_cpu()
     if target.startswith("cpu:"):
-        return host_cpu().at_level(target[len("cpu:"):])
+        name = target[len("cpu:"):]
+        return named_cpu(name) if name in CPU_TARGETS else host_cpu().at_level(name)
     if target == "cuda":
         return cuda_device()
     return cuda_device(target)

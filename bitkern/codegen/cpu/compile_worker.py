@@ -3,13 +3,21 @@
 LLVM ends its process on some failures (`LLVM ERROR: ...`, then abort): here that ends this worker, not the caller.
 Requests and replies are length-prefixed JSON on stdin and stdout: a request holds the kernel's IRModule (TVM's
 JSON), the target, the pass settings and the path to export the shared library to; a reply is {"ok": true} or
-{"error": "..."} for failures LLVM or TVM report as exceptions.
+{"error": "..."} for failures LLVM or TVM report as exceptions.  Code for another architecture (aarch64 kernels
+cross-compiled on x86-64) is linked by that architecture's linker.
 """
 
 import json
+import os
+import platform
+import shutil
 import struct
+import subprocess
 import sys
 import traceback
+
+MACHINES = {"x86_64": "x86_64", "AMD64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}  # platform -> triple
+CROSS_LINKERS = {"aarch64": ("aarch64-linux-gnu-ld", "ld.lld"), "x86_64": ("x86_64-linux-gnu-ld", "ld.lld")}
 
 
 def read_message(stream) -> dict | None:
@@ -33,7 +41,29 @@ def _compile(request: dict) -> None:
     module = tvm.ir.load_json(request["module"])
     with tvm.transform.PassContext(config=request["config"], disabled_pass=request["disabled_passes"]):
         library = tvm.compile(module, target=tvm.target.Target(request["target"]))
-    library.export_library(request["path"])
+    arch = request["target"]["mtriple"].split("-")[0]
+    if arch == MACHINES.get(platform.machine()):
+        library.export_library(request["path"])
+    else:
+        _cross_link(library, arch, request["path"])
+
+
+def _cross_link(library, arch: str, path: str) -> None:
+    """Export code of another architecture than this machine's: its object file linked by that architecture's
+    linker (the system compiler links only its own)."""
+    linker = next(filter(None, map(shutil.which, CROSS_LINKERS.get(arch, ()))), None)
+    if linker is None:
+        raise RuntimeError(f"linking {arch} kernels on this {platform.machine()} machine needs one of "
+                           f"{list(CROSS_LINKERS.get(arch, ()))} on PATH (Debian: binutils-{arch.replace('_', '-')}"
+                           f"-linux-gnu, or lld)")
+    obj = f"{path}.o"
+    library.mod.write_to_file(obj)
+    try:
+        subprocess.run([linker, "-shared", "-o", path, obj], check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as error:
+        raise RuntimeError(f"{linker} failed: {error.stderr.strip()[-1000:]}") from None
+    finally:
+        os.remove(obj)
 
 
 def main() -> None:

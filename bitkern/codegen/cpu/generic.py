@@ -1,4 +1,4 @@
-"""Generic CPU template: the Matmul tensor expression scheduled for any weight type and any x86 CPU.
+"""Generic CPU template: the Matmul tensor expression scheduled for any weight type and any CPU (x86-64, aarch64).
 
 It serves what the AMX and AVX512-BF16 templates do not (3-, 5- to 8-bit and 16-bit weights, int8 and fp8
 activations, CPUs with neither AMX nor AVX512-BF16).  Schedule: N split into vector-width tiles (parallel), K into blocks; each block's

@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import logging
 import os
+import platform
 
 log = logging.getLogger("bitkern")
 
@@ -41,11 +42,42 @@ def load_runtime() -> bool:
 
 def load_library(path: str, name: str = "main"):
     """The function `name` of a kernel library exported by TVM (its parallel loops on torch's threads), loaded with
-    the TVM runtime alone: a process that finds its kernels in the cache never imports the compiler."""
+    the TVM runtime alone: a process that finds its kernels in the cache never imports the compiler.  A library of
+    another architecture (cross-compiled for an aarch64 target on x86-64, say) is not loaded: its stand-in refuses
+    every call."""
     import tvm_ffi
 
+    arch = library_arch(path)
+    if arch is not None and arch != _ELF_MACHINES.get(platform.machine()):
+        return _Foreign(path, arch)
     load_runtime()
     return tvm_ffi.load_module(path)[name]
+
+
+_ELF_MACHINES = {"x86_64": "x86_64", "AMD64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
+_ELF_ARCHES = {62: "x86_64", 183: "aarch64"}  # e_machine: EM_X86_64, EM_AARCH64
+
+
+def library_arch(path: str) -> str | None:
+    """The architecture of an ELF shared library ("x86_64", "aarch64", or e_machine's number), or None for a file
+    that is not ELF."""
+    with open(path, "rb") as file:
+        header = file.read(20)
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        return None
+    machine = int.from_bytes(header[18:20], "little" if header[5] == 1 else "big")
+    return _ELF_ARCHES.get(machine, str(machine))
+
+
+class _Foreign:
+    """A kernel library of another architecture, kept (for the disk cache, for another machine) but never run."""
+
+    def __init__(self, path: str, arch: str):
+        self.path, self.arch = path, arch
+
+    def __call__(self, *arguments):
+        raise RuntimeError(f"this kernel is {self.arch} code ({self.path}) and this machine is "
+                           f"{platform.machine()}: it was built for another machine and is never run here")
 
 
 def _torch_launch_unavailable() -> str | None:

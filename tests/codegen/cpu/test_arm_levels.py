@@ -1,0 +1,225 @@
+"""aarch64: host detection from real /proc/cpuinfo and macOS sysctl samples, the named parts to cross-compile for, the
+x86 templates refused for aarch64 levels with their reason, and the generic template compiled for every aarch64
+level (its inner loop NEON `fmla` on v registers) but never run on this x86-64 machine."""
+
+import platform
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from bitkern.codegen import build_kernel, pack
+from bitkern.codegen.cpu import TEMPLATES, isa
+from bitkern.codegen.cpu.runtime import library_arch
+from bitkern.ops import Matmul
+from bitkern.tuner import device_for, host_cpu
+from bitkern.tuner.device import (CPU_TARGETS, cpuinfo_features, cpuinfo_model, named_cpu, parse_sysctl,
+                                  sysctl_caches, sysctl_features, unrunnable)
+from bitkern.tuner.space import enumerate_candidates, usable_templates
+from tests.helpers import matmul_case
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="checks cross-compiling from x86-64")
+
+_COMMON = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm"
+# /proc/cpuinfo of one core of each (the Features line as Linux prints it) and the level and name bitkern reads
+CPUINFO = {
+    "Neoverse N1 (Ampere Altra)": (f"{_COMMON} lrcpc dcpop asimddp ssbs", "0x3", "0xd0c", "armv8.2-a", "Neoverse N1"),
+    "Neoverse V1 (Graviton 3)": ((f"{_COMMON} jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit "
+                                  "uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng"), "0x1",
+                                 "0xd40", "sve", "Neoverse V1"),
+    "Neoverse V2 (Graviton 4)": ((f"{_COMMON} jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit "
+                                  "uscat ilrcpc flagm ssbs sb paca pacg dcpodp sve2 sveaes svepmull svebitperm svesha3 "
+                                  "svesm4 flagm2 frint svei8mm svebf16 i8mm bf16 dgh rng bti"), "0x0", "0xd4f", "sve2",
+                                 "Neoverse V2"),
+    "Cortex-A76 (Raspberry Pi 5)": (f"{_COMMON} lrcpc dcpop asimddp", "0x4", "0xd0b", "armv8.2-a", "Cortex-A76"),
+}
+# `sysctl hw machdep.cpu.brand_string` on macOS (the lines bitkern reads) and the level each runs
+SYSCTL = {
+    "Apple M1": ("""machdep.cpu.brand_string: Apple M1
+hw.ncpu: 8
+hw.l1dcachesize: 65536
+hw.l2cachesize: 4194304
+hw.perflevel0.physicalcpu: 4
+hw.perflevel0.l1dcachesize: 131072
+hw.perflevel0.l2cachesize: 12582912
+hw.optional.floatingpoint: 1
+hw.optional.AdvSIMD: 1
+hw.optional.arm.FEAT_FP16: 1
+hw.optional.arm.FEAT_DotProd: 1
+hw.optional.arm.FEAT_I8MM: 0
+hw.optional.arm.FEAT_BF16: 0
+hw.optional.arm.FEAT_SME: 0
+hw.optional.arm64: 1""", "armv8.2-a", 12 << 20),
+    "Apple M4": ("""machdep.cpu.brand_string: Apple M4
+hw.ncpu: 10
+hw.perflevel0.physicalcpu: 4
+hw.perflevel0.l1dcachesize: 131072
+hw.perflevel0.l2cachesize: 16777216
+hw.optional.floatingpoint: 1
+hw.optional.AdvSIMD: 1
+hw.optional.arm.FEAT_DotProd: 1
+hw.optional.arm.FEAT_I8MM: 1
+hw.optional.arm.FEAT_BF16: 1
+hw.optional.arm.FEAT_SME: 1
+hw.optional.arm.FEAT_SME2: 1
+hw.optional.arm64: 1""", "armv8.6-a", 16 << 20),
+}
+ARM_LEVELS = [level.name for level in isa.ARM_LEVELS]
+N, K = 64, 256
+
+
+def _cpuinfo(features: str, variant: str, part: str) -> str:
+    core = (f"BogoMIPS\t: 50.00\nFeatures\t: {features}\nCPU implementer\t: 0x41\nCPU architecture: 8\n"
+            f"CPU variant\t: {variant}\nCPU part\t: {part}\nCPU revision\t: 1\n")
+    return "".join(f"processor\t: {i}\n{core}\n" for i in range(2))
+
+
+@pytest.mark.parametrize("cpu", CPUINFO)
+def test_linux_aarch64_cpus_are_detected_from_cpuinfo(cpu):
+    features, variant, part, level, name = CPUINFO[cpu]
+    text = _cpuinfo(features, variant, part)
+    assert isa.best_level(cpuinfo_features(text), "aarch64").name == level
+    assert cpuinfo_model(text) == name
+
+
+@pytest.mark.parametrize("cpu", SYSCTL)
+def test_macos_arm64_cpus_are_detected_from_sysctl(cpu):
+    text, level, l2 = SYSCTL[cpu]
+    values = parse_sysctl(text)
+    features = sysctl_features(values)
+    assert isa.best_level(features, "aarch64").name == level
+    assert ("sme" in features) == (cpu == "Apple M4") and "sve" not in features
+    assert sysctl_caches(values) == (128 << 10, l2, l2)  # the performance cores'
+
+
+def test_an_aarch64_linux_host_runs_its_level(monkeypatch):
+    """host_cpu() on a Graviton 3 (its /proc/cpuinfo; sysfs caches as read here): level sve, its code runnable there,
+    the x86 levels not; $BITKERN_CPU_LEVEL forces a lower aarch64 level."""
+    from bitkern.tuner import device
+
+    features, variant, part, _, _ = CPUINFO["Neoverse V1 (Graviton 3)"]
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(device, "_cpuinfo_text", lambda: _cpuinfo(features, variant, part))
+    monkeypatch.setattr(device, "_cpu_flags", lambda: cpuinfo_features(_cpuinfo(features, variant, part)))
+    monkeypatch.delenv(device.LEVEL_VARIABLE, raising=False)
+    graviton = device.host_cpu.__wrapped__()  # past its cache: the process's own answer was read on x86-64
+    assert (graviton.name, graviton.level.name, graviton.runs_here()) == ("Neoverse V1", "sve", True)
+    assert not graviton.at_level("x86-64").runs_here() and graviton.at_level("armv8.2-a").runs_here()
+    monkeypatch.setenv(device.LEVEL_VARIABLE, "sve2")
+    with pytest.raises(ValueError, match=r"lacks sve2; it runs the levels \['armv8-a', 'armv8.2-a', 'armv8.6-a', "
+                                         r"'sve'\]"):
+        device.host_cpu.__wrapped__()
+
+
+def test_x86_cpuinfo_still_reads_flags_and_other_architectures_are_refused(monkeypatch):
+    assert cpuinfo_features("processor\t: 0\nflags\t\t: fpu sse2 avx2\n") == {"fpu", "sse2", "avx2"}
+    with pytest.raises(ValueError, match=r"arch='riscv64' is not accepted; bitkern's CPU kernels know \['aarch64'"):
+        isa.best_level({"rv64"}, "riscv64")
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    with pytest.raises(RuntimeError, match="bitkern's CPU kernels need an x86-64 or aarch64 CPU; this machine is "
+                                           "riscv64"):
+        host_cpu.__wrapped__()
+
+
+@pytest.mark.parametrize("name", CPU_TARGETS)
+def test_named_parts_are_targets_with_their_llvm_cpu(name):
+    device = device_for(f"cpu:{name}")
+    part = CPU_TARGETS[name]
+    assert device.level.name == part.level and device.level.arch == "aarch64" and device.vector_bytes == 16
+    target = device.level.target_dict(device.cores)
+    assert target["mtriple"] == "aarch64-linux-gnu" and target["mcpu"] == part.llvm_cpu
+    assert device.key == f"cpu-{part.level}+{part.llvm_cpu}-{host_cpu().cores}c"
+    assert not device.runs_here()
+    assert unrunnable(device.key) == "they are aarch64 code and this machine is x86_64"
+    with pytest.raises(ValueError, match=r"cpu target 'graviton9' is not known; accepted: \['apple-m1'"):
+        named_cpu("graviton9")
+
+
+def test_every_aarch64_level_is_a_tvm_target():
+    import tvm
+
+    for level in isa.ARM_LEVELS:
+        target = tvm.target.Target(level.target_dict(2))
+        assert target.attrs["mtriple"] == "aarch64-linux-gnu"
+    assert "+sve2" in isa.level("sve2").llvm_attributes and "+dotprod" in isa.level("armv8.2-a").llvm_attributes
+
+
+@pytest.mark.parametrize("level", ARM_LEVELS)
+def test_x86_templates_are_refused_for_aarch64_levels(level):
+    device = host_cpu().at_level(level)
+    spec = Matmul("int4", "bfloat16", group_size=64)
+    usable, unused = usable_templates(spec, N, K, (1, 16), "tile16", device)
+    assert [template.name for template in usable] == ["generic"]
+    for template in TEMPLATES:
+        if template.name != "generic":
+            assert unused[template.name] == (f"the {level} level (aarch64; the {template.title} template is x86_64 "
+                                             f"code)")
+            with pytest.raises(ValueError, match=f"cannot build for the {level} level"):
+                build_kernel(spec, N, K, template.name, template.config_type(), "tile16", (1, 16), device)
+
+
+def _assembly(spec: Matmul, device) -> str:
+    """The generic template's code for `device`, as TVM's LLVM writes it (no cross tools needed); the pass settings
+    are the build's (`kernel.compile_function`)."""
+    import tvm
+
+    template = next(t for t in TEMPLATES if t.name == "generic")
+    _, candidates = enumerate_candidates(spec, N, K, (1, 16), "tile16", device)
+    config = next(c.config for c in candidates if c.template == "generic")
+    func, _ = template.program(spec, N, K, config, "tile16", (1, 16), device)
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
+        library = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(
+            device.level.target_dict(device.cores)))
+    return library.mod.inspect_source("asm")
+
+
+@pytest.mark.parametrize("level", ARM_LEVELS)
+def test_the_generic_template_compiles_to_neon_at_every_aarch64_level(level):
+    """float32 activations: the multiply-adds are NEON fmla on 4-lane v registers.  The SVE levels get the same
+    NEON code: the template's vectors have a fixed width, which LLVM maps to NEON without a minimum SVE length."""
+    code = _assembly(Matmul("int4", "float32", group_size=64), host_cpu().at_level(level))
+    assert len(re.findall(r"\bfmla\s+v\d+\.4s", code)) >= 4
+    assert not re.search(r"\bz\d+\.[bhsd]\b", code)  # no SVE registers
+    assert "xmm" not in code and "ymm" not in code
+
+
+_LINKER = shutil.which("aarch64-linux-gnu-ld") or shutil.which("ld.lld")
+_OBJDUMP = shutil.which("aarch64-linux-gnu-objdump") or shutil.which("llvm-objdump")
+
+
+@pytest.mark.skipif(_LINKER is None or _OBJDUMP is None,
+                    reason="an aarch64 linker and disassembler (Debian: binutils-aarch64-linux-gnu) are not here")
+def test_a_kernel_built_for_an_aarch64_part_is_kept_but_never_run_here():
+    """Built through the build path (linked by the aarch64 linker), its library aarch64 code holding fmla on v
+    registers; calling it is refused, naming the architectures."""
+    device = device_for("cpu:neoverse-v1")
+    spec, qweight, x, _ = matmul_case("int4", N, K, 2, "float32", group=64, seed=1)
+    _, candidates = enumerate_candidates(spec, N, K, (1, 16), "tile16", device)
+    config = next(c.config for c in candidates if c.template == "generic")
+    kernel = build_kernel(spec, N, K, "generic", config, "tile16", (1, 16), device)
+    assert library_arch(kernel.library) == "aarch64"
+    code = subprocess.run([_OBJDUMP, "-d", "--no-show-raw-insn", kernel.library], check=True, capture_output=True,
+                          text=True).stdout
+    assert re.search(r"\bfmla\s+v\d+\.4s", code)
+    with pytest.raises(RuntimeError, match="this kernel is aarch64 code .* this machine is x86_64: it was built for "
+                                           "another machine and is never run here"):
+        kernel(x, pack(qweight))
+
+
+@pytest.mark.skipif(_LINKER is None, reason="an aarch64 linker (Debian: binutils-aarch64-linux-gnu) is not here")
+def test_a_prebuilt_cache_for_an_aarch64_part_is_kept_but_never_run_here(tmp_path, caplog):
+    """`prebuild --target cpu:cortex-a76` stores the generic kernel under the part's key; imported into another
+    cache, it is kept and said never to run here."""
+    from bitkern.cache import DiskStore
+    from bitkern.cache.prebuild import LinearShape, prebuild
+
+    built = DiskStore(tmp_path / "pi5")
+    report = prebuild([LinearShape(N, K, ("proj",))], "int4", 64, "cpu:cortex-a76", rows=[1], store=built,
+                      progress=False)
+    key = device_for("cpu:cortex-a76").key
+    assert report.built == 1 and [entry["key"]["target"] for entry in built.entries()] == [key]
+    built.export(tmp_path / "pi5.tar.gz")
+    with caplog.at_level("WARNING", logger="bitkern"):
+        assert DiskStore(tmp_path / "here").import_(tmp_path / "pi5.tar.gz") == 1
+    assert f"the {key} kernels of" in caplog.text and "never run here: they are aarch64 code" in caplog.text
