@@ -97,8 +97,12 @@ def host_cpu() -> CpuDevice:
     else:
         name, caches = _cpu_model(), (_cache_bytes(1, "Data", 48 << 10), _cache_bytes(2, "Unified", 2 << 20),
                                       _cache_bytes(3, "Unified", 32 << 20))
-    device = CpuDevice(name=name, level=isa.best_level(flags, arch), cores=_usable_cores(), l1_bytes=caches[0],
-                       l2_bytes=caches[1], llc_bytes=caches[2], clock_hz=_cpu_mhz() * 1e6)
+    level = isa.best_level(flags, arch)
+    part = CPU_TARGETS.get(PART_TARGETS.get(name, ""))
+    if part is not None and part.level == level.name:  # a named part: its code and cache key are the prebuilt ones
+        level = dataclasses.replace(level, llvm_cpu=part.llvm_cpu)
+    device = CpuDevice(name=name, level=level, cores=_usable_cores(), l1_bytes=caches[0], l2_bytes=caches[1],
+                       llc_bytes=caches[2], clock_hz=_cpu_mhz() * 1e6)
     forced = os.environ.get(LEVEL_VARIABLE)
     if not forced:
         return device
@@ -145,6 +149,8 @@ def _host_arch() -> str:
 # (implementer, part) of /proc/cpuinfo on aarch64 Linux: the core's name
 ARM_PARTS = {("0x41", "0xd0b"): "Cortex-A76", ("0x41", "0xd0c"): "Neoverse N1", ("0x41", "0xd40"): "Neoverse V1",
              ("0x41", "0xd4f"): "Neoverse V2", ("0x41", "0xd08"): "Cortex-A72"}
+PART_TARGETS = {"Cortex-A76": "cortex-a76", "Neoverse N1": "neoverse-n1", "Neoverse V1": "neoverse-v1",
+                "Neoverse V2": "neoverse-v2"}  # detected cores that are named targets (`CPU_TARGETS`)
 
 
 def cpuinfo_features(text: str) -> frozenset[str]:

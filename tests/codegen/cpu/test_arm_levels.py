@@ -94,8 +94,9 @@ def test_macos_arm64_cpus_are_detected_from_sysctl(cpu):
 
 
 def test_an_aarch64_linux_host_runs_its_level(monkeypatch):
-    """host_cpu() on a Graviton 3 (its /proc/cpuinfo; sysfs caches as read here): level sve, its code runnable there,
-    the x86 levels not; $BITKERN_CPU_LEVEL forces a lower aarch64 level."""
+    """host_cpu() on a Graviton 3 (its /proc/cpuinfo; sysfs caches as read here): level sve tuned for its core (so it
+    finds kernels prebuilt for cpu:neoverse-v1), its code runnable there, the x86 levels not; $BITKERN_CPU_LEVEL
+    forces a lower aarch64 level."""
     from bitkern.tuner import device
 
     features, variant, part, _, _ = CPUINFO["Neoverse V1 (Graviton 3)"]
@@ -105,6 +106,7 @@ def test_an_aarch64_linux_host_runs_its_level(monkeypatch):
     monkeypatch.delenv(device.LEVEL_VARIABLE, raising=False)
     graviton = device.host_cpu.__wrapped__()  # past its cache: the process's own answer was read on x86-64
     assert (graviton.name, graviton.level.name, graviton.runs_here()) == ("Neoverse V1", "sve", True)
+    assert graviton.key == device_for("cpu:neoverse-v1").key
     assert not graviton.at_level("x86-64").runs_here() and graviton.at_level("armv8.2-a").runs_here()
     monkeypatch.setenv(device.LEVEL_VARIABLE, "sve2")
     with pytest.raises(ValueError, match=r"lacks sve2; it runs the levels \['armv8-a', 'armv8.2-a', 'armv8.6-a', "
