@@ -52,9 +52,13 @@ class CpuKernel:
         in m_range (inputs already validated by the caller; residual: [M, N] in the output type, for specs with
         one; norm: (weight, bias or None) of a norm prologue, [K] each, passed as float32).  AMX kernels ask for the tile permission here, on their first call, so that they can be built for
         a CPU that is not this one."""
+        rows = self.spec.rows(x)
+        if not self.m_range[0] <= rows <= self.m_range[1]:
+            raise ValueError(f"x has {rows} rows; this {self.template} kernel serves {self.m_range[0]} to "
+                             f"{self.m_range[1]} (ask the cache for the kernel of {rows} rows)")
         if self.amx_tiles:
             enable_amx()
-        y = torch.empty(self.spec.rows(x), self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype),
+        y = torch.empty(rows, self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype),
                         device=x.device)
         bias_argument = () if bias is None else (_float32(bias),)
         residual_argument = () if residual is None else (aligned(residual.contiguous()),)

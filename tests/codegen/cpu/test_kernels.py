@@ -405,6 +405,9 @@ def test_kernels_are_built_once_per_bucket():
     assert kernel_for(spec, 64, 256, 129, packed.layout) is large
     assert (first.m_range, few.m_range, middle.m_range, large.m_range[0]) == ((1, 1), (2, 4), (5, 16), 129)
     assert first.record.bucket == (1, 1) and first.record.chosen is not None
+    for kernel, rows in ((first, 2), (few, 1), (few, 5), (middle, 17)):  # a kernel serves its bucket's rows only
+        with pytest.raises(ValueError, match=f"x has {rows} rows; this .* kernel serves {kernel.m_range[0]} to"):
+            kernel(torch.zeros(rows, 256, dtype=x.dtype), packed)
 
 
 @pytest.mark.parametrize("name", ["int4", "uint2", "int1", "nf4", "uint3", "int8", "mxfp4", "bfloat16"])
