@@ -14,6 +14,9 @@ setup(
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["bitkern", "bitkern.*"]),
+    # The extension's source ships with the package: the kernel cache's code fingerprint covers every file of
+    # bitkern/codegen, so an installed copy and the checkout it came from share their cached kernels.
+    package_data={"bitkern.codegen.cpu": ["parallel_launch.c"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -67,12 +67,22 @@ def pytest_runtest_setup(item):
             pytest.skip(f"needs {needs}")
 
 
+# Set for a pytest session that a test starts in a subprocess (tests/integration/test_hf_versions.py): the inner
+# session uses the outer session's kernel cache, so the kernels the outer one built are not built again.
+OUTER_SESSION_CACHE = "BITKERN_TEST_OUTER_CACHE_DIR"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache_dir(tmp_path_factory):
     """A fresh disk cache for the session: kernels are compiled once per run (the cold path) and reused.  Run by a
-    GPU kit ($BITKERN_KIT_DIR set), the tests use the kit's cache, which holds their prebuilt kernels."""
+    GPU kit ($BITKERN_KIT_DIR set), the tests use the kit's cache, which holds their prebuilt kernels; started by
+    another session (OUTER_SESSION_CACHE set), that session's cache."""
     if os.environ.get("BITKERN_KIT_DIR"):
         yield os.environ["BITKERN_CACHE_DIR"]
+        return
+    if os.environ.get(OUTER_SESSION_CACHE):
+        os.environ["BITKERN_CACHE_DIR"] = os.environ[OUTER_SESSION_CACHE]
+        yield os.environ[OUTER_SESSION_CACHE]
         return
     path = tmp_path_factory.mktemp("bitkern-cache")
     previous = os.environ.get("BITKERN_CACHE_DIR")

@@ -13,6 +13,7 @@ a step where the reference's top two logits are a near tie.
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +82,26 @@ def engine(model, dtype, settings, eager=True, **extra):
                 **extra)
 
 
+@pytest.fixture(scope="module")
+def quantized_on_load(run_vllm, tiny_llama, tmp_path_factory):
+    """quantized_on_load(dtype, settings, eager) -> (result, output, folder of the served weights) of an engine that
+    quantizes the tiny Llama on load and generates PROMPTS, tuning nothing once it has started.  Each engine starts
+    once per module: the tests that check the same engine (its weights, its tokens, its start-up log) share it."""
+    runs = {}
+
+    def serve(dtype, settings, eager=True):
+        key = (dtype, json.dumps(settings, sort_keys=True), eager)
+        if key not in runs:
+            folder = tmp_path_factory.mktemp("served-weights")
+            result, output = run_vllm({"engine": engine(tiny_llama, dtype, settings, eager), "prompts": PROMPTS,
+                                       "max_tokens": MAX_TOKENS, "weights": str(folder),
+                                       "no_tuning_after_start": True})
+            runs[key] = result, output, folder
+        return runs[key]
+
+    return serve
+
+
 def checkpoint_engine(path, eager, **extra):
     """An engine serving a quantized checkpoint: vLLM reads the method from its config.json."""
     request = engine(path, "float32", INT4, eager, **extra)
@@ -105,6 +126,15 @@ def check_weights(folder, weights, ranks):
             assert torch.equal(weight, expected_weight(weights, name, rank, ranks)), name
 
 
+def test_the_engines_share_the_sessions_kernel_cache(vllm_env):
+    """The checkout installed in the vLLM environment has the checkout's code fingerprint (part of every cache
+    key), so the engines load the kernels this session built, and each other's, instead of building them again."""
+    from bitkern.cache.key import code_fingerprint
+
+    _, env = vllm_env
+    assert code_fingerprint(Path(env["PYTHONPATH"]) / "bitkern") == code_fingerprint(Path(bitkern.__file__).parent)
+
+
 def test_settings_change_the_reference(reference):
     """The engine tests can tell int4 g64 from nf4 g128: their references generate different tokens."""
     assert reference("float32", INT4)[0] != reference("float32", NF4)[0]
@@ -112,11 +142,10 @@ def test_settings_change_the_reference(reference):
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 @pytest.mark.parametrize("settings", [INT4, NF4], ids=["int4-g64", "nf4"])
-def test_quantize_on_load_matches_transformers(run_vllm, tiny_llama, reference, tmp_path, settings, eager):
+def test_quantize_on_load_matches_transformers(quantized_on_load, reference, settings, eager):
     tokens, _, weights = reference("float32", settings)
-    result, _ = run_vllm({"engine": engine(tiny_llama, "float32", settings, eager), "prompts": PROMPTS,
-                          "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
-    check_weights(tmp_path, weights, ranks=1)
+    result, _, served = quantized_on_load("float32", settings, eager)
+    check_weights(served, weights, ranks=1)
     assert result["tokens"] == tokens
 
 
@@ -132,12 +161,12 @@ def test_bitkern_checkpoint_loads_prequantized(run_vllm, bitkern_checkpoint, tmp
     assert result["tokens"] == tokens
 
 
-def test_kernels_are_ready_when_the_engine_starts(run_vllm, tiny_llama, reference):
+def test_kernels_are_ready_when_the_engine_starts(quantized_on_load, reference):
     """Each layer's kernels are prepared while the engine starts, for every token count it runs (1 to
-    max_num_batched_tokens = 128: four M buckets); the generation then tunes nothing."""
+    max_num_batched_tokens = 128: four M buckets); the generation then tunes nothing (quantized_on_load's engines
+    fail on any tuning after their start)."""
     tokens, _, _ = reference("float32", INT4)
-    result, output = run_vllm({"engine": engine(tiny_llama, "float32", INT4), "prompts": PROMPTS,
-                               "max_tokens": MAX_TOKENS, "no_tuning_after_start": True})
+    result, output, _ = quantized_on_load("float32", INT4)
     assert result["tokens"] == tokens
     for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert re.search(rf"bitkern: model\.layers\.0\.\w+\.{layer}: bitkern\.prepare: 4 kernels for 1\.\.128 "
@@ -166,11 +195,10 @@ def test_tensor_parallel_2(run_vllm, tiny_llama, reference, tmp_path):
     assert result["tokens"] == tokens
 
 
-def test_bfloat16(run_vllm, tiny_llama, reference, tmp_path):
+def test_bfloat16(quantized_on_load, reference):
     tokens, margins, weights = reference("bfloat16", INT4)
-    result, _ = run_vllm({"engine": engine(tiny_llama, "bfloat16", INT4), "prompts": PROMPTS,
-                          "max_tokens": MAX_TOKENS, "weights": str(tmp_path)})
-    check_weights(tmp_path, weights, ranks=1)
+    result, _, served = quantized_on_load("bfloat16", INT4)
+    check_weights(served, weights, ranks=1)
     assert_greedy_agrees(result["tokens"], tokens, margins, NEAR_TIE)
 
 
