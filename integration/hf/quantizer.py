@@ -71,8 +71,7 @@ class BitkernHfQuantizer(HfQuantizer):
         kept = kept_modules(model)
         if not self.pre_quantized:
             config.modules_to_not_convert = sorted({*config.modules_to_not_convert, *kept})
-        self.plan = _plan(model, config, kept)
-        self.experts_plan = _experts_plan(model, config, kept)
+        self.plan, self.experts_plan = _plan(model, config, kept)
         if self.pre_quantized:
             slots = {name: _CheckpointSlots(model.get_submodule(name), settings) for name, settings in self.plan.items()}
             experts = {name: _ExpertsSlots(model.get_submodule(name), settings)
@@ -266,45 +265,32 @@ class _ExpertsSlots(nn.Module):
         raise RuntimeError("these bitkern experts are still loading their checkpoint")
 
 
-def _plan(model, config: BitkernConfig, kept: list[str]) -> dict[str, LayerSettings]:
-    """{name: settings} of every nn.Linear to convert; ValueError listing every layer the settings do not fit
-    (before anything is replaced)."""
-    plan, misfit = {}, []
+def _plan(model, config: BitkernConfig, kept: list[str]) -> tuple[dict, dict]:
+    """({name: settings} of every nn.Linear to convert, {name: {float parameter: settings}} of every experts module,
+    each projection's settings those of its float parameter's name, e.g. "model.layers.0.mlp.experts.down_proj");
+    ValueError listing every layer and experts module the settings do not fit (before anything is replaced)."""
+    linears, experts, misfit = {}, {}, []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or not config.converts(name, kept):
             continue
         settings = config.layer_settings(name)
         try:
             settings.layer(module.in_features, module.out_features)
+            linears[name] = settings
         except (TypeError, ValueError) as error:
             misfit.append(f"{name} (in_features {module.in_features}): {error}")
-            continue
-        plan[name] = settings
-    if misfit:
-        raise ValueError(f"bitkern cannot quantize these layers as configured: {'; '.join(misfit)}. Give them other "
-                         f"settings in overrides={{pattern: {{...}}}} or keep them float in modules_to_not_convert")
-    return plan
-
-
-def _experts_plan(model, config: BitkernConfig, kept: list[str]) -> dict[str, dict[str, LayerSettings]]:
-    """{name: {float parameter: settings}} of every experts module to convert (each projection's settings are those
-    of its float parameter's name, e.g. "model.layers.0.mlp.experts.down_proj"); ValueError listing every module
-    the settings do not fit (before anything is replaced)."""
-    plan, misfit = {}, []
     for name, module in experts_targets(model, lambda name, module: not config.converts(name, kept)):
         settings = {FLOAT_PARAMETERS[p]: config.layer_settings(f"{name}.{FLOAT_PARAMETERS[p]}")
                     for p in float_projections(module)}
         try:
             Experts.empty_like(module, lambda parameter: dataclasses.asdict(settings[parameter]))
+            experts[name] = settings
         except (TypeError, ValueError) as error:
             misfit.append(f"{name}: {error}")
-            continue
-        plan[name] = settings
     if misfit:
-        raise ValueError(f"bitkern cannot quantize these experts modules as configured: {'; '.join(misfit)}. Give "
-                         f"them other settings in overrides={{pattern: {{...}}}} or keep them float in "
-                         f"modules_to_not_convert")
-    return plan
+        raise ValueError(f"bitkern cannot quantize these layers as configured: {'; '.join(misfit)}. Give them other "
+                         f"settings in overrides={{pattern: {{...}}}} or keep them float in modules_to_not_convert")
+    return linears, experts
 
 
 def _renamings(model) -> list:

@@ -206,3 +206,14 @@ def test_quantize_on_load_takes_one_experts_weight_at_a_time(checkpoints, monkey
     assert all(materialized == [] for *_, materialized in calls)
     assert {shape for _, _, shape, _ in calls} == {(8, 64, 32), (8, 64, 64)}
     assert all(isinstance(layer.mlp.experts, bitkern.Experts) for layer in model.model.layers)
+
+
+def test_settings_that_fit_neither_linears_nor_experts_are_refused_together(checkpoints):
+    """One error names every nn.Linear and experts module the settings do not fit, before anything is replaced."""
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="cannot quantize these layers as configured") as error:
+        AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"],
+                                             quantization_config=BitkernConfig("int4", group_size=48))
+    assert "model.layers.0.self_attn.q_proj (in_features 64)" in str(error.value)
+    assert "model.layers.1.mlp.experts: " in str(error.value)
