@@ -52,7 +52,8 @@ def _meta_model(config, settings: BitkernConfig):
                          if hasattr(transformers, name)), None)
     with torch.device("meta"):
         model = architecture._from_config(config) if architecture is not None else AutoModel.from_config(config)
-    for name, layer_settings in _plan(model, settings, kept_modules(model)).items():
+    linears, _ = _plan(model, settings, kept_modules(model))  # experts modules: not prebuilt yet
+    for name, layer_settings in linears.items():
         module = model.get_submodule(name)
         _replace(model, name, layer_settings.layer(module.in_features, module.out_features, module.bias is not None))
     return model
