@@ -17,15 +17,9 @@ from bitkern.cache.prebuild import parse_shapes, prebuild, shapes_from_config
 from bitkern.ops import Matmul
 from bitkern.tuner import host_cpu
 
+pytestmark = pytest.mark.usefixtures("fresh_process_map")
+
 SPEC = Matmul("int4", "bfloat16")
-
-
-@pytest.fixture(autouse=True)
-def fresh_process_map():
-    """Each test uses its own store: start from an empty in-process map."""
-    forget()
-    yield
-    forget()
 
 
 def _key(n=64, k=256, m=1):

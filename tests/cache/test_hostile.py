@@ -39,6 +39,8 @@ from bitkern.cache import bundle as bundles
 from bitkern.ops import Matmul
 from bitkern.tuner import host_cpu, m_bucket
 
+pytestmark = pytest.mark.usefixtures("fresh_process_map")
+
 SPEC = Matmul("int4", "bfloat16")
 N, K = 64, 256
 OTHER_UID = 54321
@@ -60,13 +62,6 @@ def golden(tmp_path_factory):
     assert DiskStore(root).export(bundle) == 1
     forget()
     return SimpleNamespace(root=root, kernel=kernel, bundle=bundle)
-
-
-@pytest.fixture(autouse=True)
-def fresh_process_map():
-    forget()
-    yield
-    forget()
 
 
 @pytest.fixture

@@ -27,6 +27,8 @@ from bitkern.cache.private import untrusted_reason
 from bitkern.ops import Matmul
 from bitkern.tuner import host_cpu, m_bucket
 
+pytestmark = pytest.mark.usefixtures("fresh_process_map")
+
 SPEC = Matmul("int4", "bfloat16")
 N, K = 64, 256
 USER, OTHER = 1000, 1001
@@ -47,13 +49,6 @@ def golden(tmp_path_factory):
         kernel = kernel_for(SPEC, N, K, 1, "tile16", store=DiskStore(root))
     forget()
     return root, kernel
-
-
-@pytest.fixture(autouse=True)
-def fresh_process_map():
-    forget()
-    yield
-    forget()
 
 
 @pytest.fixture
