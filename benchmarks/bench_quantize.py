@@ -16,6 +16,7 @@ in benchmarks/results/).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import statistics
@@ -85,13 +86,29 @@ def test_quantize_keeps_up_with_reading(checkpoint, record):
         calls[("quantize", name, "float32", default)] = _from_float(weight.float(), name, default)
     seconds = interleaved(calls, rounds=5, round_s=0.0)
     disk = statistics.median(seconds["read", "disk (O_DIRECT)", "bfloat16", 1])
-    with open("/proc/loadavg") as loadavg:
-        load = loadavg.read().split()[0]
+    load = _load_1min()
     for (kind, name, source, count), samples in seconds.items():
         median = statistics.median(samples)
         record("quantize", operation=kind, case=name, weights=source, threads=count,
                M_weights_per_s=SHAPE[0] * SHAPE[1] / median / 1e6, ms=median * 1e3, vs_disk=disk / median,
                load_1min=load)
+
+
+@contextlib.contextmanager
+def _method_threads():
+    """torch at METHOD_THREADS threads inside the block, its own count restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(METHOD_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _load_1min() -> str:
+    """The 1-minute load average, recorded beside each figure."""
+    with open("/proc/loadavg") as loadavg:
+        return loadavg.read().split()[0]
 
 
 def test_quantize_methods(record):
@@ -102,17 +119,12 @@ def test_quantize_methods(record):
         return lambda: bitkern.quantize(weight, name, group_size=128 if name != "mxfp4" else None,
                                         zero_mode=zero_mode, method=method)
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(METHOD_THREADS)
-    try:
+    with _method_threads():
         calls = {(name, zero_mode, method): call(name, zero_mode, method)
                  for name, zero_mode in METHOD_CASES for method in ("rtn", "hqq")}
         samples = interleaved(calls, rounds=3, round_s=0.0)
         seconds = {key: statistics.median(times) for key, times in samples.items()}
-    finally:
-        torch.set_num_threads(previous)
-    with open("/proc/loadavg") as loadavg:
-        load = loadavg.read().split()[0]
+    load = _load_1min()
     for (name, zero_mode, method), median in seconds.items():
         record("quantize_method", case=name, zero_mode=zero_mode, method=method, threads=METHOD_THREADS,
                M_weights_per_s=METHOD_SHAPE[0] * METHOD_SHAPE[1] / median / 1e6,
@@ -129,19 +141,14 @@ def test_quantize_gptq(record):
     hessian.add(torch.randn(2 * METHOD_SHAPE[1], METHOD_SHAPE[1], generator=generator))
     cases = [(name, zero_mode, act_order) for name, zero_mode in (("int4", "none"), ("uint4", "gptq"))
              for act_order in (False, True)]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(METHOD_THREADS)
     seconds = {}
-    try:
+    with _method_threads():
         for name, zero_mode, act_order in cases:
             gptq(weight[:16, :256], hessian.matrix[:256, :256], name, 128, zero_mode)
             start = time.perf_counter()
             gptq(weight, hessian.matrix, name, 128, zero_mode, act_order=act_order)
             seconds[name, zero_mode, act_order] = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(previous)
-    with open("/proc/loadavg") as loadavg:
-        load = loadavg.read().split()[0]
+    load = _load_1min()
     for (name, zero_mode, act_order), elapsed in seconds.items():
         record("quantize_gptq", case=name, zero_mode=zero_mode, act_order=act_order, threads=METHOD_THREADS,
                M_weights_per_s=METHOD_SHAPE[0] * METHOD_SHAPE[1] / elapsed / 1e6, load_1min=load)

@@ -7,8 +7,8 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
             4-byte groups vpdpbusd multiplies with the bytes of a masked tile16 word, so one broadcast serves a
             whole weight vector; per quantization group the sums XS = Σ d·q (for offsets and zero points);
   main      per block of `rows` rows (all of K with y in registers where one block holds the call's rows, else
-            per group, every block in turn, so a group's words come from DRAM once): each tile16 word (16 columns) is masked per byte position (its
-            codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1); code
+            per group, every block in turn, so a group's words come from DRAM once): each tile16 word (16 columns)
+            is masked per byte position (its codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1); code
             books and floats looked up by vpshufb in their int8 code book, `vnni.byte_table`), and vpdpbusd adds
             u·q of 4 k's per lane into int32 sums C; per activation block y += (scale·alpha·d)·C, per
             group y += scale·beta·XS, where v = alpha·u + offset and beta = offset - zero point;
