@@ -1,7 +1,7 @@
 """FMA template: y = x · dequant(W)ᵀ with codes decoded to float32 in registers and multiplied in by FMA (any level
 from AVX2 up); its code comes from `emit.fma`, the lookup kernel's structure with the tables replaced.  It serves
-integer and zero-point codes of 2, 4 and 8 bits (converted) and 4-bit code books (nf4, fp4, MX, NVFP4: looked up,
-`emit.tir.lookup16`).  For M <= 4 (few rows) it is the decode kernel: where a
+integer and zero-point codes of 2, 4 and 8 bits (converted), 4-bit code books (nf4, fp4, MX, NVFP4: looked up,
+`emit.tir.lookup16`) and bfloat16 weights (moved into float32's top half).  For M <= 4 (few rows) it is the decode kernel: where a
 16-entry table lookup is one vpermps (AVX-512) the lookup template competes, where it takes three per 8 lanes (AVX2)
 this one is the cheaper decode of 4- and 8-bit codes.  Beyond that (prompts) it runs blocks of rows, each word
 decoded once per block, on levels without AVX512-BF16 (with it, the dot template's bf16 products are the faster
@@ -18,11 +18,14 @@ from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
 from ..template import ANY_ROWS, Work
 from . import isa
-from .kernel import FEW_ROWS, PREFETCH_WORDS, Footprint, doublings, norm_prologue, operand_bytes
+from .kernel import (FEW_ROWS, PREFETCH_WORDS, Footprint, bfloat16_codes, doublings, norm_prologue,
+                     operand_bytes)
 from .layout import AMX_TILE_ROWS, padded_k
 from .lut import LOOKUP_256, LutConfig, LutTemplate, min_tiles, value_table
 
-BITS = (2, 4, 8)  # 1-bit codes: the lookup template (64 per lookup); 32 positions would outgrow a 16-lane x pattern
+# integer widths (and bfloat16's 16 bits); 1-bit codes: the lookup template (64 per lookup); 32 positions would
+# outgrow a 16-lane x pattern
+BITS = (2, 4, 8)
 # rows x tiles of 16-lane sums a body keeps in registers: with AVX2 each is two of its 16 ymm
 BODY = 8
 # Beyond few rows, row blocks whose sums, decoded codes and broadcast x stay in the level's vector registers
@@ -87,8 +90,10 @@ class FmaTemplate(LutTemplate):
 
     def unsupported_codes(self, spec: Matmul) -> str | None:
         ttype = get(spec.weight_dtype)
+        if bfloat16_codes(ttype):
+            return None
         if ttype.bits not in BITS:
-            return f"{ttype.bits}-bit codes (it reads {list(BITS)}-bit codes)"
+            return f"{ttype.bits}-bit codes (it reads {list(BITS)}-bit codes and bfloat16)"
         if spec.zero_mode == "none" and not converts_exactly(ttype) and not looks_up(spec):
             return f"{ttype.name} codes (it converts integer codes and looks up 4-bit code books)"
         return None

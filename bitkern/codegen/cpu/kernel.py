@@ -155,6 +155,12 @@ def operand_bytes(spec: Matmul, n: int, k: int, m: int) -> float:
     return n * k * ttype.bits / 8 + n * groups * scale_bytes + m * k * itemsize(spec.activation_dtype) + m * n * 4
 
 
+def bfloat16_codes(ttype) -> bool:
+    """Whether a type's 16-bit codes are bfloat16 bit patterns: the top half of their float32 values, which the
+    kernels read by moving them there (a shift or a mask), no table."""
+    return ttype.bits == 16 and ttype.float_format == get("bfloat16").float_format
+
+
 def norm_prologue(spec: Matmul, m: int, k: int, copies: float) -> dict:
     """The operations of a norm prologue: each of x's M·K elements normalized `copies` times per call (by every
     thread that builds its own tables, or one thread's worth per core where a serial prologue keeps the others

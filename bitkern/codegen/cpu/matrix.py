@@ -14,7 +14,7 @@ import torch
 from ...ops.matmul import EPILOGUES, NORMS, Matmul
 from ...ttype import effective_group_size, get
 from ...ttype.types import INT, UINT
-from .kernel import CpuTemplate, check_prefetch
+from .kernel import CpuTemplate, bfloat16_codes, check_prefetch
 from .layout import AMX_STEP_K, TILE16_BITS
 
 PLANES = {"bfloat16": 1, "float16": 2, "float32": 3}  # bf16 planes that sum to an activation of each type
@@ -125,7 +125,7 @@ class MatrixTemplate(CpuTemplate):
             return f"{ttype.bits}-bit codes (it decodes {MATRIX_BITS}-bit codes)"
         if ttype.bits == 8 and ttype.kind not in (INT, UINT):
             return f"8-bit {ttype.kind} codes (8-bit codes decode as integers)"
-        if ttype.bits == 16 and ttype.float_format != get("bfloat16").float_format:
+        if ttype.bits == 16 and not bfloat16_codes(ttype):
             return f"16-bit {ttype.name} codes (16-bit codes are read as bfloat16)"
         if spec.activation_dtype not in PLANES:
             return f"activation_dtype={spec.activation_dtype} (AMX bf16 takes {sorted(PLANES)})"

@@ -43,7 +43,7 @@ def test_integer_codes_match_the_reference(level, dtype, zero_mode, activation):
     spec, q, _, bias = matmul_case(dtype, 48, K, 1, activation, group=64, zero_mode=zero_mode, bias=True)
     reason = TEMPLATE.unsupported(spec, 48, K, device)
     if dtype in ("int3", "uint1"):
-        assert reason == f"{dtype[-1]}-bit codes (it reads [2, 4, 8]-bit codes)"
+        assert reason == f"{dtype[-1]}-bit codes (it reads [2, 4, 8]-bit codes and bfloat16)"
         return
     assert reason is None
     kernel = build_kernel(spec, 48, K, "fma", FmaConfig(n_tiles=2, prefetch=16), "tile16", (1, 4), device)
@@ -72,6 +72,30 @@ def test_4_bit_code_books_are_looked_up(level, dtype):
         for m in rows:
             x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
             assert_matches_reference(spec, q, x, bias, kernel(x, packed, bias))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("activation", ["bfloat16", "float32"])
+def test_bfloat16_weights_match_the_reference(level, activation):
+    """bfloat16 weights (each k of a word moved into float32's top half) with values over many binades, including
+    subnormals and zeros of both signs, few rows and blocks of rows (where the level takes them) against the float64
+    reference."""
+    device = _device(level)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, K, generator=generator) * torch.exp2(torch.randint(-20, 20, (48, K), generator=generator))
+    weight[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39])
+    q = bitkern.quantize(weight, "bfloat16", group_size=-1)
+    spec = Matmul.for_weight(q, activation, bias=True, output_dtype="float32")
+    bias = torch.randn(48, generator=generator)
+    assert TEMPLATE.unsupported(spec, 48, K, device) is None
+    few_rows = build_kernel(spec, 48, K, "fma", FmaConfig(n_tiles=2, prefetch=16), "tile16", (1, 4), device)
+    cases = [(few_rows, (1, 2, 4))]
+    if level in BLOCK_LEVELS:
+        cases.append((build_kernel(spec, 48, K, "fma", ROW_BLOCKS[0], "tile16", (17, 128), device), (17, 30)))
+    for kernel, rows in cases:
+        for m in rows:
+            x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(getattr(torch, activation))
+            assert_matches_reference(spec, q, x, bias, kernel(x, pack(q), bias))
 
 
 def test_other_float_codes_are_refused():

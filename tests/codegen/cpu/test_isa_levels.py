@@ -13,6 +13,7 @@ import torch
 
 from bitkern.codegen import build_kernel, pack
 from bitkern.codegen.cpu import TEMPLATES, isa
+from bitkern.codegen.cpu.fma import TEMPLATE as FMA
 from bitkern.codegen.cpu.kernel import disassembly
 from bitkern.ops import Matmul
 from bitkern.tuner import device_for, host_cpu
@@ -131,6 +132,26 @@ def test_code_books_with_int8_activations_look_up_bytes_at_every_level(level):
         _, qweight, x, _ = matmul_case("nf4", N, K, 3, "bfloat16", group=64, seed=5)
         spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
         torch.testing.assert_close(kernel(x, pack(qweight)), spec.reference(x, qweight), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("level", [level.name for level in isa.LEVELS if FMA.requires <= level.features])
+def test_bfloat16_weights_take_the_fma_template_at_every_level(level):
+    """bfloat16 weights (lm_heads kept in bf16) at every level from AVX2 up: each code moved into float32's top half
+    (vpslld, vpand) and multiplied in by FMA, nothing converted; run against the reference where this CPU runs the
+    level."""
+    device = host_cpu().at_level(level)
+    spec = Matmul("bfloat16", "bfloat16", group_size=-1)
+    assert "fma" not in usable_templates(spec, N, K, (1, 1), "tile16", device)[1]
+    _, candidates = enumerate_candidates(spec, N, K, (1, 1), "tile16", device)
+    config = next(c.config for c in candidates if c.template == "fma")
+    kernel = build_kernel(spec, N, K, "fma", config, "tile16", (1, 1), device)
+    code = disassembly(kernel.library)
+    assert all(re.search(rf"(?<!\w){instruction}(?!\w)", code) for instruction in ("vpslld", r"vpand\w*",
+                                                                                    r"vfmadd\w*ps"))
+    assert "vcvtdq2ps" not in code and (device.vector_bytes == 64 or "zmm" not in code)
+    if device.runs_here():
+        _, qweight, x, _ = matmul_case("bfloat16", N, K, 1, "bfloat16", group=-1, seed=6)
+        assert_matches_reference(Matmul.for_weight(qweight, "bfloat16"), qweight, x, None, kernel(x, pack(qweight)))
 
 
 def test_forcing_a_lower_level_in_a_fresh_process():

@@ -6,6 +6,7 @@ each code position is masked in place and converted to float32 (u·2^(bits·p) f
 2^(-bits·p) in the prologue: no shift but the top position's; two's complement codes have their sign bits flipped
 once per word, u = c + 2^(bits-1), and that many XS come off per group) and multiplied into every row's sums with
 x[k] broadcast: 8 codes of 4 bits, 4 of 8 bits per word, two vector operations and one multiply-add per row each.
+A word of bfloat16 codes holds two k's: each is its float32 value once moved to the top half (a shift, or a mask).
 It serves integer types (and zero-point codes), where the lookup kernel spends three instructions per 8 lanes on a
 16-entry table with 256-bit vectors.
 """
@@ -21,6 +22,7 @@ from ....ttype.types import INT
 from ...template import ANY_ROWS
 from ..fma import FmaConfig, looks_up
 from ..isa import IsaLevel
+from ..kernel import bfloat16_codes
 from . import lut
 from .tir import LANES, load, lookup16, prefetch_ahead, ramp, registers, splat, u32
 
@@ -40,6 +42,7 @@ class _Builder(lut.Builder):
         # 4-bit code books (nf4, fp4, MX, NVFP4): each code's value looked up in the value table; integer codes
         # converted
         self.takes_values = looks_up(self.spec)
+        self.bfloat16 = bfloat16_codes(self.ttype)  # codes that are their float32 values' top halves
         self.signed = get(self.spec.weight_dtype).kind == INT and self.spec.zero_mode == "none" \
             and not self.takes_values
         self.top = self.per_word - 1  # the code position at the word's top bits
@@ -61,7 +64,7 @@ class _Builder(lut.Builder):
         place holds u·2^(bits·p), whose product with it is u·x exactly (scaling by a power of two is exact), so the
         main loop needs no shift but the top position's."""
         slot_of = {self._k_in_word(slot): slot for slot in range(self.per_word)}
-        factors = [1.0 if self.takes_values or slot_of[i % self.per_word] == self.top
+        factors = [1.0 if self.takes_values or self.bfloat16 or slot_of[i % self.per_word] == self.top
                    else 2.0 ** -(self.bits * slot_of[i % self.per_word]) for i in range(LANES)]
         pattern = tirx.Shuffle([tirx.const(factor, "float32") for factor in factors], list(range(LANES)))
         vectors = self.k_pad // LANES
@@ -100,7 +103,12 @@ class _Builder(lut.Builder):
     def _codes(self, word, slot: int, table):
         """The codes at position `slot` of 16 words as float32 lanes: looked up in `table` (a 4-bit code book: the
         word shifted down, `lookup16` reads the low 4 bits), else as unsigned integers, masked in place
-        (u·2^(bits·slot), exact in float32 and within int32) below the top position, shifted down at the top."""
+        (u·2^(bits·slot), exact in float32 and within int32) below the top position, shifted down at the top;
+        bfloat16 codes as the float32 whose top half they are."""
+        if self.bfloat16:
+            top = tirx.bitwise_and(word, splat(-(1 << 16), "int32")) if slot == self.top \
+                else tirx.shift_left(word, splat(16, "int32"))
+            return tirx.reinterpret("float32x16", top)
         if table is not None:
             index = word if slot == 0 else tirx.shift_right(tirx.reinterpret("uint32x16", word), u32(4 * slot))
             return lookup16(table, tirx.reinterpret("int32x16", index), self.level.vector_bytes)
