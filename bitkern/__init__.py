@@ -48,8 +48,8 @@ def prepare(model, tokens, dtype=None, progress: bool = True):
 
 
 def load_pretrained(path, **from_pretrained_kwargs):
-    """A GPTQ / AWQ / bitsandbytes-4bit checkpoint directory, or one `save_pretrained` of a bitkern model wrote,
-    as a transformers model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
+    """A GPTQ / AWQ / bitsandbytes-4bit / gpt-oss MXFP4 checkpoint directory, or one `save_pretrained` of a bitkern
+    model wrote, as a transformers model with bitkern layers (see `bitkern.integration.formats.pretrained`)."""
     from .integration.formats.pretrained import load_pretrained as load
 
     return load(path, **from_pretrained_kwargs)

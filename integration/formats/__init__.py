@@ -4,6 +4,9 @@ Importers: GPTQ (AutoGPTQ / GPTQModel: 2/3/4/8 bits, sym and asym, v1 and v2 zer
 (AutoAWQ "gemm") and bitsandbytes 4-bit (nf4, fp4, double quantization).  Each turns a module's tensors into
 an `ImportedLinear` (a `bitkern.QuantizedWeight` whose dequantization equals the tool's own, the input
 permutation of act-order layers, the bias); `ImportedLinear.to_module()` makes the `bitkern.Linear`.
+gpt-oss's MXFP4 experts (quant_method "mxfp4") become an `ImportedExperts` per experts module (one mxfp4
+`QuantizedWeight` per expert and projection, the checkpoint's bytes as they are, and the biases);
+`ImportedExperts.to_module(float_experts)` makes the `bitkern.Experts`.
 
 Entry points: `convert_module(tensors, prefix, quantization_config)` (one module),
 `convert_state_dict(state_dict, quantization_config)` (a whole checkpoint: modules and the float rest),
@@ -14,12 +17,12 @@ Entry points: `convert_module(tensors, prefix, quantization_config)` (one module
 from .checkpoint import read_config, read_tensors
 from .convert import FORMATS, convert_module, convert_state_dict, quantized_modules
 from .export import export_gptq, save_gptq
-from .imported import FormatError, ImportedLinear
+from .imported import FormatError, ImportedExperts, ImportedLinear
 
 
 def import_checkpoint(path) -> tuple[dict, dict, dict]:
-    """(config, {module name: ImportedLinear}, {key: float tensor}) of a GPTQ / AWQ / bitsandbytes checkpoint
-    directory (config.json with its quantization_config, safetensors weights)."""
+    """(config, {module name: ImportedLinear or ImportedExperts}, {key: float tensor}) of a GPTQ / AWQ / bitsandbytes /
+    gpt-oss MXFP4 checkpoint directory (config.json with its quantization_config, safetensors weights)."""
     config = read_config(path)
     if "quantization_config" not in config:
         raise FormatError(f"{path}/config.json has no quantization_config: not a quantized checkpoint")
@@ -27,5 +30,5 @@ def import_checkpoint(path) -> tuple[dict, dict, dict]:
     return config, modules, rest
 
 
-__all__ = ["FORMATS", "FormatError", "ImportedLinear", "convert_module", "convert_state_dict", "export_gptq",
-           "import_checkpoint", "quantized_modules", "read_config", "read_tensors", "save_gptq"]
+__all__ = ["FORMATS", "FormatError", "ImportedExperts", "ImportedLinear", "convert_module", "convert_state_dict",
+           "export_gptq", "import_checkpoint", "quantized_modules", "read_config", "read_tensors", "save_gptq"]

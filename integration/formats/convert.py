@@ -1,13 +1,14 @@
-"""A checkpoint's state dict in any supported format -> bitkern layers (one `ImportedLinear` per quantized module)
-plus the float tensors that stay as they are.  Every module is converted and checked before anything is
-returned, so a bad tensor anywhere fails the whole import and nothing is half-loaded."""
+"""A checkpoint's state dict in any supported format -> bitkern layers (one `ImportedLinear` per quantized linear
+module, one `ImportedExperts` per quantized experts module of gpt-oss's MXFP4) plus the float tensors that stay as
+they are.  Every module is converted and checked before anything is returned, so a bad tensor anywhere fails the
+whole import and nothing is half-loaded."""
 
 from __future__ import annotations
 
-from . import awq, bnb, gptq
-from .imported import FormatError, ImportedLinear
+from . import awq, bnb, gptq, mxfp4
+from .imported import FormatError, ImportedExperts, ImportedLinear
 
-FORMATS = {module.QUANT_METHOD: module for module in (gptq, awq, bnb)}
+FORMATS = {module.QUANT_METHOD: module for module in (gptq, awq, bnb, mxfp4)}
 
 
 def quantization_settings(quantization_config) -> tuple:
@@ -22,16 +23,17 @@ def quantization_settings(quantization_config) -> tuple:
     return FORMATS[method], FORMATS[method].read_config(config)
 
 
-def convert_module(tensors: dict, prefix: str, quantization_config) -> ImportedLinear:
+def convert_module(tensors: dict, prefix: str, quantization_config) -> ImportedLinear | ImportedExperts:
     """The quantized linear layer stored under `prefix` (e.g. "model.layers.0.mlp.down_proj.") of a checkpoint's
-    `tensors` as bitkern holds it (its dequantized weight identical, bit for bit, to the format's own)."""
+    `tensors` as bitkern holds it (its dequantized weight identical, bit for bit, to the format's own); for "mxfp4",
+    the experts module stored there ("model.layers.0.mlp.experts.")."""
     form, settings = quantization_settings(quantization_config)
     return form.convert(tensors, prefix, settings)
 
 
 def convert_state_dict(state_dict: dict, quantization_config) -> tuple[dict, dict]:
-    """({module name: ImportedLinear}, {key: tensor} of everything else) for a checkpoint's whole state dict;
-    `state_dict` itself is not changed."""
+    """({module name: ImportedLinear or ImportedExperts}, {key: tensor} of everything else) for a checkpoint's whole
+    state dict; `state_dict` itself is not changed."""
     form, settings = quantization_settings(quantization_config)
     prefixes = module_prefixes(form, state_dict)
     if not prefixes:

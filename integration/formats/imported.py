@@ -1,4 +1,5 @@
-"""What an importer makes of one quantized module of a checkpoint, and the checks that name the tensor at fault."""
+"""What an importer makes of one quantized module of a checkpoint (a linear layer, or a mixture-of-experts block's
+experts), and the checks that name the tensor at fault."""
 
 from __future__ import annotations
 
@@ -33,6 +34,32 @@ class ImportedLinear:
         """The [out, in] weight in the original column order, computed in float32 and returned in `dtype`."""
         weight = self.weight.dequantize(dtype)
         return weight if self.input_order is None else weight.index_select(1, torch.argsort(self.input_order))
+
+
+@dataclass
+class ImportedExperts:
+    """The experts of one mixture-of-experts block of a checkpoint as bitkern holds them: per projection ("gate_up",
+    "down"), one weight per expert (their dequantization is the format's own, bit for bit) and the [E, N] bias."""
+
+    weights: dict[str, list[QuantizedWeight]]
+    biases: dict[str, torch.Tensor | None]
+
+    def to_module(self, float_module, dtype: torch.dtype | None = None, compute_dtype=None):
+        """A `bitkern.Experts` holding these experts with the gate of the model's float experts module
+        `float_module` (its geometry must match); the biases in `dtype` (None: as stored)."""
+        from bitkern.nn.experts import Experts, ExpertWeights
+
+        projections = {}
+        for name, weights in self.weights.items():
+            bias = self.biases.get(name)
+            if bias is not None and dtype is not None:
+                bias = bias.to(dtype)
+            projections[name] = ExpertWeights.from_quantized(weights, bias, compute_dtype)
+        return Experts.from_projections(float_module, projections)
+
+    def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Projection `name`'s [E, N, K] weight, computed in float32 and returned in `dtype`."""
+        return torch.stack([weight.dequantize(dtype) for weight in self.weights[name]])
 
 
 def tensor(tensors: dict, name: str, dtypes: tuple, dims: int) -> torch.Tensor:

@@ -1,27 +1,29 @@
-"""`bitkern.load_pretrained(path)`: a GPTQ / AWQ / bitsandbytes-4bit checkpoint directory (or one written with
-`bitkern.save`, or by `save_pretrained` of a model quantized with `bitkern.BitkernConfig`) as a transformers model
-whose quantized layers are `bitkern.Linear`.
+"""`bitkern.load_pretrained(path)`: a GPTQ / AWQ / bitsandbytes-4bit checkpoint directory, a gpt-oss MXFP4 one (or
+one written with `bitkern.save`, or by `save_pretrained` of a model quantized with `bitkern.BitkernConfig`) as a
+transformers model whose quantized layers are `bitkern.Linear` (and whose MXFP4 experts are `bitkern.Experts`).
 
 A `save_pretrained` checkpoint (quant_method "bitkern") loads through transformers' `from_pretrained` and bitkern's
 quantizer (`bitkern.integration.hf`), which checks the files against the model before reading a tensor.
 
 The model is built from its config without initialising weights (transformers' `no_init_weights`), every
 quantized module is converted and checked first (`convert_state_dict`: a bad checkpoint fails before any
-model exists), then the converted layers replace the model's nn.Linear modules and the float tensors are
-assigned.  Transformers is not patched.
+model exists), then the converted layers replace the model's nn.Linear modules (converted experts its float experts
+modules) and the float tensors are assigned; what stays float is logged.  Transformers is not patched.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from .checkpoint import bitkern_metadata, read_config, read_tensors, weight_files
 from .convert import convert_state_dict
-from .imported import FormatError
+from .imported import FormatError, ImportedExperts
 
 ACCEPTED_KWARGS = ("dtype", "torch_dtype", "attn_implementation", "compute_dtype")
+log = logging.getLogger("bitkern")
 
 
 def load_pretrained(path, **from_pretrained_kwargs):
@@ -56,8 +58,9 @@ def load_pretrained(path, **from_pretrained_kwargs):
                           f"not a quantized checkpoint (load it with transformers, then bitkern.quantize_model)")
     modules, rest = convert_state_dict(read_tensors(path), quantization_config)
     model = _build(path, dtype, from_pretrained_kwargs)
-    _replace_linears(model, modules)
+    _replace_modules(model, modules, dtype)
     _assign(model, rest, dtype)
+    _log_float(model)
     return _finish(model, from_pretrained_kwargs.get("compute_dtype"))
 
 
@@ -100,14 +103,18 @@ def _model_class(model_config):
     return transformers.AutoModelForCausalLM if model_class is None else model_class
 
 
-def _replace_linears(model, modules: dict) -> None:
-    """Check that every converted module has an nn.Linear of its shape in the model, then swap them in."""
+def _replace_modules(model, modules: dict, dtype) -> None:
+    """Check that every converted module has an nn.Linear (or float experts module) of its shape in the model, then
+    swap them in."""
     layers = {}
     for name, imported in modules.items():
         try:
             target = model.get_submodule(name)
         except AttributeError:
             raise FormatError(f"the checkpoint holds a quantized module {name!r}, which the model lacks") from None
+        if isinstance(imported, ImportedExperts):
+            layers[name] = _experts(name, target, imported, dtype)
+            continue
         n, k = imported.weight.shape
         if not isinstance(target, torch.nn.Linear) or (target.out_features, target.in_features) != (n, k):
             raise FormatError(f"the checkpoint holds {name!r} as a [{n}, {k}] linear layer; the model has "
@@ -120,6 +127,44 @@ def _replace_linears(model, modules: dict) -> None:
         setattr(model.get_submodule(parent), child, layer)
 
 
+def _experts(name: str, target, imported: ImportedExperts, dtype):
+    """The bitkern.Experts of converted experts `imported` in place of the model's float experts module `target`."""
+    from bitkern.nn.experts import FLOAT_PARAMETERS, check_float_experts, float_bias, float_projections, gemm_shape
+
+    try:
+        check_float_experts(target)
+    except ValueError as error:
+        raise FormatError(f"the checkpoint holds quantized experts {name!r}; the model's module there does not take "
+                          f"them: {error}") from None
+    if sorted(float_projections(target)) != sorted(imported.weights):
+        raise FormatError(f"the checkpoint holds experts {name!r} with projections {sorted(imported.weights)}; the "
+                          f"model's {type(target).__name__} has {float_projections(target)}")
+    for projection, weights in imported.weights.items():
+        stored = (len(weights), *weights[0].shape)
+        tensor_name = f"{name}.{FLOAT_PARAMETERS[projection]}"
+        if stored != gemm_shape(target, projection):
+            raise FormatError(f"the checkpoint holds {tensor_name!r} as {len(weights)} experts of {list(stored[1:])} "
+                              f"[out, in]; the model's is {list(gemm_shape(target, projection))} [experts, out, in]")
+        if (float_bias(target, projection) is not None) != (imported.biases.get(projection) is not None):
+            raise FormatError(f"tensor {tensor_name + '_bias'!r} is "
+                              f"{'missing' if float_bias(target, projection) is not None else 'unexpected'}")
+    return imported.to_module(target, dtype)
+
+
+def _log_float(model) -> None:
+    """Warn of every experts module left float (name, size), and log the share of parameters held quantized."""
+    from bitkern.nn.experts import is_float_experts
+    from bitkern.nn.report import log_float_report
+
+    for name, module in model.named_modules():
+        if is_float_experts(module):
+            parameters = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+            nbytes = sum(p.numel() * p.element_size() for p in parameters)
+            log.warning("bitkern: experts %s stay float as the checkpoint stores them: %d parameters, %.1f MiB",
+                        name, sum(p.numel() for p in parameters), nbytes / 2**20)
+    log_float_report(model)
+
+
 def _assign(model, tensors: dict, dtype) -> None:
     """Assign the float tensors; every tensor the model expects must be there (tied ones come from their twin)."""
     floats = {key: value.to(dtype) if dtype is not None and value.is_floating_point() else value
@@ -129,11 +174,13 @@ def _assign(model, tensors: dict, dtype) -> None:
         raise FormatError(f"the checkpoint holds tensors the model does not have: {result.unexpected_keys}")
     model.tie_weights()
     import bitkern
+    from bitkern.nn.experts import ExpertWeights
 
     loaded = {value.data_ptr() for value in floats.values()}
     state = model.state_dict()
     missing = [key for key in result.missing_keys if not isinstance(
-        model.get_submodule(key.rpartition(".")[0]), bitkern.Linear) and state[key].data_ptr() not in loaded]
+        model.get_submodule(key.rpartition(".")[0]), (bitkern.Linear, ExpertWeights))
+        and state[key].data_ptr() not in loaded]
     if missing:
         raise FormatError(f"tensors missing from the checkpoint: {missing}")
 
@@ -141,8 +188,9 @@ def _assign(model, tensors: dict, dtype) -> None:
 def _finish(model, compute_dtype):
     """The model in eval mode, its bitkern layers multiplying in `compute_dtype` (None: the input's dtype)."""
     import bitkern
+    from bitkern.nn.experts import ExpertWeights
 
     for module in model.modules():
-        if isinstance(module, bitkern.Linear):
+        if isinstance(module, (bitkern.Linear, ExpertWeights)):
             module.compute_dtype = compute_dtype
     return model.eval()
