@@ -79,7 +79,7 @@ CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num
 PROMPTS, GENERATED, GENERATE_PROMPT = (128, 512), 64, 8
 THREADS = 2
 # generate's options for every transformers model: a static KV cache (measured at 1 thread: ~6 ms less per decode
-# step of bitkern int4 than the default DynamicCache, benchmarks/results/llama_decode_profile_cpu.md)
+# step of bitkern int4 than the default DynamicCache, benchmarks/results/archive/llama_decode_profile_cpu.md)
 GENERATE_OPTIONS = {"cache_implementation": "static"}
 # GGUF name -> llama-quantize options and type (None: the converter's bf16 file itself)
 GGUF_TYPES = {"Q4_0 (output Q6_K)": ["Q4_0"], "Q4_0, output bf16": ["--output-tensor-type", "bf16", "Q4_0"],
