@@ -3,20 +3,22 @@
 `bitkern.ops` describes operators and checks their inputs; it executes nothing itself.  Importing this module
 attaches `run` to it (`bitkern.ops.execution.attach`), so `Matmul(...)(x, weight)` comes here: the inputs are
 checked (a few comparisons on the hot path, the full check otherwise), the kernel of (spec, N, K, M, layout,
-device) is found through `kernel_for`, and it runs on x's rows.  Inside `rehearsal(device)` the same calls, with
-host tensors, run as on a GPU up to the driver (a GPU kit's dry run).
+device) is found through `kernel_for`, and it runs on x's rows; a `GroupedMatmul`'s calls come to `run_grouped`.
+Inside `rehearsal(device)` the same calls, with host tensors, run as on a GPU up to the driver (a GPU kit's dry run).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import torch
 
 from ..codegen import PackedWeight, layout_for, to_layout
 from ..ops import execution
-from ..ttype import torch_dtype
+from ..ttype import Layout, torch_dtype
+from ..tuner.buckets import m_bucket
 from .lookup import kernel_for
 
 _rehearsal = contextvars.ContextVar("bitkern_rehearsal", default=None)  # (device, store, launches) inside rehearsal()
@@ -48,6 +50,34 @@ def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         y = kernel(rows, weight, bias) if residual is None else \
             kernel(rows, weight, bias, residual.reshape(rows.shape[0], -1))
     return y if y.shape == shape else y.reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def serves_grouped(spec, n: int, k: int) -> bool:
+    """Whether this CPU has a kernel template for the `GroupedMatmul` spec on experts' [N, K] weights (in tile16)."""
+    from ..tuner.device import host_cpu
+    from ..tuner.space import usable_templates
+
+    return bool(usable_templates(spec, n, k, m_bucket(1), Layout.TILE16, host_cpu())[0])
+
+
+def run_grouped(spec, x: torch.Tensor, weight, indices: torch.Tensor, bias: torch.Tensor | None = None,
+                checked: bool = False) -> torch.Tensor:
+    """y = spec(x, weight, indices, bias) of a `bitkern.ops.GroupedMatmul` by its compiled kernel (host CPU; see
+    `GroupedMatmul.__call__`); `checked`: the caller has already checked the inputs (`GroupedMatmul.check_routed`)."""
+    if not isinstance(weight, PackedWeight):
+        raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
+                        f"got {type(weight).__name__}")
+    if not checked:
+        spec.check_routed(x, weight, indices, bias)
+    if not x.is_cpu:
+        raise NotImplementedError(f"grouped kernels run on CPU tensors (x is on {x.device})")
+    rows, k = weight.shape
+    n = rows // spec.experts
+    if x.shape[0] == 0:
+        return torch.empty((0, spec.top_k, n), dtype=torch_dtype(spec.output_dtype), device=x.device)
+    kernel = kernel_for(spec, n, k, x.shape[0], weight.layout)
+    return kernel(x if x.is_contiguous() else x.contiguous(), weight, bias, indices=indices)
 
 
 @contextlib.contextmanager
@@ -96,4 +126,4 @@ def device_of(x: torch.Tensor):
     raise NotImplementedError(f"bitkern has kernels for cpu and cuda tensors, not {x.device.type}")
 
 
-execution.attach(run)
+execution.attach(run, run_grouped)

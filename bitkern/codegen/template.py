@@ -55,7 +55,7 @@ class Template(abc.ABC):
     Matmul epilogues its output stage emits, norms / activation_quants: the norm prologues and activation
     quantizations it applies (`unsupported_epilogue`); requires: the CPU features its code needs (`missing_features`);
     shape_fields: the configuration fields that make two candidates differ in more than the cost model can rank
-    (the tuner times such candidates first).
+    (the tuner times such candidates first); grouped: it serves grouped specs only (`unsupported_grouping`).
     """
 
     name: str
@@ -70,6 +70,7 @@ class Template(abc.ABC):
     norms: tuple[str, ...] = ("none",)  # the Matmul norm prologues it applies to x
     activation_quants: tuple[str, ...] = ("none",)  # the Matmul activation quantizations its prologue applies
     requires: frozenset = frozenset()  # the CPU features its code needs (`codegen.cpu.isa`, /proc/cpuinfo names)
+    grouped: bool = False  # it serves grouped specs (rows routed to stacked experts, `ops.GroupedMatmul`), no others
 
     def missing_features(self, device) -> str | None:
         """Why the device's instruction-set level cannot run the template's code (the features it lacks), or
@@ -89,6 +90,14 @@ class Template(abc.ABC):
         if bucket[1] > self.max_rows:
             return f"{bucket[1]} rows (the {self.title} template serves at most {self.max_rows})"
         return None
+
+    def unsupported_grouping(self, spec) -> str | None:
+        """Why the template does not serve the spec's kind of weight (one weight, or experts that rows are routed
+        to: `grouped`), or None."""
+        if bool(spec.experts) == self.grouped:
+            return None
+        return "a grouped spec (rows routed to experts)" if spec.experts else \
+            f"a spec of one weight (the {self.title} template routes rows to experts)"
 
     def unsupported_epilogue(self, spec) -> str | None:
         """Why the template cannot emit the spec's epilogue and residual add (its output stage) or its prologue

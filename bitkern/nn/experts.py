@@ -7,14 +7,17 @@ stored stacked (buffers [E, ...] of what `bitkern.Linear` stores for one [N, K] 
 convention: 3-D `gate_up_proj`/`up_proj` and `down_proj`, optional biases, `is_transposed`, the model's own
 `_apply_gate` or `act_fn`).
 
-The computation sorts the (token, expert) pairs by expert and multiplies each projection over the experts' blocks
-of rows in `ExpertWeights.grouped`: today one call of `bitkern.Linear`'s matmul kernel per expert that has tokens
-(logged once); a grouped kernel replaces that one method.
+A call of a few tokens (decode: at most GROUPED_PAIRS token-expert pairs) runs each projection as one call of the
+grouped kernel (`ExpertWeights.routed`, `bitkern.ops.GroupedMatmul`), which reads each selected expert's weights
+once; a prompt sorts the (token, expert) pairs by expert and multiplies each projection over the experts' blocks of
+rows in `ExpertWeights.grouped`, one call of `bitkern.Linear`'s matmul kernel per expert that has tokens.  Which
+path runs is logged once.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -24,8 +27,10 @@ from torch import nn
 
 from .. import ttype
 from ..codegen import pack, packed_class, to_layout
+from ..cache.dispatch import serves_grouped
+from ..ops.grouped import STACK_ROWS
 from ..ops.matmul import ACTIVATION_QUANTS
-from ..ttype import QuantizedWeight, WeightFormat
+from ..ttype import Layout, QuantizedWeight, WeightFormat
 from . import library
 from .storage import WEIGHT_BUFFERS, QuantizedModule, check_positive
 
@@ -33,6 +38,9 @@ log = logging.getLogger("bitkern")
 
 # the float experts module's 3-D parameters, by the name of the bitkern projection that stores them
 FLOAT_PARAMETERS = {"gate_up": "gate_up_proj", "up": "up_proj", "down": "down_proj"}
+# calls of at most this many token-expert pairs (decode: 4 tokens of top-8) run the grouped kernels, one call per
+# projection; more (prompts) run each expert's rows through the dense kernels, which block rows
+GROUPED_PAIRS = 32
 
 
 class ExpertWeights(QuantizedModule):
@@ -214,8 +222,8 @@ class ExpertWeights(QuantizedModule):
 
     def grouped(self, x: torch.Tensor, counts: list[int], output_dtype: torch.dtype) -> torch.Tensor:
         """The projection over the experts' blocks of rows: one call of the dense matmul kernel per expert with rows
-        (the place a grouped kernel takes over)."""
-        _note_per_expert_path()
+        (prompts; `routed` serves a few tokens in one call)."""
+        _note_path(False)
         out = x.new_empty((x.shape[0], self.out_features), dtype=output_dtype)
         bias = self._parameters["bias"]
         eager = library.eager(x, bias)
@@ -236,16 +244,75 @@ class ExpertWeights(QuantizedModule):
             start += count
         return out
 
+    def routes(self, x: torch.Tensor) -> bool:
+        """Whether the grouped kernel serves this projection for rows like x (a CPU tensor in float, no activation
+        quantization, a type without a tensor scale, out_features a multiple of 16, in tile16, and a template for
+        them on this CPU)."""
+        if not x.is_cpu or self._activation_quant != "none" or self.layout != Layout.TILE16 or \
+                ttype.get(self.weight_dtype).tensor_scale or self.out_features % STACK_ROWS:
+            return False
+        return _grouped_kernel_serves(self._stacked_format(), self._compute_dtype or x.dtype, x.dtype,
+                                      self._parameters["bias"] is not None, self.num_experts)
+
+    def routed(self, x: torch.Tensor, indices: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """y [M, top_k, out_features] of x [M, in_features] with each row's top_k experts (indices [M, top_k]) by one
+        call of the grouped kernel (`routes` must hold); `checked`: the caller has checked x's shape and the expert
+        ids, as `Experts` does once for both projections."""
+        x, output_dtype = self._compute_input(x)
+        bias = self._parameters["bias"]
+        weight = self.stacked_weight()
+        if library.eager(x, bias):
+            return library.run_grouped_linear(x, weight, self._stacked_format(), indices, bias, output_dtype,
+                                              self.num_experts, checked)
+        tensors, weight_format = library.op_arguments(weight)
+        return torch.ops.bitkern.grouped_linear(x, tensors, weight_format, indices, bias, output_dtype,
+                                                self.num_experts)
+
+    def stacked_weight(self):
+        """The experts' weights as one [E·N, K] `bitkern.PackedWeight` (views of the buffers, [E, tiles, ...] seen as
+        [E·tiles, ...]): what the grouped kernel reads; the same object while the buffers are the same tensors."""
+        buffers = tuple(self._buffers[name] for name in WEIGHT_BUFFERS)
+        kept = self.__dict__.get("_stacked")
+        if kept is None or kept[1] is not self._format_text or any(a is not b for a, b in zip(kept[0], buffers)):
+            tensors = [None if t is None else t.flatten(0, 1) for t in buffers]
+            weight = library.weight_of(tensors, WeightFormat.decode(self._stacked_format()))
+            kept = self.__dict__["_stacked"] = (buffers, self._format_text, weight)
+        return kept[2]
+
+    def _stacked_format(self) -> str:
+        return stacked_format(self._format_text, self.num_experts)
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self._weight_repr()}")
 
 
+@functools.lru_cache(maxsize=None)
+def stacked_format(format_text: str, experts: int) -> str:
+    """The weight format (encoded) of `experts` weights of format `format_text` stacked by rows: [E·N, K]."""
+    one = WeightFormat.decode(format_text)
+    return dataclasses.replace(one, shape=(experts * one.shape[0], one.shape[1])).encode()
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_kernel_serves(stacked_format_text: str, compute: torch.dtype, output: torch.dtype, bias: bool,
+                           experts: int) -> bool:
+    """Whether this CPU has a grouped kernel template for experts stacked as `stacked_format_text`."""
+    spec = library.grouped_spec_of(stacked_format_text, compute, output, bias, experts, 1)
+    rows, k = WeightFormat.decode(stacked_format_text).shape
+    return serves_grouped(spec, rows // experts, k)
+
+
 @torch.compiler.disable  # run as it is, not traced, under torch.compile
 @functools.cache
-def _note_per_expert_path() -> None:
-    log.info("bitkern: mixture-of-experts projections run one dense matmul kernel call per expert with tokens "
-             "(no grouped kernel yet)")
+def _note_path(grouped: bool) -> None:
+    """Say once per process which path mixture-of-experts projections take."""
+    if grouped:
+        log.info("bitkern: mixture-of-experts projections of a few tokens (at most %d token-expert pairs) run the "
+                 "grouped kernel: one call per projection", GROUPED_PAIRS)
+    else:
+        log.info("bitkern: mixture-of-experts projections run one dense matmul kernel call per expert with tokens "
+                 "(prompts; or no grouped kernel serves them)")
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -337,6 +404,8 @@ class Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """hidden_states [T, hidden], top_k_index [T, k] (expert ids), top_k_weights [T, k] -> [T, hidden]."""
         tokens, top_k = self._check_routing(hidden_states, top_k_index, top_k_weights)
+        if self._routes(hidden_states, tokens * top_k):
+            return self._decode(hidden_states, top_k_index, top_k_weights)
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)
         counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
@@ -349,6 +418,27 @@ class Experts(nn.Module):
         unsorted = torch.empty_like(weighted)
         unsorted[order] = weighted
         return unsorted.view(tokens, top_k, hidden.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+
+    def _routes(self, hidden_states: torch.Tensor, pairs: int) -> bool:
+        """Whether a call of `pairs` token-expert pairs runs the grouped kernels (`_decode`): few pairs, nothing to
+        differentiate, and a grouped kernel for every projection."""
+        return 0 < pairs <= GROUPED_PAIRS and not (torch.is_grad_enabled() and hidden_states.requires_grad) and \
+            all(projection.routes(hidden_states) for projection in self.projections.values())
+
+    def _decode(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The forward of a few tokens by one grouped kernel call per projection: the first projection of each token
+        for its top-k experts ([T, k, N]), the gate, then each further projection of each (token, expert) pair's
+        row for its expert (top-1 routing of the T·k rows)."""
+        if not torch.compiler.is_compiling():  # (a graph break under torch.compile)
+            _note_path(True)
+        tokens, top_k = top_k_index.shape
+        first, *rest = self.projections.values()
+        hidden = self.gate(first.routed(hidden_states, top_k_index, checked=True).view(tokens * top_k, -1))
+        pair_experts = top_k_index.reshape(-1, 1)
+        for projection in rest:
+            hidden = projection.routed(hidden, pair_experts, checked=True).view(tokens * top_k, -1)
+        weighted = hidden.float().view(tokens, top_k, -1) * top_k_weights.float().unsqueeze(-1)
+        return weighted.sum(dim=1).to(hidden_states.dtype)
 
     def _check_routing(self, hidden_states, top_k_index, top_k_weights) -> tuple[int, int]:
         """(tokens, k); ValueError/TypeError naming the argument that does not fit."""

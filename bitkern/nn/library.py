@@ -7,6 +7,8 @@ fuses, and
 `torch.ops.bitkern.conv2d` the implicit-GEMM convolution of a channels-last image through
 `bitkern.ops.Conv2d`; their fake implementations give the output's shape and dtype, and their autograd
 formulas send gradients to x and the bias only (the quantized weight is frozen).
+`torch.ops.bitkern.grouped_linear` is a mixture-of-experts projection of rows routed to their top-k experts
+through `bitkern.ops.GroupedMatmul` (inference only: no autograd formula).
 `torch.ops.bitkern.dequantize` gives the float weight.
 
 A weight crosses an op's boundary as two arguments (torch.library ops take plain values only): `weight`, its
@@ -27,8 +29,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..cache.dispatch import run_grouped
 from ..codegen import PackedWeight, packed_class
-from ..ops import Conv2d, ConvGeometry, Matmul
+from ..ops import Conv2d, ConvGeometry, GroupedMatmul, Matmul
 from ..ops.conv import conv_weight, out_size
 from ..ops.matmul import epilogue_reference, norm_reference
 from ..ttype import StoredWeight, WeightFormat, get, torch_dtype
@@ -146,6 +149,42 @@ def _linear_epilogue_fake(x, weight, weight_format, bias, output_dtype, epilogue
                           norm_weight=None, norm_bias=None, norm_eps=1e-6, activation_quant="none"):
     out_features = WeightFormat.decode(weight_format).shape[0] // (2 if epilogue == "swiglu" else 1)
     return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool, experts: int,
+                    top_k: int) -> GroupedMatmul:
+    """The GroupedMatmul spec of a grouped_linear call (weight_format: the experts' stacked [E·N, K] weight's)."""
+    described = WeightFormat.decode(weight_format)
+    block = get(described.dtype).block_size > 1
+    return GroupedMatmul(described.dtype, activation, output_dtype=output, group_size=described.group_size,
+                         zero_mode=described.zero_mode, bias=bias, scale_dtype="float16" if block else
+                         described.scale_dtype, experts=experts, top_k=top_k)
+
+
+def run_grouped_linear(x: Tensor, weight: PackedWeight, weight_format: str, indices: Tensor, bias: Optional[Tensor],
+                       output_dtype: torch.dtype, experts: int, checked: bool = False) -> Tensor:
+    """The grouped_linear op's computation on the stacked weight object (what `bitkern.Experts` runs in eager
+    inference, as `run_linear` for Linear; `checked`: its caller has checked x, the routing and the bias, as
+    `bitkern.Experts` does once per call for both projections)."""
+    spec = grouped_spec_of(weight_format, x.dtype, output_dtype, bias is not None, experts, indices.shape[-1])
+    return run_grouped(spec, x, weight, indices, bias, checked)
+
+
+@torch.library.custom_op("bitkern::grouped_linear", mutates_args=())
+def grouped_linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, indices: Tensor,
+                   bias: Optional[Tensor], output_dtype: torch.dtype, experts: int) -> Tensor:
+    """y[m, j] = x[m] · dequant(W[indices[m, j]])ᵀ (+ bias[indices[m, j]]): y [M, top_k, N] of x [M, K], the
+    `experts` stacked [N, K] weights as one [E·N, K] weight, indices [M, top_k] (int32/int64 expert ids), bias
+    [E, N] or None, computed in x's dtype, returned in `output_dtype` (`bitkern.ops.GroupedMatmul`).  Inference
+    only: no autograd formula."""
+    return run_grouped_linear(x, _weight(weight, weight_format), weight_format, indices, bias, output_dtype, experts)
+
+
+@grouped_linear.register_fake
+def _grouped_linear_fake(x, weight, weight_format, indices, bias, output_dtype, experts):
+    out_features = WeightFormat.decode(weight_format).shape[0] // experts
+    return x.new_empty((x.shape[0], indices.shape[-1], out_features), dtype=output_dtype)
 
 
 @torch.library.custom_op("bitkern::dequantize", mutates_args=())

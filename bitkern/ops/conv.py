@@ -173,5 +173,10 @@ def im2col(x: torch.Tensor, g: ConvGeometry) -> torch.Tensor:
 
 
 def spec_from_dict(fields: dict) -> Matmul:
-    """The Matmul or Conv2d spec whose `dataclasses.asdict` gave `fields` (as the cache's manifests store it)."""
+    """The Matmul, Conv2d or GroupedMatmul spec whose `dataclasses.asdict` gave `fields` (as the cache's manifests
+    store it)."""
+    if "experts" in fields:
+        from .grouped import GroupedMatmul
+
+        return GroupedMatmul(**fields)
     return Conv2d(**fields) if "geometry" in fields else Matmul(**fields)

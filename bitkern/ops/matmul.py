@@ -74,6 +74,7 @@ class Matmul:
     norm_eps: float = 1e-6
     activation_quant: str = "none"
     geometry = None  # how x's rows are gathered: None for a [M, K] matrix (see `bitkern.ops.Conv2d`)
+    experts = 0  # stacked experts that rows are routed to: 0 for one weight (see `bitkern.ops.GroupedMatmul`)
 
     def __hash__(self) -> int:  # specs key every kernel lookup: hashed once, in __post_init__
         return self._hash

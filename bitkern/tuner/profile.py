@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -59,26 +60,50 @@ def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
     pattern is a valid code, and timing does not depend on the values), bias."""
     generator = torch.Generator().manual_seed(0)
     where = "cpu" if device.kind == "cpu" else "cuda"
-    packed = random_packed(spec, n, k, layout, generator).to(where)
-    copies = [packed] + [_clone(packed) for _ in range(max(1, profile_bytes(device) // max(1, packed.nbytes)) - 1)]
+    if spec.experts:
+        copies = _expert_windows(spec, n, k, m, layout, device, generator)
+    else:
+        packed = random_packed(spec, n, k, layout, generator).to(where)
+        copies = [packed] + [_clone(packed) for _ in range(max(1, profile_bytes(device) // max(1, packed.nbytes)) - 1)]
     x = torch.randn(spec.input_shape(m, k), generator=generator)
     x = x.mul(16).round().clamp(-128, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
         x.to(torch_dtype(spec.activation_dtype))
-    bias = torch.randn(n, generator=generator) if spec.bias else None
+    bias = torch.randn((spec.experts, n) if spec.experts else (n,), generator=generator) if spec.bias else None
     return x.to(where), copies, None if bias is None else bias.to(where)
 
 
 def stage_inputs(spec: Matmul, n: int, k: int, m: int, device) -> dict:
     """The keyword arguments a kernel of `spec` takes beyond (x, weight, bias) for M rows: the residual its output
-    stage adds, the norm weight (and bias) of its prologue; empty for a spec with neither."""
+    stage adds, the norm weight (and bias) of its prologue, a grouped spec's routing (each row to top_k distinct
+    experts); empty for a spec with none of them."""
     where = "cpu" if device.kind == "cpu" else "cuda"
     extras = {}
+    if spec.experts:  # row r to experts r·top_k, r·top_k + 1, ...: the first min(E, M·top_k) (`_expert_windows`)
+        extras["indices"] = (torch.arange(m * spec.top_k).view(m, spec.top_k) % spec.experts).to(where)
     if spec.residual:
         extras["residual"] = torch.randn(m, spec.out_features(n)).to(torch_dtype(spec.output_dtype)).to(where)
     if spec.norm != "none":
         extras["norm"] = (torch.ones(k, device=where), torch.zeros(k, device=where) if spec.norm == "layernorm" else
                           None)
     return extras
+
+
+def _expert_windows(spec: Matmul, n: int, k: int, m: int, layout: str, device, generator) -> list:
+    """A grouped spec's rotation: stacks of E experts that are windows of one larger random stack, each starting
+    where the experts the timing routing selects (the first min(E, M·top_k), `stage_inputs`) of the one before end,
+    as many as make `profile_bytes` of selected experts, so that every call reads its experts from DRAM as a decode
+    step does (whole copies of the stack would take gigabytes; one would be read from the caches)."""
+    selected = min(spec.experts, m * spec.top_k)
+    one = random_packed(spec, n, k, layout, generator)
+    count = max(2, profile_bytes(device) // max(1, selected * one.nbytes))
+    stack = random_packed(spec, (spec.experts + (count - 1) * selected) * n, k, layout, generator)
+    where = "cpu" if device.kind == "cpu" else "cuda"
+    stack = stack.to(where)
+    tiles = tensor_rows(layout, n)  # an expert's first-dimension rows in the layout's tensors
+    stacked_format = dataclasses.replace(stack.format, shape=(spec.experts * n, k))
+    return [type(stack).from_format(stacked_format, *(
+        None if t is None else t[i * selected * tiles:(i * selected + spec.experts) * tiles] for t in stack.tensors()))
+        for i in range(count)]
 
 
 def _tiny_weight(spec: Matmul, k: int):

@@ -23,8 +23,8 @@ def usable_templates(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layo
     """(the templates of the device's target that can serve this kernel, {name: why not} for the others)."""
     usable, unused = [], {}
     for template in templates(device.kind):
-        reason = template.missing_features(device) or template.unsupported(spec, n, k, device) or \
-            template.unsupported_epilogue(spec)
+        reason = template.missing_features(device) or template.unsupported_grouping(spec) or \
+            template.unsupported(spec, n, k, device) or template.unsupported_epilogue(spec)
         if reason is None and layout not in template.layouts:
             reason = f"the {layout} weight layout"
         if reason is None:

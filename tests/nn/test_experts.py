@@ -231,3 +231,74 @@ def test_shared_experts_follow_the_other_layers_and_the_router_stays_float(caplo
                getattr(block.shared_expert, name).weight_dtype == "int4" for name in ("gate_proj", "up_proj",
                                                                                       "down_proj"))
     assert "model.layers.0.mlp.gate.weight [4, 64] (1.0 KiB)" in caplog.text
+
+
+def _tiny_moe_layer(arch: str):
+    """The experts module of layer 0 of a tiny random Qwen3-MoE or Mixtral, quantized to int4 (groups of 32)."""
+    import transformers
+
+    shape = dict(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=128, num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=INTERMEDIATE, num_experts=8,
+                                             **shape)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.MixtralConfig(intermediate_size=INTERMEDIATE, num_local_experts=8, **shape)
+        model = transformers.MixtralForCausalLM(config)
+    torch.manual_seed(8)
+    bitkern.quantize_model(model.eval(), "int4", group_size=32)
+    return model.model.layers[0].mlp.experts
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_decode_runs_one_grouped_call_per_projection_equal_to_the_per_expert_path(arch, monkeypatch):
+    """A few tokens (at most GROUPED_PAIRS token-expert pairs) take the grouped kernel, one call per projection; its
+    output equals the per-expert path's (dense kernels, expert by expert) within the kernels' bound, both against the
+    float64 reference; more pairs (a prompt) take the per-expert path."""
+    from bitkern.nn import experts as experts_module
+
+    experts = _tiny_moe_layer(arch)
+    assert isinstance(experts, bitkern.Experts)
+    routed_calls, per_expert_calls = [], []
+    routed, grouped = ExpertWeights.routed, ExpertWeights.grouped
+    monkeypatch.setattr(ExpertWeights, "routed",
+                        lambda self, *a, **kw: routed_calls.append(1) or routed(self, *a, **kw))
+    monkeypatch.setattr(ExpertWeights, "grouped", lambda self, *a: per_expert_calls.append(1) or grouped(self, *a))
+    for tokens, top_k in ((1, 2), (1, 8), (4, 8), (3, 5)):
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+        index, weights = _routing(tokens, 8, top_k, seed=tokens + top_k)
+        routed_calls.clear()
+        fast = experts(x, index, weights)
+        assert len(routed_calls) == 2 and not per_expert_calls
+        with monkeypatch.context() as patch:
+            patch.setattr(experts_module, "GROUPED_PAIRS", 0)
+            slow = experts(x, index, weights)
+        assert per_expert_calls and len(routed_calls) == 2
+        per_expert_calls.clear()
+        expected = reference(experts, x, index, weights, experts.gate)
+        assert _relative_error(fast, expected) < 1e-5 and _relative_error(slow, expected) < 1e-5
+        assert _relative_error(fast, slow.double()) < 1e-5
+    prompt = torch.randn(17, HIDDEN)
+    index, weights = _routing(17, 8, 2)
+    routed_calls.clear()
+    experts(prompt, index, weights)
+    assert per_expert_calls and not routed_calls
+
+
+def test_decode_with_biases_bfloat16_and_types_the_grouped_kernel_does_not_serve():
+    """gpt-oss's biases go through the grouped kernel; bfloat16 rows; int3 codes and nvfp4's tensor scales keep the
+    per-expert path (no grouped template serves them), with the same results."""
+    module = _gpt_oss_experts()
+    experts = bitkern.Experts.from_float(module, {"dtype": "int8", "group_size": 32})
+    assert all(p.routes(torch.zeros(1, 1)) for p in experts.projections.values())
+    x = torch.randn(2, HIDDEN) * 3
+    index, weights = _routing(2, 4, 2)
+    expected = reference(experts, x, index, weights, module._apply_gate)
+    assert _relative_error(experts(x, index, weights), expected) < 1e-5
+    out = experts(x.bfloat16(), index, weights.bfloat16())
+    assert out.dtype == torch.bfloat16 and _relative_error(out.float(), expected) < 0.02
+    for dtype, group in (("int3", 32), ("nvfp4", None)):
+        other = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype=dtype, group_size=group)
+        assert not any(p.routes(x) for p in other.projections.values())
+        assert _relative_error(other(x, index, weights), reference(other, x, index, weights)) < 1e-5

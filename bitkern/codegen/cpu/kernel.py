@@ -87,6 +87,7 @@ class CpuTemplate(Template):
     buffers at their exact sizes (written with TVM's IR builder), so TVM's buffer compaction is skipped."""
 
     target = "cpu"
+    kernel_class = CpuKernel  # what `build` and `restore` give (a grouped template's kernel takes the routing too)
     layouts = (Layout.TILE16,)
     amx_tiles = False
     exact_buffers = True
@@ -107,14 +108,14 @@ class CpuTemplate(Template):
             raise ValueError(f"the {self.name} template reads the {' or '.join(self.layouts)} layout, not {layout!r}")
         func, constants = self.program(spec, n, k, config, layout, bucket, device)
         library = compile_function(func, device, self.exact_buffers)
-        return CpuKernel(spec, n, k, self.name, config, layout, bucket, load_library(library), constants,
-                         library=library, build_seconds=time.perf_counter() - start, amx_tiles=self.amx_tiles)
+        return self.kernel_class(spec, n, k, self.name, config, layout, bucket, load_library(library), constants,
+                                 library=library, build_seconds=time.perf_counter() - start, amx_tiles=self.amx_tiles)
 
     def restore(self, spec: Matmul, n: int, k: int, fields: dict, layout: str, m_range: tuple[int, int], function,
                 constants: list) -> CpuKernel:
         """The kernel of a library compiled earlier (by `build`, in this or another process) and loaded since."""
-        return CpuKernel(spec, n, k, self.name, self.config_from_dict(fields), layout, m_range, function, constants,
-                         amx_tiles=self.amx_tiles)
+        return self.kernel_class(spec, n, k, self.name, self.config_from_dict(fields), layout, m_range, function,
+                                 constants, amx_tiles=self.amx_tiles)
 
 
 def compile_function(func, device, exact_buffers: bool) -> str:

@@ -119,7 +119,8 @@ class LutTemplate(CpuTemplate):
         """The PrimFunc for M in `bucket` (within 1..4), split into `device.cores` parallel chunks, and the constants
         it takes after the weight's tensors (`emit`)."""
         self.check_config(config)
-        reason = self.unsupported(spec, n, k, device) or self.unsupported_epilogue(spec)
+        reason = self.unsupported_grouping(spec) or self.unsupported(spec, n, k, device) or \
+            self.unsupported_epilogue(spec)
         if reason:
             raise ValueError(f"the {self.title} template does not support {reason}")
         if config.n_tiles % min_tiles(spec):

@@ -15,7 +15,7 @@ from bitkern.codegen import build_kernel, pack
 from bitkern.codegen.cpu import TEMPLATES, isa
 from bitkern.codegen.cpu.fma import TEMPLATE as FMA
 from bitkern.codegen.cpu.kernel import disassembly
-from bitkern.ops import Matmul
+from bitkern.ops import GroupedMatmul, Matmul
 from bitkern.tuner import device_for, host_cpu
 from bitkern.tuner.space import enumerate_candidates, usable_templates
 from tests.helpers import assert_matches_reference, matmul_case
@@ -37,13 +37,14 @@ KERNELS = {"amx": (Matmul("int4", "bfloat16", group_size=64), (1, 16)),
            "lut": (Matmul("nf4", "bfloat16", group_size=64), (1, 4)),
            "fma": (Matmul("int4", "bfloat16", group_size=64), (1, 4)),
            "vnni": (Matmul("int4", "bfloat16", group_size=64, activation_quant="int8"), (1, 16)),
-           "generic": (Matmul("int4", "float32", group_size=64), (1, 16))}
+           "generic": (Matmul("int4", "float32", group_size=64), (1, 16)),
+           "grouped_fma": (GroupedMatmul("int4", "bfloat16", group_size=64, experts=1, top_k=1), (1, 16))}
 # the instructions a template's inner loop is made of, per level name or vector width of the level
 INNER_LOOP = {"amx": ["tdpbf16ps", "tileloadd"], "dot": ["vdpbf16ps"],
               "vnni": {"x86-64-v3": ["vpmaddubsw", "vpaddw", "vpmaddwd"], "avx-vnni": [r"\{vex\} vpdpbusd"],
                        "avx512": ["vpmaddubsw", "vpaddw", "vpmaddwd"], 64: ["vpdpbusd"]},
               "lut": {32: ["vperm(ps|d)", "vblendvps"], 64: ["vperm(ps|d)"]},
-              "fma": [r"vfmadd\w*ps", "vcvtdq2ps", "vpsrad"],
+              "fma": [r"vfmadd\w*ps", "vcvtdq2ps", "vpsrad"], "grouped_fma": [r"vfmadd\w*ps", "vcvtdq2ps", "vpsrad"],
               "generic": {16: ["mulps"], 32: [r"vfmadd\w*ps"], 64: [r"vfmadd\w*ps"]}}
 N, K = 64, 256
 
@@ -104,7 +105,11 @@ def test_every_template_at_every_level(template, level):
     _, qweight, x, _ = matmul_case(spec.weight_dtype, N, K, rows[1], spec.activation_dtype, group=64, seed=3)
     if spec.activation_quant != "none":
         spec = Matmul.for_weight(qweight, spec.activation_dtype, activation_quant=spec.activation_quant)
-    y = kernel(x, pack(qweight))
+    if spec.experts:  # one expert that every row picks: the dense product
+        spec = spec.matmul
+        y = kernel(x, pack(qweight), None, indices=torch.zeros(x.shape[0], 1, dtype=torch.long))[:, 0]
+    else:
+        y = kernel(x, pack(qweight))
     if spec.activation_quant == "none":
         assert_matches_reference(spec, qweight, x, None, y)
     else:  # int8 activations: the definition's own rounding of x, then the exact product

@@ -292,10 +292,15 @@ class Builder:
 
         return term
 
-    def _task(self, block, rows: int) -> None:
-        """y for the task's tiles and all `rows` rows, the sums in registers over all of K."""
+    def _task_tiles(self, block) -> list:
+        """The weight tiles of column block `block` (the last block repeats the last tile)."""
+        return [tirx.min(block * self.cfg.n_tiles + c, self.n_tiles - 1) for c in range(self.cfg.n_tiles)]
+
+    def _task(self, block, rows: int, first=0) -> None:
+        """y for the task's tiles and `rows` rows of the chunk from row `first`, the sums in registers over all of
+        K."""
         n_tiles = self.cfg.n_tiles
-        tiles = [tirx.min(block * n_tiles + c, self.n_tiles - 1) for c in range(n_tiles)]
+        tiles = self._task_tiles(block)
         yacc, gacc = registers((rows, n_tiles), "float32"), self._sums_buffer(rows)
         for row in range(rows):
             for c in range(n_tiles):
@@ -305,18 +310,18 @@ class Builder:
 
             def fold(row, c, total):
                 """y += scale · (Σ - offset · XS) for row `row` and tile c of the task."""
-                T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + term(c, row, total), [row, c, ramp(0)])
+                T.buffer_store(yacc, load(yacc, row, c, ramp(0)) + term(c, first + row, total), [row, c, ramp(0)])
 
-            self._group_sums(gacc, tiles, rows, g, fold, 0)
+            self._group_sums(gacc, tiles, rows, g, fold, first)
         for row in range(rows):  # the terms of non-finite x the prologue left out
-            nonfinite.add_terms(yacc, row, tiles, self.nonfinite, row, self.k, self._x,
+            nonfinite.add_terms(yacc, row, tiles, self.nonfinite, first + row, self.k, self._x,
                                 lambda tile, j: nonfinite.weight_lanes(self.spec, self.k, self.qweight,
                                                                        self.group_args, tile, j))
         swiglu = self.spec.epilogue == "swiglu"
         for c in range(0, n_tiles, 2 if swiglu else 1):
             with T.If(block * n_tiles + c < self.n_tiles):
                 with T.Then():
-                    self._store(yacc, rows, tiles[c], c, swiglu, 0)
+                    self._store(yacc, rows, tiles[c], c, swiglu, first)
 
     def _sums_buffer(self, rows: int):
         """Registers for a group's sums: one row's per tile (the rows take turns)."""

@@ -1,0 +1,71 @@
+"""One mixture-of-experts layer's decode step on CPU: the grouped kernel (one call per projection, each selected
+expert's weights read once) against the per-expert path (one dense kernel call per selected expert and projection),
+both through `bitkern.Experts`, called alternately round by round (each round a fresh top-k routing of one token,
+the same for both), medians and the ratio, with the load average during the run.
+
+The layer: hidden 2048, 64 experts of size 768, top-8, int4 with groups of 128 (Qwen3-MoE's shape family: 150 MB of
+experts, far beyond the last-level cache, so each step reads its 8 experts' 19 MB from DRAM).
+
+Run: python benchmarks/moe_decode.py [--threads 2] [--rounds 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import bitkern
+from bitkern.nn import experts as experts_module
+
+HIDDEN, EXPERTS, SIZE, TOP_K = 2048, 64, 768, 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    layer = bitkern.Experts(EXPERTS, HIDDEN, SIZE, dtype="int4", group_size=128)
+    x = torch.randn(1, HIDDEN)
+    routings = [torch.rand(1, EXPERTS).topk(TOP_K, dim=-1) for _ in range(args.rounds)]
+
+    def per_expert(index, weights):
+        experts_module.GROUPED_PAIRS = 0
+        try:
+            return layer(x, index, weights)
+        finally:
+            experts_module.GROUPED_PAIRS = grouped_pairs
+
+    grouped_pairs = experts_module.GROUPED_PAIRS
+    calls = {"grouped": lambda index, weights: layer(x, index, weights), "per-expert": per_expert}
+    with torch.inference_mode():
+        for call in calls.values():  # tune and build both paths' kernels, then warm up
+            for weights, index in routings[:5]:
+                call(index, torch.softmax(weights, -1))
+        samples = {label: [] for label in calls}
+        load_before = os.getloadavg()[0]
+        for round_index, (weights, index) in enumerate(routings):
+            weights = torch.softmax(weights, -1)
+            order = list(calls.items()) if round_index % 2 == 0 else list(calls.items())[::-1]
+            for label, call in order:
+                start = time.perf_counter()
+                call(index, weights)
+                samples[label].append(time.perf_counter() - start)
+        load_after = os.getloadavg()[0]
+    median = {label: statistics.median(values) * 1e6 for label, values in samples.items()}
+    print(f"{args.threads} threads, {args.rounds} interleaved rounds, 1-minute load average {load_before:.2f} before, "
+          f"{load_after:.2f} after")
+    print("| path | median µs | p10 µs |\n|---|---|---|")
+    for label, values in samples.items():
+        print(f"| {label} | {median[label]:.0f} | {sorted(values)[len(values) // 10] * 1e6:.0f} |")
+    print(f"grouped / per-expert (medians): {median['grouped'] / median['per-expert']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Grouped FMA template: a mixture-of-experts projection for decode, y[m, j] = x[m] · dequant(W[indices[m, j]])ᵀ
+(`ops.GroupedMatmul`) in one launch, each selected expert's weights read once per call; its code comes from
+`emit.grouped`, the FMA kernel's few-row body (`emit.fma`) run over (selected expert, tile block) tasks.  It serves
+what the FMA template serves (integer and zero-point codes of 2, 4 and 8 bits, 4-bit code books, bfloat16) but types
+with a tensor scale, at every level from AVX2 up; any number of rows (each expert's rows four at a time), though it is
+meant for the few of a decode step (a prompt's many rows are better served expert by expert, blocks of rows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...ops.grouped import GroupedMatmul
+from ...ttype import get, torch_dtype
+from ..template import Work
+from .fma import BODY, FmaConfig, FmaTemplate, looks_up
+from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuKernel, doublings, operand_bytes
+from .layout import AMX_TILE_ROWS, aligned, padded_k
+from .lut import LOOKUP_256, value_table
+
+
+@dataclass
+class GroupedCpuKernel(CpuKernel):
+    """A compiled grouped kernel: called with the routing as well."""
+
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+                 indices: torch.Tensor | None = None) -> torch.Tensor:
+        """y [M, top_k, N] for a contiguous x [M, K] (M in m_range), the experts' stacked packed weight [E·N, K],
+        indices [M, top_k] (expert ids, int32 or int64) and bias [E, N] or None (inputs already validated by the
+        caller: `GroupedMatmul.check_routed`)."""
+        rows = x.shape[0]
+        if not self.m_range[0] <= rows <= self.m_range[1]:
+            raise ValueError(f"x has {rows} rows; this {self.template} kernel serves {self.m_range[0]} to "
+                             f"{self.m_range[1]} (ask the cache for the kernel of {rows} rows)")
+        y = torch.empty(rows, self.spec.top_k, self.n, dtype=torch_dtype(self.spec.output_dtype), device=x.device)
+        if indices.dtype != torch.int64 or not indices.is_contiguous():
+            indices = indices.to(torch.int64).contiguous()  # expert ids below E: exact
+        bias_argument = () if bias is None else (aligned(bias.reshape(-1).float().contiguous()),)
+        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, aligned(indices), *bias_argument, y)
+        return y
+
+
+class GroupedFmaTemplate(FmaTemplate):
+    """The FMA template's checks and codes for grouped specs: few-row configurations, work counted per selected
+    expert."""
+
+    name = "grouped_fma"
+    title = "grouped FMA"
+    grouped = True
+    kernel_class = GroupedCpuKernel
+    epilogues = ("none",)
+    norms = ("none",)
+    residual_add = False
+
+    def unsupported(self, spec: GroupedMatmul, n: int, k: int, device) -> str | None:
+        if get(spec.weight_dtype).tensor_scale:
+            return f"{spec.weight_dtype} (a scale per tensor, which stacked experts do not share)"
+        return super().unsupported(spec, n, k, device)
+
+    def unsupported_rows(self, bucket: tuple[int, int], device) -> str | None:
+        return None  # any rows: each expert's rows four at a time
+
+    def configs(self, spec: GroupedMatmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[FmaConfig]:
+        """Tiles per task while four rows' sums stay within BODY, every prefetch depth."""
+        return [FmaConfig(n_tiles, prefetch) for n_tiles in doublings(1, 8) if n_tiles * FEW_ROWS <= BODY
+                for prefetch in PREFETCH_WORDS]
+
+    def work(self, spec: GroupedMatmul, n: int, k: int, m: int, config: FmaConfig, device) -> Work:
+        """Per call, with the M·top_k pairs on as many distinct experts as they can be: each selected expert's code
+        vectors decoded once per four of its rows and multiplied in per pair, its weight read from DRAM once."""
+        pairs = m * spec.top_k
+        selected = min(spec.experts, pairs)
+        per_expert = -(-pairs // selected)
+        vectors = selected * (n // AMX_TILE_ROWS) * padded_k(k, get(spec.weight_dtype).bits)
+        widths = 64 // device.vector_bytes
+        tasks = selected * -(-(n // AMX_TILE_ROWS) // config.n_tiles)
+        decode = LOOKUP_256 if looks_up(spec) and device.vector_bytes < 64 else 1
+        operations = {"convert_code_vector": vectors * -(-per_expert // FEW_ROWS) * widths * decode,
+                      "fma_code_row": vectors * per_expert * widths}
+        dram = selected * operand_bytes(spec, n, k, 0) + pairs * (k + n) * 4
+        return Work(tasks, dram, operations, streams=config.n_tiles, prefetch=config.prefetch)
+
+    def emit(self, spec: GroupedMatmul, n: int, k: int, config: FmaConfig, bucket, device):
+        """The grouped kernel (`emit.grouped.build`) and, for code books, the value table."""
+        from .emit.grouped import build
+
+        constants = [value_table(spec)] if looks_up(spec) else []
+        return build(spec, n, k, config, device.cores, device.level), constants
+
+
+TEMPLATE = GroupedFmaTemplate()

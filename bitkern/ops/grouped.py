@@ -1,0 +1,129 @@
+"""The grouped (mixture-of-experts) matmul for routed rows: each row of x goes to its top-k experts,
+
+    y[m, j, :] = x[m] · dequant(W[indices[m, j]])ᵀ (+ bias[indices[m, j]])
+
+with the experts' [N, K] weights stacked by rows into one [E·N, K] weight (expert e's rows e·N .. (e+1)·N: the
+stack of E weights quantized one at a time, as `bitkern.Experts` stores them) and the routing `indices` [M, top_k]
+(int32 or int64 expert ids).  A kernel reads each selected expert's weight once per call, however many rows pick it.
+
+`GroupedMatmul` is the hashable spec (a Matmul spec plus the number of experts and top_k, which its kernels are
+compiled for); `GroupedMatmul.reference` the float64 definition every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..ttype import StoredWeight, torch_dtype
+from . import execution
+from .matmul import BIAS_DTYPES, Matmul
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+STACK_ROWS = 16  # each expert's N is a multiple of this: the stack's tile16 tiles then never straddle two experts
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedMatmul(Matmul):
+    """Spec of the routed matmul: a Matmul spec (weight type, activation, output, group size, zero mode, scale
+    dtype, bias: a per-expert bias [E, N]) over `experts` stacked [N, K] weights, each row of x going to `top_k` of
+    them.  No epilogue, residual, norm or activation quantization (the per-expert Matmul calls serve those)."""
+
+    experts: int = field(default=0)
+    top_k: int = field(default=1)
+
+    def __post_init__(self):
+        for name, value in (("experts", self.experts), ("top_k", self.top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        super().__post_init__()
+        if self.epilogue != "none" or self.residual or self.norm != "none" or self.activation_quant != "none":
+            raise ValueError(f"epilogue={self.epilogue!r}, residual={self.residual}, norm={self.norm!r}, "
+                             f"activation_quant={self.activation_quant!r}: a grouped matmul has none of them; "
+                             f"accepted: epilogue='none', residual=False, norm='none', activation_quant='none'")
+        object.__setattr__(self, "_hash", hash((self._hash, self.experts, self.top_k)))
+        object.__setattr__(self, "_unbiased", replace(self.matmul, bias=False))  # checks x against the weight
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def matmul(self) -> Matmul:
+        """One expert's spec: the same fields as a plain Matmul (bias of one expert)."""
+        return Matmul(**{name: getattr(self, name) for name in Matmul.__dataclass_fields__})
+
+    def check_shape(self, n: int, k: int) -> None:
+        """Raise unless each expert's weight can be [N, K] (see `Matmul.check_shape`), N a multiple of STACK_ROWS."""
+        super().check_shape(n, k)
+        if n % STACK_ROWS:
+            raise ValueError(f"out_features={n}: a grouped matmul's experts have a multiple of {STACK_ROWS} rows each")
+
+    def stacked_rows(self, n: int) -> int:
+        """Rows of the stacked weight of experts of N rows each."""
+        return self.experts * n
+
+    def fits(self, x, weight, bias, residual=None, norm_weight=None, norm_bias=None) -> bool:
+        return False  # the routing is checked in full on every call (`check_routed`)
+
+    def __call__(self, x: torch.Tensor, weight, indices: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y [M, top_k, N] of x [M, K] by a compiled kernel; weight: the `bitkern.pack`ed [E·N, K] stack, indices
+        [M, top_k], bias [E, N] or None (see the module docstring).  Goes to the dispatch layer
+        (`bitkern.cache.dispatch`), which checks the inputs with `check_routed`."""
+        return execution.run_grouped(self, x, weight, indices, bias)
+
+    def check_routed(self, x: torch.Tensor, weight, indices: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Raise naming the argument if x [M, K], the stacked weight [E·N, K], indices [M, top_k] (expert ids in
+        [0, E)) or bias [E, N] do not fit this spec."""
+        if not isinstance(weight, StoredWeight):
+            raise TypeError(f"weight must be a bitkern QuantizedWeight (the experts' stacked weights), got "
+                            f"{type(weight).__name__}")
+        if weight.ttype.tensor_scale:
+            raise ValueError(f"weight_dtype={weight.ttype.name!r} has one scale per tensor, which a stack of experts "
+                             f"does not share; a grouped matmul takes types without a tensor scale")
+        rows, k = weight.shape
+        if rows % self.experts:
+            raise ValueError(f"weight has {rows} rows, not a stack of experts={self.experts} weights of equal rows")
+        n = rows // self.experts
+        self.check_shape(n, k)
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be a [rows, {k}] tensor, got {_describe(x)}")
+        self._unbiased.check_inputs(x, weight)  # the weight's format, x's dtype, K and device
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in INDEX_DTYPES or \
+                tuple(indices.shape) != (x.shape[0], self.top_k):
+            raise ValueError(f"indices must be an int32 or int64 tensor [{x.shape[0]}, top_k={self.top_k}] (x's rows), "
+                             f"got {_describe(indices)}")
+        if indices.device != x.device:
+            raise ValueError(f"indices is on {indices.device} but x is on {x.device}")
+        if indices.numel():
+            low, high = (int(bound) for bound in torch.aminmax(indices))
+            if low < 0 or high >= self.experts:
+                raise ValueError(f"indices holds expert ids outside [0, {self.experts}) (min {low}, max {high})")
+        if self.bias != (bias is not None):
+            raise ValueError(f"bias {'is required' if self.bias else 'must be None'}: the spec has bias={self.bias}")
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.experts, n)
+                                 or bias.dtype not in BIAS_DTYPES or bias.device != x.device):
+            raise ValueError(f"bias must be a float32, float16 or bfloat16 tensor [{self.experts}, {n}] on "
+                             f"{x.device}, got {_describe(bias)}")
+
+    def reference(self, x: torch.Tensor, weight, indices: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference result: `exact` cast to the output type."""
+        return self.exact(x, weight, indices, bias).to(torch_dtype(self.output_dtype))
+
+    def exact(self, x: torch.Tensor, weight, indices: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y [M, top_k, N] in float64 before output rounding: each (row, expert) pair's float64 sums with the
+        dequantized expert weight (and its bias)."""
+        self.check_routed(x, weight, indices, bias)
+        values = self.weight_values(weight)
+        values = values.view(self.experts, -1, values.shape[1])
+        picked = values[indices.long()]  # [M, top_k, N, K]
+        y = torch.einsum("mk,mjnk->mjn", x.double(), picked)
+        return y + bias.double()[indices.long()] if bias is not None else y
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)} on {value.device}"
+    return type(value).__name__
