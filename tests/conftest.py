@@ -72,6 +72,20 @@ def pytest_runtest_setup(item):
 OUTER_SESSION_CACHE = "BITKERN_TEST_OUTER_CACHE_DIR"
 
 
+def run_folder(tmp_path_factory, name: str):
+    """A folder of this test run, shared by its pytest-xdist workers (`python -m pytest -n auto`): what a session
+    fixture builds there (the kernel cache, a checkout installed for a client environment) is built once for the
+    run, not once per worker; those builds lock against each other.  Without xdist: a fresh folder of the session."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    base = tmp_path_factory.getbasetemp()
+    if worker and base.name == f"popen-{worker}":  # (the variable also reaches pytest sessions a test starts)
+        # a worker's base temporary folder is <the run's>/popen-gwN: the run's is shared by every worker
+        path = base.parent / name
+        path.mkdir(exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp(name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache_dir(tmp_path_factory):
     """A fresh disk cache for the session: kernels are compiled once per run (the cold path) and reused.  Run by a
@@ -84,7 +98,7 @@ def kernel_cache_dir(tmp_path_factory):
         os.environ["BITKERN_CACHE_DIR"] = os.environ[OUTER_SESSION_CACHE]
         yield os.environ[OUTER_SESSION_CACHE]
         return
-    path = tmp_path_factory.mktemp("bitkern-cache")
+    path = run_folder(tmp_path_factory, "bitkern-cache")
     previous = os.environ.get("BITKERN_CACHE_DIR")
     os.environ["BITKERN_CACHE_DIR"] = str(path)
     yield path

