@@ -30,11 +30,13 @@ class _Stop(Exception):
 
 
 def quantize_calibrated(model: nn.Module, targets: list, calibration: Iterable, replace: Callable,
-                        act_order: bool = False, static_groups: bool = False) -> list[tuple[str, Linear]]:
+                        act_order: bool = False, static_groups: bool = False,
+                        damp: float | None = None) -> list[tuple[str, Linear]]:
     """Quantize the nn.Linear `targets` [(name, module, settings)] of `model` (settings: `Linear.from_float`'s;
     those with method "gptq" by GPTQ against `calibration`, the others as `from_float` does) and put each in
     its place with `replace(name, module)`.  calibration: the model's inputs, each called as model(**item) for
-    a mapping, model(*item) for a tuple, model(item) otherwise.  Returns [(name, bitkern layer)]."""
+    a mapping, model(*item) for a tuple, model(item) otherwise.  act_order, static_groups, damp (None: `gptq`'s
+    default): GPTQ's options.  Returns [(name, bitkern layer)]."""
     inputs = list(calibration) if isinstance(calibration, Iterable) and not isinstance(
         calibration, (torch.Tensor, str, Mapping)) else None
     if not inputs:
@@ -57,8 +59,9 @@ def quantize_calibrated(model: nn.Module, targets: list, calibration: Iterable, 
                 hessians[key] = _hessian(model, module, inputs, calls[module].count)
             hessian = hessians[key]
             options = {key: settings[key] for key in ("dtype", "group_size", "zero_mode", "scale_dtype")}
+            damping = {} if damp is None else {"damp": float(damp)}
             weight, order = gptq(module.weight, hessian.matrix, **options, act_order=act_order,
-                                 static_groups=static_groups)
+                                 static_groups=static_groups, **damping)
             layer = Linear.from_quantized(weight, module.bias, order, settings["compute_dtype"],
                                           settings["activation_quant"], method="gptq")
             replace(name, layer.dequantize(module.weight.dtype))  # stands in until the end: no kernel builds

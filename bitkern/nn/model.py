@@ -27,7 +27,7 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
                    scale_dtype=torch.float16, skip: Iterable[str] | Callable | None = None,
                    output_layer: str | None = "auto", activation_quant: str = "none", method: str = "rtn",
                    calibration: Iterable | None = None, act_order: bool = False,
-                   static_groups: bool = False) -> nn.Module:
+                   static_groups: bool = False, damp: float | None = None) -> nn.Module:
     """Replace every nn.Linear and nn.Conv2d of `model` by a bitkern.Linear / bitkern.Conv2d in `dtype`, and every
     mixture-of-experts experts module of transformers (3-D expert weights, see `bitkern.nn.experts`) by a
     `bitkern.Experts` whose projections are quantized one expert at a time with the same settings.
@@ -54,13 +54,14 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
 
     method: how every quantized layer's scales and zeros are chosen (`bitkern.quantize`'s: "rtn", "hqq"; or
     "gptq", calibrated: each nn.Linear by GPTQ against its inputs when the model runs `calibration`, an iterable
-    of model inputs, each a tensor, a tuple of positional arguments or a dict of keyword arguments; act_order and
-    static_groups are GPTQ's options, see `bitkern.ttype.gptq`); checked against `dtype` before any layer is
-    quantized.  An output layer kept in bfloat16 is cast ("rtn").
+    of model inputs, each a tensor, a tuple of positional arguments or a dict of keyword arguments; act_order,
+    static_groups and damp (the fraction of the Hessian's mean diagonal added to it, 0.01 when None; larger
+    values trust a small calibration set less) are GPTQ's options, see `bitkern.ttype.gptq`); checked against
+    `dtype` before any layer is quantized.  An output layer kept in bfloat16 is cast ("rtn").
     """
     weight_type = ttype.get(check_weight_dtype(dtype))
     check_method(weight_type, method, calibrated=calibration is not None)
-    _check_calibration_options(method, calibration, act_order, static_groups)
+    _check_calibration_options(method, calibration, act_order, static_groups, damp)
     skipped = _skip_predicate(model, skip)
     options = {"dtype": dtype, "group_size": group_size, "zero_mode": zero_mode, "compute_dtype": compute_dtype,
                "scale_dtype": scale_dtype, "activation_quant": activation_quant, "method": method}
@@ -86,7 +87,7 @@ def quantize_model(model: nn.Module, dtype="nf4", group_size=None, zero_mode: st
     if method in CALIBRATED_METHODS:
         _check_calibrated_targets(targets)
         replaced = quantize_calibrated(model, targets, calibration, lambda name, layer: name and _replace(
-            model, name, layer), act_order, static_groups)
+            model, name, layer), act_order, static_groups, damp)
     else:
         replaced = [(name, _QUANTIZED[type(module)].from_float(module, **settings))
                     for name, module, settings in targets]
@@ -184,15 +185,18 @@ def _check_group_size(targets, weight_type, group_size) -> None:
                          f"them in skip=[...]")
 
 
-def _check_calibration_options(method: str, calibration, act_order, static_groups) -> None:
-    """calibration, act_order and static_groups belong to the calibrated methods only."""
+def _check_calibration_options(method: str, calibration, act_order, static_groups, damp=None) -> None:
+    """calibration, act_order, static_groups and damp belong to the calibrated methods only."""
     if method in CALIBRATED_METHODS:
         for argument, value in (("act_order", act_order), ("static_groups", static_groups)):
             if not isinstance(value, bool):
                 raise TypeError(f"{argument} must be a bool, got {value!r}")
+        if damp is not None and (isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp < 1):
+            raise ValueError(f"damp={damp!r} must be a number in [0, 1): the fraction of the Hessian's mean "
+                             f"diagonal added to it (None: 0.01)")
         return
     for argument, value, unset in (("calibration", calibration, None), ("act_order", act_order, False),
-                                   ("static_groups", static_groups, False)):
+                                   ("static_groups", static_groups, False), ("damp", damp, None)):
         if value is not unset:
             raise ValueError(f"{argument}= is taken by method={CALIBRATED_METHODS[0]!r} only; method={method!r} "
                              f"quantizes without data")

@@ -2,7 +2,6 @@
 offline through sentence-transformers) with its 37 Linear layers quantized; embeddings vs float."""
 
 import copy
-import random
 
 import pytest
 import torch
@@ -81,39 +80,81 @@ def test_minilm_hqq_stays_closer_to_float_than_rtn(minilm, name, group_size, cap
     assert lowest["hqq"] >= lowest["rtn"] and lowest["hqq"] >= HQQ_MIN_COSINE[(name, group_size)]
 
 
-def _calibration_sentences(count: int) -> list[str]:
-    """Sentences unlike SENTENCES (made from fixed parts with a seeded choice), to calibrate on."""
-    subjects = ["The old farmer", "A young student", "My neighbour", "The committee", "A tired doctor", "Our team",
-                "The small dog", "An engineer", "The children", "A famous singer", "The river", "Her grandmother"]
-    verbs = ["painted", "repaired", "discussed", "ignored", "carried", "studied", "sold", "described", "watched",
-             "followed", "cleaned", "measured"]
-    objects = ["the wooden fence", "a strange letter", "the annual budget", "three red apples", "the broken engine",
-               "an ancient map", "the quiet village", "a difficult equation", "the evening news", "a basket of bread",
-               "the new bridge", "a cold winter"]
-    endings = ["before sunrise.", "without saying a word.", "in the rain.", "during the long meeting.",
-               "for the first time.", "with great care.", "near the station.", "after lunch.", "on a Sunday morning.",
-               "at the edge of town."]
-    choose = random.Random(0).choice
-    return [f"{choose(subjects)} {choose(verbs)} {choose(objects)} {choose(endings)}" for _ in range(count)]
+# Calibration sentences of many topics, forms and lengths (none of them in SENTENCES): GPTQ fits the layers to its
+# calibration inputs, and sentences from one template ("The old farmer painted the wooden fence before sunrise."),
+# however many, fit them to one kind of sentence (int4 g128's worst cosine 0.950 with 96 of them, 0.947 with 384;
+# 0.958 with these 64, damp 0.01, no act_order)
+VARIED_SENTENCES = [
+    "What is the capital city of Australia?", "The train to Berlin leaves at half past seven.",
+    "Please restart the server before installing the update.", "She has been learning Japanese for three years.",
+    "Why do cats purr when they are happy?", "The recipe calls for two cups of flour and a pinch of salt.",
+    "Global temperatures have risen steadily over the last century.",
+    "He scored the winning goal in the final minute.", "Can you recommend a good book about ancient Rome?",
+    "The museum is closed on Mondays and public holidays.",
+    "Our quarterly revenue exceeded expectations by twelve percent.",
+    "The patient was discharged after a week of treatment.", "Water boils at a lower temperature at high altitude.",
+    "I forgot my umbrella at the coffee shop again.", "The new smartphone has a larger battery and a faster chip.",
+    "Children should drink plenty of water in summer.", "The orchestra rehearsed the symphony late into the night.",
+    "How many legs does a spider have?", "The court ruled that the contract was invalid.",
+    "Volcanic eruptions can disrupt air travel for weeks.",
+    "A gentle breeze moved the curtains in the open window.", "The software crashes whenever I open a large file.",
+    "Electric cars are becoming cheaper every year.", "The hikers reached the summit just before the storm.",
+    "My grandfather used to repair watches in his workshop.", "Where can I find the nearest pharmacy?",
+    "The vaccine trial enrolled more than thirty thousand volunteers.",
+    "Bees play a crucial role in pollinating crops.",
+    "The bakery on the corner sells fresh croissants every morning.",
+    "Interest rates were raised for the third time this year.",
+    "The detective found a hidden message in the old diary.",
+    "Learning to play the guitar takes patience and practice.",
+    "The city council approved a plan for new bike lanes.", "Is it safe to swim in the lake after heavy rain?",
+    "The satellite transmitted images of the distant planet.",
+    "They celebrated their anniversary with a quiet dinner.",
+    "The printer is out of ink and needs a new cartridge.",
+    "Mountains cover nearly half of the country's territory.",
+    "The students presented their research at an international conference.",
+    "A black cat crossed the empty street at midnight.", "How do I convert a PDF file into a Word document?",
+    "The chef prepared a spicy curry with fresh vegetables.",
+    "The company announced layoffs affecting two hundred employees.",
+    "Dolphins communicate using clicks and whistles.", "The flight was delayed because of heavy fog.",
+    "She painted a portrait of her daughter in oil.", "Regular exercise reduces the risk of heart disease.",
+    "The ancient temple was rediscovered by archaeologists in 1911.",
+    "What time does the pharmacy open on Sundays?", "The team released a patch that fixes the memory leak.",
+    "Autumn leaves covered the path through the park.", "The senator gave a long speech about healthcare reform.",
+    "My laptop battery drains quickly when streaming video.",
+    "The toddler built a tall tower out of wooden blocks.",
+    "Scientists discovered a new species of frog in the rainforest.", "The stadium was packed with cheering fans.",
+    "Does this medication have any side effects?", "The river flooded the low fields after the spring thaw.",
+    "He apologized for arriving late to the interview.", "Solar panels convert sunlight directly into electricity.",
+    "The library extended its opening hours during exams.",
+    "A strong earthquake shook the coastal town last night.",
+    "The novel tells the story of a family over three generations.",
+    "Which programming language should I learn first?",
+]
 
-
-# smallest cosine to float with method="gptq", int4 g128, calibrated on 96 other sentences (measured 2026-11-28:
-# rtn 0.916, hqq 0.945, gptq 0.948; uint4 with zero points: rtn 0.952, hqq 0.960, gptq 0.967)
-GPTQ_MIN_COSINE = 0.94
+# smallest cosine to float with method="gptq", int4 g128 (symmetric), calibrated on VARIED_SENTENCES with act_order
+# and damp 0.1 (measured 2026-11-28: 0.975; rtn 0.916, hqq 0.945; GPTQModel 7.6.0's GPTQ layer by layer on the same
+# inputs, act_order, damp 0.1: 0.970).  Before: 0.948 on 96 such template sentences, damp 0.01, no act_order and the
+# absmax scale rule (now group_method "range", which takes the code -8).
+GPTQ_MIN_COSINE = 0.97
 
 
 def test_minilm_gptq_calibrated_on_other_sentences_stays_closest_to_float(minilm, capsys):
     """method="gptq" on real weights, calibrated on sentences other than those measured (the quantized model
-    dequantized back into float modules: the quantizer's accuracy alone, no kernels built)."""
+    dequantized back into float modules: the quantizer's accuracy alone, no kernels built): int4 g128 at least
+    0.97 (issue 44's bound) and closer to float than round-to-nearest."""
     model, expected = minilm
-    sentences = _calibration_sentences(96)
-    calibration = [(model.tokenize(sentences[i:i + 48]),) for i in range(0, len(sentences), 48)]
+    assert not set(VARIED_SENTENCES) & set(SENTENCES)
+    calibration = [(model.tokenize(VARIED_SENTENCES[i:i + 32]),) for i in range(0, len(VARIED_SENTENCES), 32)]
     quantized = bitkern.quantize_model(copy.deepcopy(model), "int4", group_size=128, method="gptq",
-                                       calibration=calibration)
+                                       calibration=calibration, act_order=True, damp=0.1)
     assert {m.method for m in quantized.modules() if isinstance(m, bitkern.Linear)} == {"gptq"}
+    rounded = bitkern.quantize_model(copy.deepcopy(model), "int4", group_size=128)
     with torch.no_grad():
         embeddings = bitkern.dequantize_model(quantized).encode(SENTENCES, convert_to_tensor=True)
+        nearest = bitkern.dequantize_model(rounded).encode(SENTENCES, convert_to_tensor=True)
     lowest = float(F.cosine_similarity(embeddings, expected).min())
+    lowest_rtn = float(F.cosine_similarity(nearest, expected).min())
     with capsys.disabled():
-        print(f"\nall-MiniLM-L6-v2 int4 g128 gptq (96 calibration sentences): min cosine vs float {lowest:.4f}")
-    assert lowest >= GPTQ_MIN_COSINE
+        print(f"\nall-MiniLM-L6-v2 int4 g128 gptq ({len(VARIED_SENTENCES)} calibration sentences, act_order, damp "
+              f"0.1): min cosine vs float {lowest:.4f} (rtn {lowest_rtn:.4f})")
+    assert lowest >= GPTQ_MIN_COSINE and lowest > lowest_rtn

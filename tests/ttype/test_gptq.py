@@ -91,6 +91,32 @@ def test_static_groups_keep_the_column_order_and_the_groups_of_the_original_weig
     assert torch.equal(quantized.scales, rtn.scales) and torch.equal(quantized.zeros, rtn.zeros)
 
 
+
+def test_symmetric_integer_groups_take_their_signed_range():
+    """The default for int types without zeros ("range"): a group's scale maps its larger signed extreme onto
+    the type's end of that sign, max(max(w) / 7, min(w) / -8) for int4, computed here from the weight itself
+    (static groups: the original weight's).  With a diagonal Hessian (independent inputs: no error to feed
+    forward) GPTQ rounds to the nearest code of those scales, so a negative extreme is coded -8 exactly and no
+    weight is clipped."""
+    weight, calibration, _ = _layer(7)
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    expected = torch.maximum(groups.amax(-1) / 7, groups.amin(-1) / -8).to(torch.float16)
+    hessian = Hessian(weight.shape[1])
+    hessian.add(calibration)
+    quantized, _ = gptq(weight, hessian.matrix, "int4", 32, act_order=True, static_groups=True)
+    assert torch.equal(quantized.scales, expected)
+    quantized, order = gptq(weight, torch.diag(hessian.matrix.diagonal()), "int4", 32)
+    assert order is None and torch.equal(quantized.scales, expected)
+    scale = expected.float().unsqueeze(-1)
+    values = quantized.dequantize().reshape_as(groups)
+    assert torch.equal(values, torch.round(groups / scale).clamp(-8, 7) * scale)
+    negative = groups.amin(-1) / -8 >= groups.amax(-1) / 7  # groups whose extreme is negative
+    assert bool(negative.any()) and bool((~negative).any())
+    assert torch.equal(values.amin(-1)[negative], -8 * expected.float()[negative])
+    with pytest.raises(ValueError, match=r"group_method='range' is for the signed integer types"):
+        gptq(weight, hessian.matrix, "nf4", 32, group_method="range")
+
+
 def _model_and_calibration():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
@@ -168,6 +194,10 @@ def test_gptq_without_calibration_is_refused_by_name_before_anything_is_quantize
         bitkern.quantize_model(model, "int4", group_size=32, method="hqq", calibration=calibration)
     with pytest.raises(ValueError, match=r"act_order= is taken by method='gptq' only"):
         bitkern.quantize_model(model, "int4", group_size=32, act_order=True)
+    with pytest.raises(ValueError, match=r"damp= is taken by method='gptq' only"):
+        bitkern.quantize_model(model, "int4", group_size=32, damp=0.1)
+    with pytest.raises(ValueError, match=r"damp=1.5 must be a number in \[0, 1\)"):
+        bitkern.quantize_model(model, "int4", group_size=32, method="gptq", calibration=calibration, damp=1.5)
     with pytest.raises(ValueError, match=r"calibration must be a non-empty iterable"):
         bitkern.quantize_model(model, "int4", group_size=32, method="gptq", calibration=[])
     with pytest.raises(ValueError, match=r"method='gptq' does not apply to dtype='bfloat16'"):
