@@ -156,8 +156,8 @@ def test_cuda_refuses_what_the_matrix_says_it_refuses(weight, activation_quant):
 
 def test_mixture_of_experts_experts_are_quantized_as_the_matrix_says(tmp_path):
     """The MoE column: quantize_model and BitkernConfig quantize a Mixtral's experts into bitkern.Experts (no 3-D
-    float parameter left) as well as its attention projections, and the footnote says they run one dense kernel
-    call per expert, without the grouped kernel."""
+    float parameter left) as well as its attention projections, and the footnote's bound on the calls that run the
+    grouped kernel is the one Experts uses."""
     from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -172,7 +172,10 @@ def test_mixture_of_experts_experts_are_quantized_as_the_matrix_says(tmp_path):
         assert isinstance(layer.mlp.experts, bitkern.Experts) and layer.mlp.experts.down.weight_dtype == "int4"
         assert not [name for name, p in model.named_parameters() if p.dim() == 3]
     footnote = " ".join(README.read_text().split())
-    assert "one dense kernel call per expert that has tokens: the grouped MoE kernel is not there yet" in footnote
+    from bitkern.nn.experts import GROUPED_PAIRS
+
+    assert f"calls of up to {GROUPED_PAIRS} token-expert pairs (decode: {GROUPED_PAIRS // 8} tokens at top-8) run one " \
+           "grouped kernel call per projection" in footnote
 
 
 # -- links and duplicates ------------------------------------------------------------------------------------------
