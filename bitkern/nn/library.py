@@ -76,13 +76,19 @@ def spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bi
     """The Matmul spec of an op call (a Conv2d spec when a convolution `geometry` is given); `bitkern.fusion`
     prices fused calls by it."""
     described = WeightFormat.decode(weight_format)
-    block = get(described.dtype).block_size > 1
-    fields = dict(output_dtype=output, group_size=described.group_size, zero_mode=described.zero_mode, bias=bias,
-                  scale_dtype="float16" if block else described.scale_dtype)
+    fields = _spec_fields(described, output, bias)
     if geometry is not None:
         return Conv2d(described.dtype, activation, geometry=geometry, **fields)
     return Matmul(described.dtype, activation, epilogue=epilogue, residual=residual, norm=norm, norm_eps=norm_eps,
                   activation_quant=activation_quant, **fields)
+
+
+def _spec_fields(described: WeightFormat, output: torch.dtype, bias: bool) -> dict:
+    """The spec fields a weight format and an op call's output and bias give (block types keep float16 scales in
+    their spec, whatever they store)."""
+    block = get(described.dtype).block_size > 1
+    return dict(output_dtype=output, group_size=described.group_size, zero_mode=described.zero_mode, bias=bias,
+                scale_dtype="float16" if block else described.scale_dtype)
 
 
 def _weight(weight: list, weight_format: str) -> PackedWeight:
@@ -156,10 +162,8 @@ def grouped_spec_of(weight_format: str, activation: torch.dtype, output: torch.d
                     top_k: int) -> GroupedMatmul:
     """The GroupedMatmul spec of a grouped_linear call (weight_format: the experts' stacked [E·N, K] weight's)."""
     described = WeightFormat.decode(weight_format)
-    block = get(described.dtype).block_size > 1
-    return GroupedMatmul(described.dtype, activation, output_dtype=output, group_size=described.group_size,
-                         zero_mode=described.zero_mode, bias=bias, scale_dtype="float16" if block else
-                         described.scale_dtype, experts=experts, top_k=top_k)
+    return GroupedMatmul(described.dtype, activation, experts=experts, top_k=top_k,
+                         **_spec_fields(described, output, bias))
 
 
 def run_grouped_linear(x: Tensor, weight: PackedWeight, weight_format: str, indices: Tensor, bias: Optional[Tensor],

@@ -30,9 +30,7 @@ class GroupedCpuKernel(CpuKernel):
         indices [M, top_k] (expert ids, int32 or int64) and bias [E, N] or None (inputs already validated by the
         caller: `GroupedMatmul.check_routed`)."""
         rows = x.shape[0]
-        if not self.m_range[0] <= rows <= self.m_range[1]:
-            raise ValueError(f"x has {rows} rows; this {self.template} kernel serves {self.m_range[0]} to "
-                             f"{self.m_range[1]} (ask the cache for the kernel of {rows} rows)")
+        self.check_rows(rows)
         y = torch.empty(rows, self.spec.top_k, self.n, dtype=torch_dtype(self.spec.output_dtype), device=x.device)
         if indices.dtype != torch.int64 or not indices.is_contiguous():
             indices = indices.to(torch.int64).contiguous()  # expert ids below E: exact

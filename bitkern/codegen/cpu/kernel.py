@@ -53,9 +53,7 @@ class CpuKernel:
         one; norm: (weight, bias or None) of a norm prologue, [K] each, passed as float32).  AMX kernels ask for the tile permission here, on their first call, so that they can be built for
         a CPU that is not this one."""
         rows = self.spec.rows(x)
-        if not self.m_range[0] <= rows <= self.m_range[1]:
-            raise ValueError(f"x has {rows} rows; this {self.template} kernel serves {self.m_range[0]} to "
-                             f"{self.m_range[1]} (ask the cache for the kernel of {rows} rows)")
+        self.check_rows(rows)
         if self.amx_tiles:
             enable_amx()
         y = torch.empty(rows, self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype),
@@ -66,6 +64,12 @@ class CpuKernel:
         self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *norm_arguments, *bias_argument,
                       *residual_argument, y)
         return y
+
+    def check_rows(self, rows: int) -> None:
+        """Raise unless this kernel serves `rows` rows (its m_range)."""
+        if not self.m_range[0] <= rows <= self.m_range[1]:
+            raise ValueError(f"x has {rows} rows; this {self.template} kernel serves {self.m_range[0]} to "
+                             f"{self.m_range[1]} (ask the cache for the kernel of {rows} rows)")
 
 
 def _float32(vector: torch.Tensor) -> torch.Tensor:
