@@ -30,21 +30,36 @@ def fuse(model, *example_inputs, **options):
     return fuse_model(model, *example_inputs, **options)
 
 
-def prepare(model, tokens, dtype=None, progress: bool = True):
+def prepare(model, tokens, dtype=None, progress: bool = True, warmup: bool = True):
     """Make ready every kernel a forward of `model` over `tokens` tokens calls (an int or a sequence of counts:
     batch x sequence length; each count's M bucket), loading it from the kernel caches (the user's, then the
     read-only system cache) or tuning and building it, with a progress bar, so that no call tunes; returns the
     summary (`bitkern.nn.prepare.PrepareReport`: kernels built, loaded, seconds).  dtype: the inputs' dtype
     (default: the model's).  A transformers model that runs bitkern's attention gets its decode-attention kernels
-    too.  Arguments are checked before any kernel is built."""
+    too.  warmup: a transformers model then runs one forward per M bucket of the counts up to 128 tokens, so that
+    its first call pays no first-call costs outside bitkern's kernels either (`bitkern.integration.hf.warmup`).
+    Arguments are checked before any kernel is built."""
+    import dataclasses
+    import sys
+    import time
+
     from .nn.prepare import input_dtype, prepare as prepare_model
 
+    transformers = sys.modules.get("transformers")
+    pretrained = transformers is not None and isinstance(model, transformers.PreTrainedModel)
     attention = ()
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "bitkern":
+    if pretrained and model.config._attn_implementation == "bitkern":
         from .integration.hf.attention import decode_attention_specs
 
         attention = decode_attention_specs(model, input_dtype(model, dtype))
-    return prepare_model(model, tokens, dtype, progress, attention)
+    report = prepare_model(model, tokens, dtype, progress, attention)
+    if not (pretrained and warmup):
+        return report
+    from .integration.hf.warmup import warm_up
+
+    start = time.perf_counter()
+    warmed = warm_up(model, report.tokens)
+    return dataclasses.replace(report, warmed=warmed, seconds=report.seconds + time.perf_counter() - start)
 
 
 def load_pretrained(path, **from_pretrained_kwargs):

@@ -46,7 +46,8 @@ class KernelCall:
 @dataclass(frozen=True)
 class PrepareReport:
     """What `prepare` did: `kernels` made ready, of which `built` were tuned and built, `loaded` came from a cache
-    and `ready` were in this process already; in `seconds`."""
+    and `ready` were in this process already; in `seconds`; the token counts a warm-up forward ran at (`warmed`, a
+    transformers model's: `bitkern.integration.hf.warmup`)."""
 
     kernels: int
     built: int
@@ -54,13 +55,15 @@ class PrepareReport:
     ready: int
     seconds: float
     tokens: tuple[int, ...]
+    warmed: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         counts = ", ".join(map(str, self.tokens)) if len(self.tokens) <= 8 else \
             f"{self.tokens[0]}..{self.tokens[-1]} ({len(self.tokens)} counts of)"
         return (f"bitkern.prepare: {self.kernels} kernels for {counts} tokens "
                 f"({self.built} built, {self.loaded} loaded, {self.ready} already in this process) in "
-                f"{self.seconds:.1f} s")
+                f"{self.seconds:.1f} s" + (f"; warmed up at {', '.join(map(str, self.warmed))} tokens"
+                                             if self.warmed else ""))
 
 
 def check_tokens(tokens, argument: str = "tokens") -> tuple[int, ...]:

@@ -79,3 +79,70 @@ def test_from_pretrained_with_prepare_returns_a_ready_model(caches, tiny_llama, 
 def test_prepare_in_the_config_is_checked_before_loading():
     with pytest.raises(ValueError, match=r"prepare=\(0,\) must be a positive int or a non-empty sequence"):
         BitkernConfig("int4", prepare=(0,))
+
+
+def _llama(positions: int = 256):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=positions)
+    model = LlamaForCausalLM(config).eval()
+    bitkern.quantize_model(model, "int4", group_size=32, skip=["lm_head"])
+    return model
+
+
+def _forward_lengths(model) -> list:
+    """The sequence lengths of the forwards `model` runs from now on."""
+    lengths = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape),
+                                    with_kwargs=True)
+    return lengths
+
+
+def test_prepare_warms_a_transformers_model_up_at_its_small_counts(caches, caplog):
+    model = _llama()
+    lengths = _forward_lengths(model)
+    weights = {name: t.clone() for name, t in (*model.named_parameters(), *model.named_buffers())}
+    rng = torch.get_rng_state()
+    with caplog.at_level("INFO", logger="bitkern"):
+        report = bitkern.prepare(model, tokens=(1, 12, PROMPT, 130), progress=False)
+    # one forward per bucket, the smallest count of each (12 and 16 share 5..16); 130 > 128: prepared, not run
+    assert report.warmed == (1, 12) and lengths == [(1, 1), (1, 12)]
+    assert "warmed up at 1, 12 tokens" in str(report) and "warmed up with a forward at 1, 12 tokens" in caplog.text
+    assert torch.equal(torch.get_rng_state(), rng) and not model.training
+    assert all(torch.equal(t, weights[name]) for name, t in (*model.named_parameters(), *model.named_buffers()))
+
+
+def test_prepare_without_warmup_runs_no_forward(caches):
+    model = _llama()
+    lengths = _forward_lengths(model)
+    assert bitkern.prepare(model, tokens=(1, PROMPT), progress=False, warmup=False).warmed == () and lengths == []
+
+
+def test_warmup_skips_what_the_model_cannot_take_and_says_so(caches, caplog):
+    model = _llama(positions=8)
+    lengths = _forward_lengths(model)
+    with caplog.at_level("INFO", logger="bitkern"):
+        assert bitkern.prepare(model, tokens=(1, PROMPT), progress=False).warmed == (1,)
+    assert lengths == [(1, 1)] and f"no warm-up forward at [{PROMPT}] tokens (past the model's 8 positions)" \
+        in caplog.text
+    model.train()
+    with caplog.at_level("INFO", logger="bitkern"):
+        assert bitkern.prepare(model, tokens=1, progress=False).warmed == ()
+    assert lengths == [(1, 1)] and "no warm-up forward (the model is in training mode)" in caplog.text
+
+
+def test_a_failed_warmup_forward_is_logged_and_keeps_the_prepared_kernels(caches, caplog):
+    model = _llama()
+
+    def refuse_long(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] > 1:
+            raise RuntimeError("this model takes one token at a time")
+
+    model.register_forward_pre_hook(refuse_long, with_kwargs=True)
+    with caplog.at_level("INFO", logger="bitkern"):
+        report = bitkern.prepare(model, tokens=(1, PROMPT), progress=False)
+    assert report.warmed == (1,) and report.kernels == 4 * 2  # 4 weight shapes x buckets 1 and 5..16
+    assert f"the warm-up forward at {PROMPT} tokens failed (RuntimeError: this model takes one token at a time)" \
+        in caplog.text
