@@ -5,7 +5,7 @@ a fresh process takes to its first token when the kernels are in a read-only sys
 1. In one process, with an empty user cache: `from_pretrained` with BitkernConfig(dtype) (quantized on load),
    `bitkern.prepare(model, tokens=(1, PROMPT))` (its summary printed), then ten greedy `generate` calls of GENERATED
    tokens after a PROMPT-token prompt; the first against the median of the last nine, in --runs such processes
-   (one run's ratio scatters: 1.04 to 1.33 on a quiet VM).
+   (one process's ratio scatters by a few percent).
 2. The first such process's cache is then the system cache (`BITKERN_SYSTEM_CACHE_DIR`; trusted: this user owns it and only
    it can write it) of fresh processes with an empty user cache of their own, each timing from its start (the
    interpreter's, by the clock before Python ran) through `import bitkern`, `from_pretrained`, `prepare` (every
