@@ -374,10 +374,17 @@ def cuda_device(arch: str | None = None) -> CudaDevice:
         return CUDA_ARCHS[arch]
     import torch
 
+    if torch.version.hip is not None:
+        raise RuntimeError(f"this torch is built for ROCm (HIP {torch.version.hip}): its 'cuda' device is an AMD GPU, "
+                           f"and bitkern's GPU kernels are CUDA code built with NVIDIA's nvcc for NVIDIA GPUs "
+                           f"(sm_80 to sm_90); run the model on the CPU, or on an NVIDIA GPU")
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device is present; name an arch (e.g. 'sm_90') to cross-compile for it")
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     detected = f"sm_{props.major}{props.minor}"
+    if props.major < 8:
+        raise RuntimeError(f"{props.name} is {detected}; bitkern's GPU kernels need sm_80 or newer (bf16 TensorCore "
+                           f"instructions): Ampere, Ada or Hopper. Run the model on the CPU")
     base = CUDA_ARCHS.get(detected) or CUDA_ARCHS["sm_90" if props.major >= 9 else "sm_80"]
     return CudaDevice(props.name, detected, props.multi_processor_count, base.global_transaction_bytes,
                       base.shared_banks, base.shared_bank_bytes,

@@ -47,6 +47,21 @@ def test_unknown_cuda_arch_is_refused():
         cuda_device("sm_75")
 
 
+def test_a_rocm_torch_and_gpus_before_sm_80_are_refused_naming_why(monkeypatch):
+    """A ROCm torch presents its AMD GPU as "cuda"; a pre-Ampere NVIDIA GPU lacks the bf16 TensorCore instructions:
+    both are refused when the device is described, before any kernel is built."""
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    with pytest.raises(RuntimeError, match=r"built for ROCm \(HIP 6.2.41133\).*NVIDIA's nvcc.*run the model on the CPU"):
+        cuda_device()
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: type("Props", (), {"name": "Tesla T4", "major": 7, "minor": 5})())
+    with pytest.raises(RuntimeError, match=r"Tesla T4 is sm_75; bitkern's GPU kernels need sm_80 or newer"):
+        cuda_device()
+
+
 def test_hints_are_common_multiples_of_every_level():
     cpu = host_cpu()
     hint = device_hint(Matmul("int4", "bfloat16"), 4096, cpu)
