@@ -24,6 +24,9 @@ import torch
 import bitkern
 from bitkern.gpukit.matrix import BENCH_GROUP, BENCH_SHAPES, BENCH_TYPE, bench_specs
 
+sys.path.insert(0, str(Path(__file__).parent))  # the kit loads this file by its path; provenance.py is beside it
+from provenance import header  # noqa: E402
+
 WARMUP_MS, REP_MS = 10, 50
 COPY_BYTES = 1 << 30
 PEERS = ("cublas_fp16", "cublas_bf16", "tinygemm", "gemlite")
@@ -128,8 +131,8 @@ def run(results: Path, budget_s: float = 150.0) -> tuple[str, str]:
         for peer in PEERS:
             if f"{peer}_s" in row:
                 row[f"speedup_vs_{peer}"] = row[f"{peer}_s"] / row["bitkern_s"]
-    report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_per_s": bandwidth, "rows": rows,
-              "peer_errors": errors, "left_out_of_time": left}
+    report = {"header": header(), "device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_per_s": bandwidth,
+              "rows": rows, "peer_errors": errors, "left_out_of_time": left}
     (results / "bench.json").write_text(json.dumps(report, indent=1))
     (results / "bench.md").write_text(_markdown(report))
     worst = max((row["error"] for row in rows), default=0.0)
@@ -152,7 +155,7 @@ def _error(y: torch.Tensor, x16: torch.Tensor, dequantized: torch.Tensor) -> flo
 
 def _markdown(report: dict) -> str:
     bandwidth = report["copy_bandwidth_bytes_per_s"]
-    lines = [f"## Benchmark on {report['device']}", "",
+    lines = [report["header"], "", f"## Benchmark on {report['device']}", "",
              f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + written). Times: medians of CUDA-graph "
              f"replays of one call, L2 flushed per run; eager ms: bitkern's call outside a graph. Speed-up: the "
              f"peer's time over bitkern's (>1: bitkern faster).", "",

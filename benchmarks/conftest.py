@@ -4,12 +4,16 @@ table of every case, printed at the end of the run and written to benchmarks/res
 from __future__ import annotations
 
 import os
+import shlex
 import statistics
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from provenance import header
+
 
 def _rotation_bytes() -> int:
     """Weights rotate through this much memory so that they come from DRAM: at least 1 GiB and three times
@@ -177,8 +181,9 @@ def pytest_terminal_summary(terminalreporter):
         text = "\n".join(lines)
         terminalreporter.write_line(f"\n{table}\n{text}")
         load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
-        (RESULTS / f"{table}.md").write_text(f"{text}\n\nthreads: {torch.get_num_threads()}, load average at the "
-                                             f"end: {load}\n")
+        command = "python -m pytest " + shlex.join(terminalreporter.config.invocation_params.args)
+        (RESULTS / f"{table}.md").write_text(f"{header(command)}\n\n{text}\n\nthreads: {torch.get_num_threads()}, "
+                                             f"load average at the end: {load}\n")
 
 
 def _format(value) -> str:

@@ -23,7 +23,6 @@ import platform
 import statistics
 import sys
 import subprocess
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -44,6 +43,7 @@ from bitkern.ops import Matmul  # noqa: E402
 from bitkern.codegen.cpu import isa  # noqa: E402
 from bitkern.tuner import host_cpu  # noqa: E402
 from conftest import interleaved, read_probes, rotation, round_ratio  # noqa: E402
+from provenance import header  # noqa: E402
 
 GROUPS = {"mxfp4": 32}  # block-scaled types have their own block; the others use --group
 # bitkern type -> the ggml type llama.cpp users pick for it (block 32 int4 with scale, 4-bit non-linear code book,
@@ -113,12 +113,12 @@ def main() -> None:
         parser.error(f"--level {args.level}: this CPU cannot run it")
     probes, probe_bytes = read_probes()
     host_level = isa.best_level(Path("/proc/cpuinfo").read_text().split()).name
-    lines = [f"# bitkern CPU kernels at {device.level.name}, M={args.rows}, activation_quant={args.activation_quant}",
+    lines = [header(), "",
+             f"# bitkern CPU kernels at {device.level.name}, M={args.rows}, activation_quant={args.activation_quant}",
              "",
              f"{host_cpu().name} ({platform.machine()}, host level {host_level}), "
              f"{device.cores} threads, torch {torch.__version__} (held to the level: "
-             f"{'ONEDNN_MAX_CPU_ISA=' + os.environ['ONEDNN_MAX_CPU_ISA'] if args.level else 'no'}), "
-             f"{time.strftime('%Y-%m-%d')}; command: `python benchmarks/cpu_levels.py {' '.join(sys.argv[1:])}`",
+             f"{'ONEDNN_MAX_CPU_ISA=' + os.environ['ONEDNN_MAX_CPU_ISA'] if args.level else 'no'})",
              "",
              "| type | N x K | kernel | ms | GB/s | of DRAM probe | ms, weights in cache | torch bf16 ms | "
              "torch bf16 / bitkern |" + (" llama.cpp type | llama.cpp ms | llama.cpp / bitkern |" if harness else ""),

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from conftest import best_read_gbs, interleaved, read_probes, rotation
+from provenance import header
 
 SOURCE = Path(__file__).with_suffix(".c")
 RESULTS = Path(__file__).parent / "results" / "decode_ceiling.md"
@@ -92,7 +93,9 @@ def main() -> None:
         gbs = weights / 2 / 1e9  # int4: two weights per byte
         rows.append(f"| {title} | {weights / 1e9:.1f} | {gbs:.1f} | {gbs / share:.2f} | {gbs / one_core:.2f} |")
     text = "\n".join([
-        f"Command: `python benchmarks/decode_ceiling.py --rounds {args.rounds}`; {threads} threads; DRAM read, best "
+        header(),
+        "",
+        f"{threads} threads; DRAM read, best "
         f"of the streaming probes: {all_cores:.1f} GB/s with all threads ({share:.1f} GB/s per core), "
         f"{one_core:.1f} GB/s with one.",
         "",

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import header
+
 PROMPT, GENERATED = 8, 16
 
 
@@ -116,14 +118,10 @@ def main() -> None:
             user = Path(users) / str(run)
             runs.append(_child("first-token", model_dir, args.dtype,
                                {**base, "BITKERN_SYSTEM_CACHE_DIR": system, "BITKERN_CACHE_DIR": str(user)}))
-    import platform
-
     import torch
 
-    lines = [f"# Deployment latency, {args.dtype}, the llama.cpp benchmark's Llama", "",
-             f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-             f"{time.strftime('%Y-%m-%d')}; command: `python benchmarks/deploy_latency.py "
-             f"{' '.join(sys.argv[1:])}`", "",
+    lines = [header(), "", f"# Deployment latency, {args.dtype}, the llama.cpp benchmark's Llama", "",
+             f"{torch.get_num_threads()} threads", "",
              f"In one process after `bitkern.prepare` ({warm[0]['summary']}), {args.runs} processes: first generate "
              f"of {GENERATED} tokens {statistics.median(firsts) * 1e3:.0f} ms, median of the next nine "
              f"{statistics.median(rests) * 1e3:.0f} ms (medians); first / rest per process "

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch_level
 from llama_threads import _environment
+from provenance import header
 
 LLAMA_CPP_PYTHON = "0.3.36"
 # On a CPU with AMX, -march=native compiles ggml's AMX kernels: generation runs on them (weights repacked for AMX;
@@ -536,7 +537,8 @@ def report(samples, weight_bytes, rounds, info, commit, args) -> str:
     loads = ", ".join(f"{r['load']:.1f}" for r in rounds)
     bandwidths = ", ".join(f"{r['gbs']:.1f}" for r in rounds)
     cpu_bandwidths = ", ".join(f"{r['cpu']:.1f}" for r in rounds)
-    lines = [f"llama.cpp {commit} (vendored in llama-cpp-python {LLAMA_CPP_PYTHON}; llama-bench build_commit "
+    lines = [header(), "",
+             f"llama.cpp {commit} (vendored in llama-cpp-python {LLAMA_CPP_PYTHON}; llama-bench build_commit "
              f"{info.get('build_commit')}, {info.get('cpu_info')}, backends {info.get('backends')}, flash_attn "
              f"{info.get('flash_attn')}, KV {info.get('type_k')}/{info.get('type_v')}, n_ubatch "
              f"{info.get('n_ubatch')}) "

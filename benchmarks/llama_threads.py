@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import header
+
 RESULTS = Path(__file__).parent / "results"
 MODELS = {  # name -> bitkern quantization (None: the bf16 model; "import": bf16, with bitkern imported)
     "bf16": None, "bf16 + import bitkern": "import",
@@ -149,7 +151,7 @@ def main() -> None:
     text = _table(samples, shares, args)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "llama_threads.md").write_text(text + "\n")
+    (RESULTS / "llama_threads.md").write_text(f"{header()}\n\n{text}\n")
 
 
 def _ratio(samples, a, b) -> float:

@@ -20,6 +20,7 @@ from bitkern.tuner.cost import estimate
 from bitkern.tuner.profile import build_all, inputs, time_kernels
 from bitkern.tuner.buckets import TUNED_M
 from bitkern.tuner.space import enumerate_candidates
+from provenance import header
 
 CASES = [
     (Matmul("int4", "bfloat16"), 4096, 4096, (1, 1)),
@@ -100,7 +101,7 @@ def main() -> None:
     print(text)
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "tuner_quality.md").write_text(text + f"\n\nthreads: {torch.get_num_threads()}\n")
+    (out / "tuner_quality.md").write_text(f"{header()}\n\n{text}\n\nthreads: {torch.get_num_threads()}\n")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import header
+
 RESULTS = Path(__file__).parent / "results"
 INT4 = {"dtype": "int4", "group_size": 128}
 # engine name -> (bitkern settings, or {} for vLLM's own bf16 model; environment variables)
@@ -123,7 +125,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         make_model(Path(folder))
         runs = measure(Path(folder), rounds, models, environments)
-    text = (f"vLLM offline throughput (benchmarks/vllm_throughput.py{f' --fusion {fusion}' if fusion else ''}, {rounds} rounds), "
+    text = (f"{header()}\n\n"
+            f"vLLM offline throughput (benchmarks/vllm_throughput.py{f' --fusion {fusion}' if fusion else ''}, {rounds} rounds), "
             f"{os.cpu_count()} cores, load average at the start {load:.1f}, at the end {os.getloadavg()[0]:.1f}\n\n"
             f"{table(runs, models, environments)}")
     RESULTS.mkdir(exist_ok=True)

@@ -38,7 +38,7 @@ GPU_TESTS = ("tests/codegen/cuda/test_gpu.py", "tests/cache/test_dispatch_gpu.py
 TEST_FILES = ("tests/__init__.py", "tests/conftest.py", "tests/helpers.py", "tests/codegen/__init__.py",
               "tests/codegen/cuda/__init__.py", "tests/cache/__init__.py", "tests/nn/__init__.py",
               "tests/tuner/__init__.py", *GPU_TESTS)
-BENCHMARK_FILES = ("benchmarks/bench_gpu.py",)
+BENCHMARK_FILES = ("benchmarks/bench_gpu.py", "benchmarks/provenance.py")
 _ENTRY = '''#!/usr/bin/env python3
 """bitkern GPU kit.  ./run --dry-run: check the kit (no GPU needed).  ./run --results DIR: on a machine with an
 NVIDIA GPU and torch (no TVM, no nvcc, no network needed): tests, memcheck, tuning, benchmark; results in DIR."""
