@@ -1,11 +1,14 @@
 """bitkern against llama.cpp on one random-weight Llama model (hidden 2048, MLP 5632, 8 layers, 32 heads, 8 KV heads,
 vocab 32000, untied output layer), in the same session: prompt processing of 128 and 512 tokens and generation of 64
-tokens, 2 threads, each system's tokens/s next to the memory limit per generated token.
+tokens, 2 threads, each system's tokens/s next to the memory limit per generated token.  With --architecture moe
+the model is a mixture of experts of Qwen3-MoE's shapes instead (MOE_CONFIG: 64 experts of 768, top-8, 8 layers),
+whose memory limit counts the experts a token routes to (8 of 64 per layer), not all of them.
 
 Recipe (CI does not run it; needs cmake, a C++ compiler and PyPI; everything built lands in --cache-dir, default
 ~/.cache/bitkern-llamacpp, never in the repository):
 
     python benchmarks/llama_cpp.py [--rounds 3] [--repetitions 2] [--cache-dir DIR] [--venv DIR] [--level LEVEL]
+                                   [--architecture llama|moe] [--systems 'NAME;NAME']
 
 1. llama.cpp: the source vendored in the sdist of llama-cpp-python (pinned: LLAMA_CPP_PYTHON; its CHANGELOG names
    the llama.cpp commit, passed to cmake as LLAMA_BUILD_COMMIT so that llama-bench reports it), built with
@@ -13,12 +16,13 @@ Recipe (CI does not run it; needs cmake, a C++ compiler and PyPI; everything bui
    on a CPU with AMX twice, with and without AMX (NO_AMX says why).  With --level (e.g. x86-64-v3 on an AVX-512
    machine) one build with GGML_NATIVE off and exactly that level's instruction sets (GGML_LEVEL_OPTIONS, never
    AVX-512 below it), and bitkern's and torch's workers held to the level (benchmarks/torch_level.py).
-2. The model: LlamaForCausalLM with seed 0 in bf16, `save_pretrained` to <cache>/model, beside it a Llama-style
+2. The model: LlamaForCausalLM (or MixtralForCausalLM) with seed 0 in bf16, `save_pretrained` to <cache>/model
+   (<cache>/model-moe), beside it a Llama-style
    byte-fallback BPE tokenizer of 32000 tokens made with the `tokenizers` library (the converter needs one).
 3. GGUF: llama.cpp's convert_hf_to_gguf.py --outtype bf16, run in a virtual environment (--venv, default
    <cache>/convert-venv) holding the vendored requirements (torch pinned to this Python's version instead, the
-   vendored gguf-py instead of PyPI's gguf); then llama-quantize to Q4_0 (output layer Q6_K, its default), Q4_0
-   with --output-tensor-type bf16, Q4_K_M and Q8_0.
+   vendored gguf-py instead of PyPI's gguf); then llama-quantize to the types of the systems run (GGUF_TYPES: Q4_0
+   with the output layer in Q6_K, its default, or in bf16 or Q8_0; Q4_K_M; Q8_0).
 4. Rounds: llama-bench -t 2 -p 128,512 -n 0, then -p 0 -n 64, -r REPETITIONS per GGUF, interleaved with bitkern
    through transformers (one process per model, default environment, kernels prepared before the first round):
    prompt = one forward of 128 / 512 random tokens (cache on, logits of the last token only, as llama-bench and
@@ -78,6 +82,17 @@ GGML_LEVEL_OPTIONS = {
 GGML_OPTIONS = tuple(dict.fromkeys(option for options in GGML_LEVEL_OPTIONS.values() for option in options))
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
+# A mixture of experts of Qwen3-MoE's shape family (Qwen3-30B-A3B's hidden size, 64 experts of 768, top-8; 8
+# layers): 4.8 GB of bf16 experts, far beyond the last-level cache, of which a token reads its 8 of 64 per layer.
+# Mixtral's architecture, not Qwen3-MoE's: llama.cpp's converter reads a Qwen model's vocabulary only from a
+# tokenizer whose pre-tokenizer it knows by hash, which the benchmark's made-up tokenizer is not; it reads a
+# Mixtral's as a Llama's.  The experts and their routing (softmax over the top 8) are the same computation.
+MOE_CONFIG = dict(hidden_size=2048, intermediate_size=768, num_local_experts=64, num_experts_per_tok=8,
+                  num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                  max_position_embeddings=4096, tie_word_embeddings=False)
+# --architecture -> (transformers model_type, config, the model directory and GGUF files' prefix in the cache)
+ARCHITECTURES = {"llama": ("llama", CONFIG, "model", "llama-"),
+                 "moe": ("mixtral", MOE_CONFIG, "model-moe", "moe-")}
 PROMPTS, GENERATED, GENERATE_PROMPT = (128, 512), 64, 8
 THREADS = 2
 # generate's options for every transformers model: a static KV cache (measured at 1 thread: ~6 ms less per decode
@@ -107,8 +122,8 @@ BITKERN = {"bitkern int4 g128": ("int4", 128, "auto", "none"),
 # run as a user compiling the model would: `model.forward = torch.compile(model.forward, dynamic=False)` (a graph
 # per shape, compiled while the worker prepares its kernels: prompts and decode steps alike go through it)
 COMPILED = tuple(name for name in BITKERN if name.endswith(", compiled"))
-# same-output-precision pairs compared round by round: (bitkern model, llama.cpp type); llama.cpp's Q8_0 keeps its
-# output layer in Q8_0, Q4_0 puts it in Q6_K
+# same-output-precision pairs compared round by round: (bitkern model, llama.cpp type or the bf16 model in torch);
+# llama.cpp's Q8_0 keeps its output layer in Q8_0, Q4_0 puts it in Q6_K
 PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, compiled", "Q4_0, output bf16"),
          ("bitkern int4 g128, output int8 g128", "Q4_0 (output Q6_K)"), ("bitkern nf4 g64", "Q4_0, output bf16"),
          ("bitkern int8 g128, output int8 g128", "Q8_0"),
@@ -117,10 +132,12 @@ PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, compil
          ("bitkern int4 g128 a8, output int8 g128, compiled", "Q4_0, output Q8_0"),
          ("bitkern int4 g128 a8, output int8 g128", "Q4_0 (output Q6_K)"),
          ("bitkern int8 g128 a8, output int8 g128", "Q8_0"),
-         ("bitkern int8 g128 a8, output int8 g128, compiled", "Q8_0"), ("torch bf16", "bf16")]
+         ("bitkern int8 g128 a8, output int8 g128, compiled", "Q8_0"), ("torch bf16", "bf16"),
+         ("bitkern int4 g128", "torch bf16"), ("bitkern int4 g128 a8", "torch bf16")]
 CPU_TEST = f"tg{GENERATED}, 1 thread, per CPU s"  # tokens per CPU second: a crowded machine's waits do not count
 TESTS = [f"pp{n}" for n in PROMPTS] + [f"tg{GENERATED}", CPU_TEST]
 LEVEL_ENVIRONMENT: dict[str, str] = {}  # with --level: what holds bitkern and torch to it (`torch_level`)
+ARCHITECTURE = ["llama"]  # --architecture: the model benchmarked
 COMMANDS: list[str] = []  # every command of the recipe, in order, whether it ran now or its output was cached
 
 
@@ -233,20 +250,32 @@ def _requirement_lines(path: Path) -> list[str]:
 
 
 # -- the model ---------------------------------------------------------------------------------------------------
-def make_model(directory: Path) -> Path:
-    """The random-weight Llama model (seed 0, bf16) and a tokenizer, saved to `directory` (once)."""
-    if (directory / "model.safetensors").exists():
+def make_model(directory: Path, architecture: str = "llama") -> Path:
+    """The random-weight model of `architecture` (ARCHITECTURES; seed 0, bf16) and a tokenizer, saved to `directory`
+    (once)."""
+    if (directory / "config.json").exists():
         return directory
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    model_type, config, _, _ = ARCHITECTURES[architecture]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG, bos_token_id=1, eos_token_id=2)).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config, bos_token_id=1,
+                                                                  eos_token_id=2), dtype=torch.bfloat16)
     partial = directory.with_name(directory.name + ".part")
     model.save_pretrained(partial)
-    save_tokenizer(partial, CONFIG["vocab_size"])
+    save_tokenizer(partial, config["vocab_size"])
     partial.rename(directory)
     return directory
+
+
+def read_per_token(sizes: dict[str, int], config: dict) -> float:
+    """Bytes of the tensors `sizes` (name -> bytes) a generated token reads: all but the embedding table (one row of
+    it is read), the experts' tensors (named "_exps" in GGUF files, ".experts." in transformers models) at the share
+    of them one token routes to (top-k of the experts)."""
+    share = config.get("num_experts_per_tok", 1) / (config.get("num_local_experts") or config.get("num_experts") or 1)
+    return sum(size * (share if "_exps" in name or ".experts." in name else 1) for name, size in sizes.items()
+               if name not in ("token_embd.weight", "model.embed_tokens.weight"))
 
 
 def save_tokenizer(directory: Path, size: int) -> None:
@@ -277,18 +306,21 @@ def save_tokenizer(directory: Path, size: int) -> None:
         "add_bos_token": True, "add_eos_token": False}))
 
 
-def make_ggufs(model: Path, source: Path, bin_dir: Path, python: Path, cache: Path) -> dict[str, Path]:
-    """The model in every GGUF type of GGUF_TYPES (converted to bf16, quantized from it; each made once)."""
-    bf16 = cache / "gguf" / "llama-bf16.gguf"
+def make_ggufs(model: Path, source: Path, bin_dir: Path, python: Path, cache: Path, types, prefix: str = "llama-"
+               ) -> dict[str, Path]:
+    """The model in the GGUF `types` (names of GGUF_TYPES; converted to bf16, quantized from it; each made once), as
+    files named with `prefix`."""
+    bf16 = cache / "gguf" / f"{prefix}bf16.gguf"
     bf16.parent.mkdir(exist_ok=True)
     partial = bf16.with_name(bf16.name + ".part")
     produce(bf16, [python, source / "convert_hf_to_gguf.py", model, "--outtype", "bf16", "--outfile", partial])
     files = {}
-    for name, arguments in GGUF_TYPES.items():
+    for name in types:
+        arguments = GGUF_TYPES[name]
         if arguments is None:
             files[name] = bf16
             continue
-        path = bf16.with_name("llama-" + re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") + ".gguf")
+        path = bf16.with_name(prefix + re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") + ".gguf")
         partial = path.with_name(path.name + ".part")
         files[name] = produce(path, [bin_dir / "llama-quantize", *arguments[:-1], bf16, partial, arguments[-1],
                                      THREADS])
@@ -337,9 +369,9 @@ def load_model(model_dir, name: str, fused: bool = True):
     (`use_grouped_attention`: its decode-attention kernel), compiled for the names in COMPILED; kernels not yet
     prepared."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     if BITKERN[name] is not None:
         import bitkern
 
@@ -409,9 +441,8 @@ def worker(name: str, model_dir: str, repetitions: int) -> None:
     with torch.inference_mode():
         for test in tests.values():  # prepares the kernels of every size (tuned, built or loaded: never timed)
             test()
-        embedding = model.get_input_embeddings()
-        read = [t for t in [*model.parameters(), *model.buffers()] if t is not embedding.weight]
-        print(json.dumps({"ready": True, "bytes": sum(t.numel() * t.element_size() for t in read)}), flush=True)
+        sizes = {name: t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+        print(json.dumps({"ready": True, "bytes": read_per_token(sizes, model.config.to_dict())}), flush=True)
         for line in sys.stdin:
             print(json.dumps({"tokens_per_s": [tests[line.strip()]() for _ in range(repetitions)]}), flush=True)
 
@@ -446,8 +477,9 @@ class Worker:
 # -- driver ------------------------------------------------------------------------------------------------------
 def kv_bytes_per_token() -> int:
     """K and V of one token over all layers, 16-bit (llama.cpp's f16 cache, transformers' bf16 one)."""
-    head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
-    return 2 * CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] * head_dim * 2
+    config = ARCHITECTURES[ARCHITECTURE[0]][1]
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
 
 
 def main() -> None:
@@ -459,6 +491,8 @@ def main() -> None:
     parser.add_argument("--level", choices=list(GGML_LEVEL_OPTIONS), default=None,
                         help="an instruction-set level below the host's: llama.cpp built for exactly it, bitkern and "
                              "torch held to it (default: the host's own, llama.cpp with -march=native)")
+    parser.add_argument("--architecture", choices=list(ARCHITECTURES), default="llama",
+                        help="the model: the dense Llama (default) or the mixture of experts (MOE_CONFIG)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--systems", default=";".join([*GGUF_TYPES, *BITKERN]),
@@ -478,10 +512,13 @@ def main() -> None:
     source, commit = llama_cpp_source(cache)
     builds = build_llama_cpp(source, commit, cache, args.level)
     python = converter_python(source, args.venv or cache / "convert-venv")
-    model = make_model(cache / "model")
-    ggufs = make_ggufs(model, source, builds[1], python, cache)
-    weight_bytes = {name: sum(size for tensor, size in gguf_tensor_bytes(path, source, python).items()
-                              if tensor != "token_embd.weight") for name, path in ggufs.items()}
+    ARCHITECTURE[0] = args.architecture
+    _, config, directory, prefix = ARCHITECTURES[args.architecture]
+    model = make_model(cache / directory, args.architecture)
+    ggufs = make_ggufs(model, source, builds[1], python, cache, [name for name in GGUF_TYPES if name in chosen],
+                       prefix)
+    weight_bytes = {name: read_per_token(gguf_tensor_bytes(path, source, python), config)
+                    for name, path in ggufs.items()}
     workers = {}
     for name in [name for name in BITKERN if name in chosen]:
         print(f"preparing {name} ...", file=sys.stderr, flush=True)
@@ -522,7 +559,9 @@ def main() -> None:
     text = report(samples, weight_bytes, rounds, info, commit, args)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / (f"llama_cpp_{args.level}.md" if args.level else "llama_cpp.md")
+    name = "llama_cpp" + (f"_{args.architecture}" if args.architecture != "llama" else "") + \
+        (f"_{args.level}" if args.level else "")
+    path = RESULTS / f"{name}.md"
     path.write_text(text + "\n")
     plots.render(path)
 
@@ -547,7 +586,8 @@ def report(samples, weight_bytes, rounds, info, commit, args) -> str:
              f"{info.get('n_ubatch')}) "
              f"against bitkern through transformers, {THREADS} threads, "
              + (f"all held to the {args.level} level ({LEVEL_ENVIRONMENT})." if args.level else "default environment."),
-             f"Model: LlamaForCausalLM {CONFIG}, random weights (seed 0).",
+             f"Model: {ARCHITECTURES[args.architecture][0]} {ARCHITECTURES[args.architecture][1]}, random weights "
+             f"(seed 0).",
              f"Medians over {args.rounds} interleaved rounds of {args.repetitions} runs; load average (1 min) per "
              f"round: {loads}; DRAM read GB/s per round (best of the streaming probes, {THREADS} threads): "
              f"{bandwidths}; GB read per CPU second by one thread: {cpu_bandwidths}.", "",
@@ -561,7 +601,7 @@ def report(samples, weight_bytes, rounds, info, commit, args) -> str:
             fraction = statistics.median(speed / limit for speed, limit in zip(tests[test], limits))
             cells += [f"{statistics.median(limits):.0f}", f"{fraction:.2f}"]
         lines.append(f"| {system} | {' | '.join(cells[:4])} | {per_token / 1e6:.1f} | {' | '.join(cells[4:])} |")
-    lines += ["", "Same output-layer precision, bitkern / llama.cpp, median of per-round ratios:", "",
+    lines += ["", "Same output-layer precision, bitkern / llama.cpp (or torch bf16), median of per-round ratios:", "",
               "| bitkern | llama.cpp | " + " | ".join(TESTS) + " |", "|---|---|" + "---|" * len(TESTS)]
     for ours, theirs in [(a, b) for a, b in PAIRS if a in samples and b in samples]:
         ratios = [statistics.median(a / b for a, b in zip(samples[ours][test], samples[theirs][test]))
