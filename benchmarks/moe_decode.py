@@ -1,10 +1,11 @@
 """One mixture-of-experts layer's decode step on CPU: the grouped kernel (one call per projection, each selected
 expert's weights read once) against the per-expert path (one dense kernel call per selected expert and projection),
 both through `bitkern.Experts`, called alternately round by round (each round a fresh top-k routing of one token,
-the same for both), medians and the ratio, with the load average during the run.
+the same for both), medians and the ratio, each as a fraction of the DRAM limit (the selected experts' bytes at the
+read bandwidth probed every tenth round, best of the run), with the load average during the run.
 
 The layer: hidden 2048, 64 experts of size 768, top-8, int4 with groups of 128 (Qwen3-MoE's shape family: 150 MB of
-experts, far beyond the last-level cache, so each step reads its 8 experts' 19 MB from DRAM).
+experts, far beyond the last-level cache, so each step reads its 8 experts' 19.5 MB from DRAM).
 
 Run: python benchmarks/moe_decode.py [--threads 2] [--rounds 200]
 """
@@ -20,6 +21,7 @@ import torch
 
 import bitkern
 from bitkern.nn import experts as experts_module
+from conftest import best_read_gbs, read_probes
 
 HIDDEN, EXPERTS, SIZE, TOP_K = 2048, 64, 768, 8
 
@@ -49,9 +51,13 @@ def main() -> None:
             for weights, index in routings[:5]:
                 call(index, torch.softmax(weights, -1))
         samples = {label: [] for label in calls}
+        probes, probe_bytes = read_probes()
+        read_gbs = 0.0
         load_before = os.getloadavg()[0]
         for round_index, (weights, index) in enumerate(routings):
             weights = torch.softmax(weights, -1)
+            if round_index % 10 == 0:
+                read_gbs = max(read_gbs, best_read_gbs(probes, probe_bytes, reads=2))
             order = list(calls.items()) if round_index % 2 == 0 else list(calls.items())[::-1]
             for label, call in order:
                 start = time.perf_counter()
@@ -59,11 +65,15 @@ def main() -> None:
                 samples[label].append(time.perf_counter() - start)
         load_after = os.getloadavg()[0]
     median = {label: statistics.median(values) * 1e6 for label, values in samples.items()}
+    dram_us = TOP_K * layer.nbytes / EXPERTS / read_gbs / 1e3
     print(f"{args.threads} threads, {args.rounds} interleaved rounds, 1-minute load average {load_before:.2f} before, "
           f"{load_after:.2f} after")
-    print("| path | median µs | p10 µs |\n|---|---|---|")
+    print(f"DRAM probe {read_gbs:.1f} GB/s: the {TOP_K} experts' {TOP_K * layer.nbytes / EXPERTS / 1e6:.1f} MB take "
+          f"{dram_us:.0f} µs")
+    print("| path | median µs | p10 µs | DRAM fraction (median) |\n|---|---|---|---|")
     for label, values in samples.items():
-        print(f"| {label} | {median[label]:.0f} | {sorted(values)[len(values) // 10] * 1e6:.0f} |")
+        print(f"| {label} | {median[label]:.0f} | {sorted(values)[len(values) // 10] * 1e6:.0f} | "
+              f"{dram_us / median[label]:.2f} |")
     print(f"grouped / per-expert (medians): {median['grouped'] / median['per-expert']:.3f}")
 
 
