@@ -53,6 +53,9 @@ CALIBRATED_METHODS = ("gptq",)  # methods that need calibration data (bitkern.qu
 # "hqq" on scale search: the group's range (or absmax) times each factor, the best one by squared error after an
 # exact least-squares refit of the scale; 1.0 first, so that ties keep round-to-nearest's choice
 _SEARCH_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7)
+# "hqq" on zero_mode "none": a wider grid, 0.6 to 1.1 of the absmax rule's scale in steps of 0.05 (1.0 first), tried
+# with either sign of the scale where the type's values are not symmetric (int4's -8, nf4's eight positive levels)
+_SYMMETRIC_FACTORS = (1.0,) + tuple(round(0.6 + 0.05 * i, 3) for i in range(11) if i != 8)
 _BLOCK_SCALE_STEPS = (0, 1, -1)  # "hqq" on block-scaled types: the rule's scale code and its neighbours
 # "hqq" on float zeros: half-quadratic splitting with an l_p error (p < 1: outliers pull the zero less), the
 # shrinkage weight beta (in code units) growing by kappa per iteration
@@ -544,17 +547,50 @@ def _keep_better(best: list, error: torch.Tensor, *candidates) -> None:
 
 
 def _search_symmetric(ttype: TType, groups: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """"hqq" for zero_mode "none": scales tried at factors of the absmax rule's, each refitted by least squares
-    to the codes it rounds to; the lowest squared error per group wins (the rule's own scale included)."""
+    """"hqq" for zero_mode "none": scales tried at factors of the absmax rule's (`_SYMMETRIC_FACTORS`), each refitted
+    by least squares to the codes it rounds to; the lowest squared error per group wins (the rule's own scale
+    included).  Where the type's values are not symmetric about 0 (int4 reaches -8 but only +7; nf4 has eight
+    positive levels and seven negative ones), each factor is tried with a negative scale too: the group mirrored
+    onto the type's other side, as llama.cpp's q4_0 maps a group's signed extreme to -8.  A negative scale is
+    stored as it is (dequantized = value x scale holds for either sign)."""
     rule = scales.float()
-    divisor = _nonzero(rule).unsqueeze(-1)
-    values = _nearest_values(ttype, groups / divisor)
-    error = _squared_error((groups * groups).sum(-1), (groups * values).sum(-1), (values * values).sum(-1), rule)
-    best = [error, scales]
-    for factor in _SEARCH_FACTORS:
-        candidate, error = _refit(groups, _nearest_values(ttype, groups / (divisor * factor)), scales.dtype)
-        _keep_better(best, error, candidate)
+    x = groups / _nonzero(rule).unsqueeze(-1)
+    sum_ww = torch.linalg.vecdot(groups, groups)
+    values = _nearest_values(ttype, x)
+    best = [_squared_error(sum_ww, torch.linalg.vecdot(groups, values), torch.linalg.vecdot(values, values), rule),
+            scales]
+    signs = _scale_signs(ttype)
+    integer = ttype.kind == INT and ttype.bits > 1
+    if integer:
+        low, high = float(ttype.values.min()), float(ttype.values.max())
+    for factor in _SYMMETRIC_FACTORS:
+        if integer:  # one rounding serves both signs: the value v at scale -t is -v at t, clamped to [-high, -low]
+            rounded = torch.mul(x, 1 / factor).round_()
+            candidates = [rounded.clamp(low, high)] + ([rounded.clamp_(-high, -low)] if len(signs) > 1 else [])
+        else:
+            candidates = [_nearest_values(ttype, x * (sign / factor)).mul_(sign) for sign in signs]
+        for sign, values in zip(signs, candidates):
+            candidate, error = _refit_given(groups, values, sum_ww, scales.dtype)
+            _keep_better(best, error, candidate if sign > 0 else candidate.neg())
     return best[1]
+
+
+def _refit_given(groups: torch.Tensor, values: torch.Tensor, sum_ww: torch.Tensor, dtype: torch.dtype):
+    """`_refit` with the groups' Σw² given, its sums by `torch.linalg.vecdot` (no product temporaries)."""
+    sum_wv, sum_vv = torch.linalg.vecdot(groups, values), torch.linalg.vecdot(values, values)
+    stored = (sum_wv / sum_vv).to(dtype)
+    scale = stored.float()
+    error = _squared_error(sum_ww, sum_wv, sum_vv, scale)
+    return stored, error.masked_fill_(~(torch.isfinite(error) & (scale > 0)), math.inf)
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_signs(ttype: TType) -> tuple[float, ...]:
+    """(1.0, -1.0) where the type's finite values are not symmetric about 0 (a negative scale reaches other
+    values), else (1.0,)."""
+    values = ttype.values[torch.isfinite(ttype.values)].float()
+    mirrored = torch.equal(torch.sort(values).values, torch.sort(-values).values)
+    return (1.0,) if mirrored else (1.0, -1.0)
 
 
 def _search_integer_zero(ttype: TType, groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
