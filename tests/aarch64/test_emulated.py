@@ -1,0 +1,91 @@
+"""The aarch64 lane, run by tools/aarch64/test inside an emulated arm64 root (skipped elsewhere): bitkern imports with
+nothing set, detects emulated CPU models as their /proc/cpuinfo says, every
+template that serves aarch64 computes the references, and a quantized tiny Llama generates, saves and loads."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bitkern
+from bitkern import ttype
+from bitkern.codegen import build_kernel, pack
+from bitkern.codegen.cpu import isa
+from bitkern.tuner import host_cpu
+from bitkern.tuner.space import enumerate_candidates
+from tests.codegen.cpu.test_arm_levels import CPUINFO
+from tests.helpers import assert_matches_reference, matmul_case
+from tests.nn.test_generation import _greedy, _llama
+
+pytestmark = pytest.mark.skipif(platform.machine() != "aarch64",
+                                reason="the aarch64 lane: tools/aarch64/test runs it in an emulated arm64 root")
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+N, K = 64, 256
+TYPES = ["int4", "nf4", "int8", "mxfp4", "int2"]
+ACTIVATIONS = [(name, activation) for name in TYPES for activation in ("bfloat16", "float32")] + \
+              [(name, "int8") for name in TYPES if "int8" in ttype.get(name).compute_types]
+# qemu's -cpu model (QEMU_CPU): (the real core's /proc/cpuinfo sample in test_arm_levels, or None; the level expected)
+EMULATED = {"neoverse-v1": ("Neoverse V1 (Graviton 3)", "sve"), "cortex-a76": ("Cortex-A76 (Raspberry Pi 5)",
+                                                                                 "armv8.2-a"),
+            "max": (None, "sve2")}
+# in a fresh process on the emulated model: what bitkern detected and what /proc/cpuinfo says
+_DETECT = """
+import json
+from bitkern.tuner import host_cpu
+from bitkern.tuner.device import cpuinfo_features
+cpu = host_cpu()
+print(json.dumps([cpu.level.name, cpu.runs_here(), sorted(cpuinfo_features(open("/proc/cpuinfo").read()))]))
+"""
+
+
+def test_bitkern_imports_with_nothing_set_in_the_environment():
+    completed = subprocess.run([sys.executable, "-c", "import bitkern, platform; print(platform.machine())"], env={},
+                               cwd="/", capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == "aarch64"
+
+
+@pytest.mark.parametrize("model", EMULATED)
+def test_emulated_cpu_models_are_detected_as_their_cpuinfo_says(model):
+    """The level is the best one the Features line allows, and the real core's sample (test_arm_levels) has that
+    level too.  (The name is not compared: qemu adds a "model name" line that arm64 Linux does not print.)"""
+    completed = subprocess.run([sys.executable, "-c", _DETECT], cwd=CHECKOUT,
+                               env=dict(os.environ, QEMU_CPU=model), capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr
+    level, runs_here, features = json.loads(completed.stdout.splitlines()[-1])
+    sample, expected = EMULATED[model]
+    assert level == expected == isa.best_level(features, "aarch64").name and runs_here
+    assert sample is None or CPUINFO[sample][3] == level
+
+
+@pytest.mark.parametrize("name, activation", ACTIVATIONS, ids=[f"{n}-{a}" for n, a in ACTIVATIONS])
+def test_every_template_serving_aarch64_computes_the_reference(name, activation):
+    spec, qweight, x, _ = matmul_case(name, N, K, 3, activation,
+                                      group=None if ttype.get(name).block_size > 1 else 64)
+    packed = pack(qweight)
+    _, candidates = enumerate_candidates(spec, N, K, (1, 16), packed.layout, host_cpu())
+    first = {}
+    for candidate in candidates:
+        first.setdefault(candidate.template, candidate.config)
+    assert "generic" in first
+    for template, config in first.items():
+        kernel = build_kernel(spec, N, K, template, config, packed.layout, (1, 16), host_cpu())
+        assert_matches_reference(spec, qweight, x, None, kernel(x, packed))
+
+
+def test_a_quantized_tiny_llama_generates_and_round_trips_through_save_and_load(tmp_path):
+    """quantize_model (int4, bitkern.Linear everywhere, the output layer bf16) generates greedily; saved and loaded
+    into a fresh float model, it generates the same tokens."""
+    model = bitkern.quantize_model(_llama(), "int4", compute_dtype=torch.bfloat16)
+    assert isinstance(model.model.layers[0].mlp.up_proj, bitkern.Linear)
+    tokens = _greedy(model, tokens=4)
+    assert tokens.shape == (2, 10)
+    bitkern.save(model, tmp_path / "llama-int4.safetensors")
+    loaded = bitkern.load(_llama(), tmp_path / "llama-int4.safetensors")
+    assert isinstance(loaded.model.layers[0].mlp.up_proj, bitkern.Linear)
+    assert torch.equal(_greedy(loaded, tokens=4), tokens)
