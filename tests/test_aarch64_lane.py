@@ -15,6 +15,9 @@ LANE_TIMEOUT_S = 30 * 60  # a cold root (debootstrap, pip under emulation) plus 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or os.geteuid() != 0,
                     reason="the lane emulates aarch64 on an x86-64 machine and needs root (apt-get, chroot, mount)")
+@pytest.mark.skipif(os.environ.get("BITKERN_AARCH64_LANE") != "1",
+                    reason="the aarch64 lane takes ~8 min to set up and ~14 min to run on the 2-core CI machine, past "
+                           "the suite's 45-minute budget: run tools/aarch64/test, or set BITKERN_AARCH64_LANE=1")
 def test_the_aarch64_lane_passes():
     completed = subprocess.run([str(LANE)], capture_output=True, text=True, timeout=LANE_TIMEOUT_S)
     lines = completed.stdout.strip().splitlines()
