@@ -53,9 +53,6 @@ CALIBRATED_METHODS = ("gptq",)  # methods that need calibration data (bitkern.qu
 # "hqq" on scale search: the group's range (or absmax) times each factor, the best one by squared error after an
 # exact least-squares refit of the scale; 1.0 first, so that ties keep round-to-nearest's choice
 _SEARCH_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7)
-# "hqq" on zero_mode "none": a wider grid, 0.6 to 1.1 of the absmax rule's scale in steps of 0.05 (1.0 first), tried
-# with either sign of the scale where the type's values are not symmetric (int4's -8, nf4's eight positive levels)
-_SYMMETRIC_FACTORS = (1.0,) + tuple(round(0.6 + 0.05 * i, 3) for i in range(11) if i != 8)
 _BLOCK_SCALE_STEPS = (0, 1, -1)  # "hqq" on block-scaled types: the rule's scale code and its neighbours
 # "hqq" on float zeros: half-quadratic splitting with an l_p error (p < 1: outliers pull the zero less), the
 # shrinkage weight beta (in code units) growing by kappa per iteration
@@ -547,7 +544,7 @@ def _keep_better(best: list, error: torch.Tensor, *candidates) -> None:
 
 
 def _search_symmetric(ttype: TType, groups: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """"hqq" for zero_mode "none": scales tried at factors of the absmax rule's (`_SYMMETRIC_FACTORS`), each refitted
+    """"hqq" for zero_mode "none": scales tried at factors of the absmax rule's (`_SEARCH_FACTORS`), each refitted
     by least squares to the codes it rounds to; the lowest squared error per group wins (the rule's own scale
     included).  Where the type's values are not symmetric about 0 (int4 reaches -8 but only +7; nf4 has eight
     positive levels and seven negative ones), each factor is tried with a negative scale too: the group mirrored
@@ -563,7 +560,7 @@ def _search_symmetric(ttype: TType, groups: torch.Tensor, scales: torch.Tensor) 
     integer = ttype.kind == INT and ttype.bits > 1
     if integer:
         low, high = float(ttype.values.min()), float(ttype.values.max())
-    for factor in _SYMMETRIC_FACTORS:
+    for factor in _SEARCH_FACTORS:
         if integer:  # one rounding serves both signs: the value v at scale -t is -v at t, clamped to [-high, -low]
             rounded = torch.mul(x, 1 / factor).round_()
             candidates = [rounded.clamp(low, high)] + ([rounded.clamp_(-high, -low)] if len(signs) > 1 else [])
