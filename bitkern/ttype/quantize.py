@@ -528,10 +528,14 @@ def _squared_error(sum_ww, sum_wv, sum_vv, scale):
 def _refit(groups: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
     """The least-squares scale of each group for fixed code values (Σw·v / Σv², stored in `dtype`) and the
     squared error it gives (infinite where no positive finite scale exists)."""
-    sum_wv, sum_vv = (groups * values).sum(-1), (values * values).sum(-1)
+    return _least_squares((groups * groups).sum(-1), (groups * values).sum(-1), (values * values).sum(-1), dtype)
+
+
+def _least_squares(sum_ww: torch.Tensor, sum_wv: torch.Tensor, sum_vv: torch.Tensor, dtype: torch.dtype):
+    """`_refit`'s scale (Σw·v / Σv² in `dtype`) and squared error from the groups' three sums."""
     stored = (sum_wv / sum_vv).to(dtype)
     scale = stored.float()
-    error = _squared_error((groups * groups).sum(-1), sum_wv, sum_vv, scale)
+    error = _squared_error(sum_ww, sum_wv, sum_vv, scale)
     return stored, error.masked_fill_(~(torch.isfinite(error) & (scale > 0)), math.inf)
 
 
@@ -574,11 +578,7 @@ def _search_symmetric(ttype: TType, groups: torch.Tensor, scales: torch.Tensor) 
 
 def _refit_given(groups: torch.Tensor, values: torch.Tensor, sum_ww: torch.Tensor, dtype: torch.dtype):
     """`_refit` with the groups' Σw² given, its sums by `torch.linalg.vecdot` (no product temporaries)."""
-    sum_wv, sum_vv = torch.linalg.vecdot(groups, values), torch.linalg.vecdot(values, values)
-    stored = (sum_wv / sum_vv).to(dtype)
-    scale = stored.float()
-    error = _squared_error(sum_ww, sum_wv, sum_vv, scale)
-    return stored, error.masked_fill_(~(torch.isfinite(error) & (scale > 0)), math.inf)
+    return _least_squares(sum_ww, torch.linalg.vecdot(groups, values), torch.linalg.vecdot(values, values), dtype)
 
 
 @functools.lru_cache(maxsize=None)
