@@ -57,6 +57,7 @@ _BLOCK_SCALE_STEPS = (0, 1, -1)  # "hqq" on block-scaled types: the rule's scale
 # "hqq" on float zeros: half-quadratic splitting with an l_p error (p < 1: outliers pull the zero less), the
 # shrinkage weight beta (in code units) growing by kappa per iteration
 _HQ_P, _HQ_BETA, _HQ_KAPPA, _HQ_ITERATIONS = 0.7, 1.0, 1.5, 12
+_AFFINE_REFITS = 4  # then scale and zero refitted by least squares to the codes, alternating with rounding
 
 
 class QuantizedWeight(StoredWeight):
@@ -615,12 +616,13 @@ def _search_integer_zero(ttype: TType, groups: torch.Tensor, scales: torch.Tenso
 
 def _half_quadratic_zero(ttype: TType, groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                          low: torch.Tensor, high: torch.Tensor, zero_mode: str):
-    """"hqq" for float zeros (zero_mode "hqq"): the zero minimizing an l_p norm (p < 1) of the error at the
+    """"hqq" for float zeros (zero_mode "hqq"): first the zero minimizing an l_p norm (p < 1) of the error at the
     rule's scale, by half-quadratic splitting: the error e is split off as a variable of its own, shrunk to the
     l_p proximal step (small errors go to 0, outliers keep most of theirs), and the zero set to the mean that
     makes the codes reproduce w minus the shrunk error; alternating with rounding, with the splitting weight beta
-    growing.  In code units (w / scale), so beta does not depend on the weights' magnitude.  Every zero tried is
-    the stored one (scale dtype); the lowest squared error per group wins (the rule's zero included)."""
+    growing.  In code units (w / scale), so beta does not depend on the weights' magnitude.  Then scale and zero
+    together refitted by least squares to the codes they round to (`_refit_affine`).  Every candidate is measured
+    as stored (scale dtype); the lowest squared error per group wins (the rule's scale and zero included)."""
     top = ttype.num_codes - 1
     x = groups / _nonzero(scales.float()).unsqueeze(-1)
     zero, beta = zeros.float(), _HQ_BETA
@@ -633,7 +635,35 @@ def _half_quadratic_zero(ttype: TType, groups: torch.Tensor, scales: torch.Tenso
         error.sign_().mul_((magnitude - magnitude.pow(_HQ_P - 1) / beta).clamp_(min=0))
         zero = (codes - x + error).mean(-1).to(zeros.dtype).float()
         beta *= _HQ_KAPPA
-    return scales, best[1]
+    best = [_affine_error(groups, scales, best[1], top), scales, best[1]]
+    for _ in range(_AFFINE_REFITS):
+        candidate_scale, candidate_zero = _refit_affine(groups, best[1], best[2], top)
+        _keep_better(best, _affine_error(groups, candidate_scale, candidate_zero, top), candidate_scale,
+                     candidate_zero)
+    return best[1], best[2]
+
+
+def _affine_error(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, top: int) -> torch.Tensor:
+    """Σ (w − (q − z)·s)² of each group for stored float zeros z and scales s, q the codes they round w to
+    (infinite where the scale is not positive and finite)."""
+    scale, zero = scales.float(), zeros.float().unsqueeze(-1)
+    codes = torch.round(groups / _nonzero(scale).unsqueeze(-1) + zero).clamp_(0, top)
+    residual = codes.sub_(zero).mul_(scale.unsqueeze(-1)).sub_(groups)
+    error = torch.linalg.vecdot(residual, residual)
+    return error.masked_fill_(~(torch.isfinite(error) & (scale > 0)), math.inf)
+
+
+def _refit_affine(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, top: int):
+    """The scale and float zero of the least-squares line w ≈ s·q − s·z through each group's codes q (those
+    `scales` and `zeros` round it to), stored in their dtypes; a group whose codes are all equal gets an
+    infinite scale, which `_affine_error` rejects."""
+    codes = torch.round(groups / _nonzero(scales.float()).unsqueeze(-1) + zeros.float().unsqueeze(-1)).clamp_(0, top)
+    mean_codes, mean_weights = codes.mean(-1), groups.mean(-1)
+    centred = codes.sub_(mean_codes.unsqueeze(-1))
+    scale = torch.linalg.vecdot(centred, groups) / torch.linalg.vecdot(centred, centred)
+    stored = scale.to(scales.dtype)
+    zero = mean_codes - mean_weights / stored.float()
+    return stored, zero.to(zeros.dtype)
 
 
 def _search_block_scale(ttype: TType, groups: torch.Tensor, codes: torch.Tensor, tensor_scale):
