@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import functools
-import json
 from dataclasses import asdict, dataclass
 from enum import Enum
 
@@ -84,17 +83,25 @@ class WeightFormat:
         return {"none": None, "hqq": self.scale_dtype}.get(self.zero_mode, "uint8")
 
     def encode(self) -> str:
-        """The format as one string (a torch.library op argument); `decode` inverts it."""
-        return json.dumps({**asdict(self), "layout": self.layout.value})
+        """The format as one string (a torch.library op argument) of `field=value` pairs joined by ";" and the shape
+        as NxK: no quotes or backslashes, so torch.compile's C++ wrapper can put it in a C++ string literal as it
+        is.  `decode` inverts it."""
+        values = {**asdict(self), "shape": "x".join(map(str, self.shape)), "layout": self.layout.value}
+        return ";".join(f"{name}={value}" for name, value in values.items())
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
     def decode(text: str) -> "WeightFormat":
         """The format an `encode`d string describes (parsed once per string); ValueError if it describes none."""
         try:
-            fields = json.loads(text)
-            return WeightFormat(**fields)
-        except (TypeError, json.JSONDecodeError) as error:
+            fields = dict(pair.split("=", 1) for pair in text.split(";"))
+            fields["shape"] = tuple(int(size) for size in fields["shape"].split("x"))
+            fields["group_size"] = int(fields["group_size"])
+        except (ValueError, KeyError) as error:
+            raise ValueError(f"weight_format={text!r} is not a bitkern weight format ({error!r})") from None
+        try:
+            return WeightFormat(**fields)  # its own checks name a value it does not know
+        except TypeError as error:
             raise ValueError(f"weight_format={text!r} is not a bitkern weight format ({error})") from None
 
 

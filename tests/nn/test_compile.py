@@ -51,6 +51,16 @@ def test_torch_compile_inductor_matches_eager_forward_and_backward():
     assert_matches(compiled_x.grad, eager_x.grad, 1e-2)  # the input gradient is rounded to bf16 (compute dtype)
 
 
+
+def test_torch_compile_with_the_cpp_wrapper_matches_eager():
+    """Inductor's C++ wrapper (the graph's calls made from C++, no Python between kernels) writes each op's string
+    arguments (the weight format) into C++ string literals: the ops' strings must compile there as they are."""
+    model = _quantized_block()
+    x = torch.randn(1, 6, DIM)
+    with torch.no_grad():
+        compiled = torch.compile(copy.deepcopy(model), fullgraph=True, options={"cpp_wrapper": True})
+        assert_matches(compiled(x), model(x), 1e-5)
+
 def _op_arguments(dtype="uint4", bias=True):
     torch.manual_seed(0)
     layer = bitkern.Linear(128, 48, bias=bias, dtype=dtype, group_size=None if dtype == "nvfp4" else 32)
