@@ -15,18 +15,23 @@ from typing import Any
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.linear import LinearBase, MergedColumnParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.transformers_utils.config import get_safetensors_params_metadata
 
+from bitkern.nn.experts import FLOAT_PARAMETERS
 from bitkern.nn.library import FLOAT_DTYPES
 
 from . import fusion
 from .checkpoint_method import CheckpointLinearMethod
+from .fusion import logger
 from .linear_method import BitkernLinearMethod
+from .moe_method import PROJECTIONS, CheckpointMoEMethod, QuantizedMoEMethod
 from .settings import Settings
-from .sources import QuantizedSource, checkpoint_modules, checkpoint_source
+from .sources import BitkernSource, QuantizedSource, checkpoint_modules, checkpoint_source
 
 METHOD = "bitkern"
 SETTINGS_OVERRIDE = "quantization_config_dict_json"  # vLLM's hf_overrides key for a config not in the checkpoint
@@ -113,6 +118,12 @@ class BitkernVllmConfig(QuantizationConfig):
         return WeightsMapper(orig_to_new_suffix=renames)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):
+            return self._experts_method(layer, prefix)
+        if isinstance(layer, GateLinear):
+            logger.info("bitkern: %s stays float: a mixture-of-experts router, as bitkern.quantize_model keeps "
+                        "transformers' routers", prefix)
+            return UnquantizedLinearMethod()
         if not isinstance(layer, LinearBase):
             return None  # embeddings and the LM head stay float, as in bitkern.quantize_model(skip=["lm_head"])
         if self.source is not None:
@@ -134,6 +145,34 @@ class BitkernVllmConfig(QuantizationConfig):
                              f"quantized but {[s for s, q in zip(shards, quantized) if not q]} float; vLLM stacks "
                              f"them in one layer")
         return CheckpointLinearMethod(self.source, shards, swiglu=self._swiglu(layer))
+
+    def _experts_method(self, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase | None:
+        """The method of a mixture-of-experts layer: bitkern's experts quantized on load, or loaded from a bitkern
+        checkpoint that holds them quantized; None (vLLM's float experts, logged) where modules_to_not_convert
+        names the layer or the checkpoint holds its experts float."""
+        if self.source is None:
+            if is_layer_skipped(prefix, list(self.settings.modules_to_not_convert), self.packed_modules_mapping,
+                                match_mode="suffix"):
+                logger.info("bitkern: %s stays float: listed in modules_to_not_convert", prefix)
+                return None
+            return QuantizedMoEMethod(layer.moe_config, self.settings, prefix)
+        projections = {name: f"{prefix}.{name}" for name in PROJECTIONS.values()}
+        held = [module for module in projections.values() if module in self.source.quantized]
+        if self.source.method != BitkernSource.method:
+            if any(module.startswith(f"{prefix}.") for module in self.source.quantized):
+                raise ValueError(f"{prefix}: the checkpoint holds these experts quantized with "
+                                 f"{self.source.method!r}; bitkern's vLLM plugin serves bitkern checkpoints' experts "
+                                 f"(and quantizes float ones on load)")
+            held = []
+        if not held:
+            logger.info("bitkern: %s stays float: the checkpoint holds these experts float", prefix)
+            return None
+        if len(held) != len(projections):
+            raise ValueError(f"{prefix}: the checkpoint holds {held} quantized but not "
+                             f"{sorted(set(projections.values()) - set(held))}")
+        settings = {name: self.source.config.layer_settings(f"{prefix}.{FLOAT_PARAMETERS[name]}")
+                    for name in projections}
+        return CheckpointMoEMethod(layer.moe_config, settings, prefix)
 
     @staticmethod
     def _swiglu(layer: torch.nn.Module) -> bool:

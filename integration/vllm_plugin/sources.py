@@ -23,6 +23,7 @@ from ..formats.bitstream import block_codes, stream_length
 from ..formats.convert import quantization_settings
 from ..hf.config import BitkernConfig
 from ..hf.format import expected_tensors, linear_from_checkpoint
+from .moe_method import checkpoint_renames as experts_renames
 
 # float scales are loaded as float32 (exact for every source dtype), then kept in the narrowest dtype that
 # holds every value exactly
@@ -117,6 +118,9 @@ class BitkernSource(QuantizedSource):
             raise FormatError(f"the checkpoint's config says quant_method 'bitkern' but it holds no bitkern layers "
                               f"(tensors named *.{self.SCALE}); was it saved by save_pretrained of a bitkern model?")
         return modules
+
+    def checkpoint_renames(self) -> dict[str, str]:
+        return experts_renames()  # (its dense layers' tensors load as they are named)
 
     def layer_settings(self, part: Partition):
         """The settings of the checkpoint modules stacked in this layer (they must agree)."""

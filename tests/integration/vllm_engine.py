@@ -3,13 +3,15 @@ writes what the tests compare to a JSON file.
 
     python vllm_engine.py REQUEST.json
 
-REQUEST holds "engine" (keyword arguments of vllm.LLM), "prompts" (token id lists), "max_tokens", "result" (the
-JSON file to write: greedy "tokens" per prompt) and optionally "weights" (a folder: every bitkern layer's
-dequantized weight is saved there, one file per tensor-parallel rank), "ignore_eos" (generate max_tokens
-tokens whatever they are), "no_tuning_after_start" (once the engine has started, tuning a bitkern kernel fails
-the generation: the engine must have prepared every kernel) and "profile" (a folder: the generation runs under vLLM's torch profiler, whose traces
-go there, and the result's "bitkern_calls" counts the calls of each bitkern op in them).  With "cases" (a list of
-"engine" keyword sets) instead, it starts each and records the error it raises, or "started".
+REQUEST holds "engine" (keyword arguments of vllm.LLM), "prompts" (token id lists), "max_tokens", "result" (the JSON
+file to write: greedy "tokens" per prompt) and optionally "weights" (a folder: every bitkern layer's dequantized
+weight, and each projection of every bitkern.Experts, is saved there, one file per tensor-parallel rank),
+"ignore_eos" (generate max_tokens tokens whatever they are), "no_tuning_after_start" (once the engine has started,
+tuning a bitkern kernel fails the generation: the engine must have prepared every kernel) and "profile" (a folder:
+the generation runs under vLLM's torch profiler, whose traces go there, and the result's "bitkern_calls" counts the
+calls of each bitkern op in them).  With "cases" (a list of "engine" keyword sets) instead, it starts each and
+records the error it raises, or "started"; with "runs" (a list of such generation requests, without "result"), it
+runs each engine in turn in this one process and writes {"runs": [result of each]}.
 """
 
 import collections
@@ -28,10 +30,14 @@ def save_weights(directory, model):
     import torch
     from vllm.distributed import get_tensor_model_parallel_rank
 
+    import bitkern
     from bitkern.integration.vllm_plugin.linear_method import QUANTIZED, served_weight
 
     weights = {name: served_weight(module, torch.float32) for name, module in model.named_modules()
                if hasattr(module, QUANTIZED)}
+    weights.update({f"{name}.{projection}": weight.dequantize_weight(torch.float32)
+                    for name, module in model.named_modules() if isinstance(module, bitkern.Experts)
+                    for projection, weight in module.projections.items()})
     torch.save(weights, f"{directory}/rank{get_tensor_model_parallel_rank()}.pt")
 
 
@@ -98,7 +104,10 @@ def start_each(request):
 def main():
     with open(sys.argv[1]) as file:
         request = json.load(file)
-    result = start_each(request) if "cases" in request else generate(request)
+    if "runs" in request:
+        result = {"runs": [generate(run) for run in request["runs"]]}
+    else:
+        result = start_each(request) if "cases" in request else generate(request)
     with open(request["result"], "w") as file:
         json.dump(result, file)
 

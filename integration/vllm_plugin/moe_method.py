@@ -1,0 +1,201 @@
+"""bitkern's fused-MoE methods for vLLM's mixture-of-experts layers (`RoutedExperts`, through vLLM's
+`FusedMoEMethodBase`): every expert's gate/up (vLLM's w13, [gate; up] rows) and down (w2) weights become one
+`bitkern.Experts`, quantized on load from a float checkpoint (`QuantizedMoEMethod`, the float weights on the meta
+device until vLLM's layerwise loading materializes the layer, as vLLM's own online MoE methods do) or loaded as a
+bitkern checkpoint stores them (`CheckpointMoEMethod`).
+
+`apply` takes vLLM's routing (top-k ids and weights) and runs the experts in one opaque custom op,
+`torch.ops.bitkern.vllm_experts`: inside it `bitkern.Experts` runs the grouped kernels (a few tokens) or one dense
+kernel per expert (prompts), SwiGLU on the stacked gate/up and the weighted top-k sum.  The op finds the layer by
+name in vLLM's forward context, as vLLM's own MoE op does, so the routing's data-dependent shapes stay out of the
+graph that vLLM's torch.compile traces (fullgraph).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization.online.moe_base import OnlineMoEMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from bitkern import Experts
+from bitkern.nn.experts import ExpertWeights
+
+from ..hf.format import TENSOR_NAMES, LayerSettings, expected_experts_tensors, experts_from_checkpoint
+from .settings import Settings
+
+QUANTIZED_EXPERTS = "bitkern_experts"  # the layer's attribute holding its bitkern.Experts once the weights are loaded
+# the checkpoint's experts projections (bitkern's format) by vLLM's name of the layer's parameter they fill
+PROJECTIONS = {"w13": "gate_up", "w2": "down"}
+# vLLM's fused-checkpoint names of those projections (RoutedExperts.load_weights routes tensors named so to w13_/w2_)
+FUSED_NAMES = {"gate_up": "gate_up_proj", "down": "down_proj"}
+
+
+@torch.library.custom_op("bitkern::vllm_experts", mutates_args=())
+def vllm_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """The routed experts' output [tokens, hidden] of the vLLM MoE layer `layer_name` (its bitkern.Experts)."""
+    runner = get_forward_context().no_compile_layers[layer_name]
+    return getattr(runner.routed_experts, QUANTIZED_EXPERTS)(x, topk_ids, topk_weights)
+
+
+@vllm_experts.register_fake
+def _vllm_experts_fake(x, topk_weights, topk_ids, layer_name):
+    return torch.empty_like(x)
+
+
+def check_experts_layer(moe, prefix: str) -> None:
+    """ValueError naming the layer where bitkern.Experts cannot compute it: a gated SiLU (SwiGLU) MLP per expert,
+    routing weights applied to the outputs, no expert parallelism."""
+    activation = getattr(moe.activation, "value", moe.activation)
+    if activation != "silu" or not moe.is_act_and_mul:
+        raise ValueError(f"{prefix}: experts with activation {activation!r} (gated: {moe.is_act_and_mul}); bitkern's "
+                         f"experts compute SwiGLU (silu of the gate times up); list the layer in "
+                         f"modules_to_not_convert to keep it float")
+    if moe.moe_parallel_config.use_ep:
+        raise ValueError(f"{prefix}: expert parallelism is not supported by bitkern's experts; serve without "
+                         f"enable_expert_parallel")
+
+
+class BitkernMoEMethod(FusedMoEMethodBase):
+    """A fused-MoE method whose layer holds its bitkern.Experts (attribute QUANTIZED_EXPERTS) once loaded."""
+
+    def get_fused_moe_quant_config(self, layer):
+        return None  # bitkern's experts run in `apply`; no vLLM kernel reads a quantization config
+
+    def set_experts(self, layer: nn.Module, gate_up: ExpertWeights, down: ExpertWeights, settings: dict) -> None:
+        """Give the layer its bitkern.Experts of these projections (SwiGLU gate)."""
+        experts = Experts(gate_up.num_experts, down.out_features, down.in_features, device="meta", **settings)
+        experts.gate_up, experts.down = gate_up, down
+        setattr(layer, QUANTIZED_EXPERTS, experts)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        """The routed experts' output (vLLM's MoE runner runs any shared experts itself: this method has no
+        modular kernel to overlap them with)."""
+        return torch.ops.bitkern.vllm_experts(x, topk_weights, topk_ids, layer.layer_name)
+
+
+class QuantizedMoEMethod(BitkernMoEMethod, OnlineMoEMethodBase):
+    """The float experts of this rank loaded as vLLM loads them (w13 [E, 2·I, H], w2 [E, H, I], on the meta device
+    until the layer is materialized), then quantized one expert at a time with `settings`."""
+
+    def __init__(self, moe, settings: Settings, prefix: str):
+        check_experts_layer(moe, prefix)
+        super().__init__(moe)
+        self.settings = settings
+        self.prefix = prefix
+
+    @property
+    def supports_eplb(self) -> bool:
+        return False
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        """vLLM's float parameters, after checking that the settings fit both projections of this partition."""
+        try:
+            Experts(num_experts, hidden_size, intermediate_size_per_partition, device="meta",
+                    **self.settings.linear_options())
+        except ValueError as error:
+            raise ValueError(f"{self.prefix}: experts of hidden size {hidden_size} and intermediate size "
+                             f"{intermediate_size_per_partition} (this rank's): {error}; or list the layer in "
+                             f"modules_to_not_convert") from None
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                               **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Replace the loaded float weights by the layer's bitkern.Experts (once: vLLM calls this per layer while
+        loading and again for the whole model)."""
+        if hasattr(layer, QUANTIZED_EXPERTS):
+            return
+        options = self.settings.linear_options()
+        projections = []
+        for name in PROJECTIONS:
+            bias = getattr(layer, f"{name}_bias", None)
+            projections.append(ExpertWeights.from_float_weight(getattr(layer, f"{name}_weight").data,
+                                                               None if bias is None else bias.data, **options))
+        self.set_experts(layer, *projections, options)
+        for name in PROJECTIONS:
+            for tensor in ("weight", "bias"):
+                if hasattr(layer, f"{name}_{tensor}"):
+                    delattr(layer, f"{name}_{tensor}")
+
+
+class CheckpointMoEMethod(BitkernMoEMethod):
+    """The experts of a bitkern checkpoint (each projection a Linear's tensors with a leading expert dimension,
+    integration/hf/format.py), loaded as stored: the checkpoint's tensors are renamed (`checkpoint_renames`) so that
+    vLLM's fused-checkpoint loader hands each expert's gate and up halves and down weight to this method's loader.
+    Served with tensor_parallel_size=1, without biases."""
+
+    def __init__(self, moe, settings: dict[str, LayerSettings], prefix: str):
+        check_experts_layer(moe, prefix)
+        if moe.moe_parallel_config.tp_size > 1:
+            raise ValueError(f"{prefix}: a bitkern checkpoint's experts are served with tensor_parallel_size=1")
+        if moe.has_bias:
+            raise ValueError(f"{prefix}: a bitkern checkpoint's experts with biases are not served by vLLM yet")
+        super().__init__(moe)
+        self.settings = settings  # {"gate_up": ..., "down": ...}
+        self.prefix = prefix
+        self.shapes: dict[str, tuple[int, int, int]] = {}
+        self.names: dict[str, tuple[str, ...]] = {}
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        if (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name) != \
+                ("gate_proj", "up_proj", "down_proj"):
+            raise ValueError(f"{self.prefix}: vLLM's model names its experts' checkpoint weights "
+                             f"{layer.ckpt_gate_proj_name}/{layer.ckpt_up_proj_name}/{layer.ckpt_down_proj_name}; "
+                             f"bitkern checkpoints' experts are served for models naming them gate_proj/up_proj/"
+                             f"down_proj (Qwen2-MoE, Qwen3-MoE and the like)")
+        intermediate = intermediate_size_per_partition
+        self.shapes = {"w13": (num_experts, 2 * intermediate, hidden_size),
+                       "w2": (num_experts, hidden_size, intermediate)}
+        for name, projection in PROJECTIONS.items():
+            experts, n, k = self.shapes[name]
+            try:
+                tensors = expected_experts_tensors(self.settings[projection], experts, k, n)
+            except ValueError as error:
+                raise ValueError(f"{self.prefix}.{projection}: {error}") from None
+            for tensor, (shape, dtype) in tensors.items():
+                parameter = nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+                layer.register_parameter(f"{name}_weight_{tensor}", parameter)
+                set_weight_attrs(parameter, {"weight_loader": load_expert})
+            self.names[name] = tuple(tensors)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if hasattr(layer, QUANTIZED_EXPERTS):
+            return
+        projections = []
+        for name, projection in PROJECTIONS.items():
+            experts, n, k = self.shapes[name]
+            tensors = {tensor: getattr(layer, f"{name}_weight_{tensor}").data for tensor in self.names[name]}
+            projections.append(experts_from_checkpoint(tensors, self.settings[projection], experts, k, n))
+        gate_up = self.settings["gate_up"]
+        self.set_experts(layer, *projections, {"dtype": gate_up.dtype, "group_size": gate_up.group_size,
+                                               "zero_mode": gate_up.zero_mode})
+        for name in PROJECTIONS:
+            for tensor in self.names[name]:
+                delattr(layer, f"{name}_weight_{tensor}")
+
+
+def load_expert(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int,
+                return_success: bool = False) -> bool:
+    """vLLM's MoE weight loader call for one expert's tensor of a bitkern checkpoint: the gate (w1) or up (w3) half
+    of its gate/up rows, or its whole down (w2) tensor, copied as stored."""
+    target = param.data[expert_id]
+    if shard_id in ("w1", "w3"):
+        half = target.shape[0] // 2
+        target = target[:half] if shard_id == "w1" else target[half:]
+    if tuple(loaded_weight.shape) != tuple(target.shape) or loaded_weight.dtype != target.dtype:
+        raise ValueError(f"{weight_name} (expert {expert_id}, {shard_id}): the checkpoint holds {loaded_weight.dtype} "
+                         f"{list(loaded_weight.shape)}, the layer expects {target.dtype} {list(target.shape)}")
+    target.copy_(loaded_weight)
+    return True
+
+
+def checkpoint_renames() -> dict[str, str]:
+    """{suffix: new suffix}: a bitkern checkpoint's experts tensors (`e.gate_up.weight_scale`) under the names vLLM's
+    fused-checkpoint loader routes to this method's parameters (`e.gate_up_proj_weight_scale` -> `w13_weight_weight_
+    scale`)."""
+    return {f".experts.{projection}.{tensor}": f".experts.{fused}_{tensor}"
+            for projection, fused in FUSED_NAMES.items() for tensor in TENSOR_NAMES.values()}

