@@ -6,7 +6,9 @@ an `ImportedLinear` (a `bitkern.QuantizedWeight` whose dequantization equals the
 permutation of act-order layers, the bias); `ImportedLinear.to_module()` makes the `bitkern.Linear`.
 gpt-oss's MXFP4 experts (quant_method "mxfp4") become an `ImportedExperts` per experts module (one mxfp4
 `QuantizedWeight` per expert and projection, the checkpoint's bytes as they are, and the biases);
-`ImportedExperts.to_module(float_experts)` makes the `bitkern.Experts`.
+`ImportedExperts.to_module(float_experts)` makes the `bitkern.Experts`.  Mixture-of-experts checkpoints that store one
+linear layer per expert and projection (GPTQModel's GPTQ of Qwen3-MoE and Mixtral) become an `ImportedExperts` per
+experts module too (`expert_linears`).
 
 Entry points: `convert_module(tensors, prefix, quantization_config)` (one module),
 `convert_state_dict(state_dict, quantization_config)` (a whole checkpoint: modules and the float rest),

@@ -1,11 +1,13 @@
 """A checkpoint's state dict in any supported format -> bitkern layers (one `ImportedLinear` per quantized linear
-module, one `ImportedExperts` per quantized experts module of gpt-oss's MXFP4) plus the float tensors that stay as
-they are.  Every module is converted and checked before anything is returned, so a bad tensor anywhere fails the
-whole import and nothing is half-loaded."""
+module, one `ImportedExperts` per quantized experts module: gpt-oss's MXFP4 ones, and those stored as one linear layer
+per expert and projection, as GPTQModel writes Qwen3-MoE and Mixtral) plus the float tensors that stay as they are.
+Every module is converted and checked before anything is returned, so a bad tensor anywhere fails the whole import
+and nothing is half-loaded."""
 
 from __future__ import annotations
 
 from . import awq, bnb, gptq, mxfp4
+from .expert_linears import gather_experts
 from .imported import FormatError, ImportedExperts, ImportedLinear
 
 FORMATS = {module.QUANT_METHOD: module for module in (gptq, awq, bnb, mxfp4)}
@@ -39,7 +41,8 @@ def convert_state_dict(state_dict: dict, quantization_config) -> tuple[dict, dic
     if not prefixes:
         raise FormatError(f"the checkpoint holds no {form.QUANT_METHOD} tensors (looked for keys ending in "
                           f"{', '.join(form.TENSORS)})")
-    modules = {prefix[:-1]: form.convert(state_dict, prefix, settings) for prefix in prefixes}
+    modules = gather_experts({prefix[:-1]: form.convert(state_dict, prefix, settings) for prefix in prefixes},
+                             form.TENSORS[0])
     owned = {prefix + name for prefix in prefixes for name in (*form.OWNED, "bias")}
     rest = {key: value for key, value in state_dict.items() if key not in owned}
     return modules, rest
@@ -47,7 +50,8 @@ def convert_state_dict(state_dict: dict, quantization_config) -> tuple[dict, dic
 
 def quantized_modules(keys, quantization_config) -> list[str]:
     """Names of the modules that a checkpoint with tensor names `keys` holds quantized (what a loader replaces
-    by bitkern.Linear before the tensors are converted)."""
+    by bitkern.Linear before the tensors are converted); experts stored as one linear layer per expert and projection
+    are listed as those layers, as the checkpoint names them."""
     form, _ = quantization_settings(quantization_config)
     return [prefix[:-1] for prefix in module_prefixes(form, keys)]
 

@@ -1,6 +1,7 @@
 """`bitkern.load_pretrained(path)`: a GPTQ / AWQ / bitsandbytes-4bit checkpoint directory, a gpt-oss MXFP4 one (or
 one written with `bitkern.save`, or by `save_pretrained` of a model quantized with `bitkern.BitkernConfig`) as a
-transformers model whose quantized layers are `bitkern.Linear` (and whose MXFP4 experts are `bitkern.Experts`).
+transformers model whose quantized layers are `bitkern.Linear` (and whose quantized experts, gpt-oss's MXFP4 ones or
+GPTQModel's per-expert GPTQ layers, are `bitkern.Experts`).
 
 A `save_pretrained` checkpoint (quant_method "bitkern") loads through transformers' `from_pretrained` and bitkern's
 quantizer (`bitkern.integration.hf`), which checks the files against the model before reading a tensor.

@@ -30,14 +30,20 @@ FIXTURES = {
 
 
 def make(name: str, base: str, work: str) -> None:
+    quantize(name, base, work, FIXTURES[name])
+
+
+def quantize(name: str, base: str, work: str, settings: dict, directory: str = tiny_llama.OUTPUT_DIRECTORY) -> None:
+    """Quantize the model saved at `base` with gptqmodel (QuantizeConfig(**settings)) and keep it as the fixture `name`
+    under `directory`, with gptqmodel's own dequantization of every quantized layer."""
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
 
-    model = GPTQModel.load(base, QuantizeConfig(**FIXTURES[name]), device="cpu", dtype=torch.float16)
+    model = GPTQModel.load(base, QuantizeConfig(**settings), device="cpu", dtype=torch.float16)
     model.quantize(tiny_llama.calibration(), batch_size=1)
     output = os.path.join(work, name)
     model.save(output)
-    fixture = tiny_llama.keep(output, name)
+    fixture = tiny_llama.keep(output, name, directory)
     loaded = GPTQModel.load(output, backend=BACKEND.TORCH, device="cpu", dtype=torch.float16)  # (with its tokenizer)
     reference = {module_name: module.dequantize_weight().T
                  for module_name, module in loaded.model.named_modules() if isinstance(module, BaseQuantLinear)}

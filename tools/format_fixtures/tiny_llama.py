@@ -18,8 +18,7 @@ def build(path: str, dtype=torch.float16, seed: int = 0):
 
     The first 8 output rows of layer 0's q_proj are made non-negative, so that asymmetric quantizers meet
     groups whose zero point is 0 (the case GPTQ's v1 format stores as -1)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -33,11 +32,19 @@ def build(path: str, dtype=torch.float16, seed: int = 0):
         q_proj = model.model.layers[0].self_attn.q_proj.weight
         q_proj[:8] = q_proj[:8].abs() + 0.02
     model.to(dtype).save_pretrained(path)
+    save_tokenizer(path)
+    return model
+
+
+def save_tokenizer(path: str) -> None:
+    """Save the word-level tokenizer of the VOCAB tokens t0..t127 to `path` (the tools load one with every model)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t1", eos_token="t2",
                             bos_token="t3").save_pretrained(path)
-    return model
 
 
 def make_all(make, names, fixtures) -> None:
@@ -59,11 +66,12 @@ def calibration(samples: int = 8, length: int = 32, seed: int = 1) -> list[dict]
              "attention_mask": torch.ones(1, length, dtype=torch.long)} for _ in range(samples)]
 
 
-def keep(source: str, name: str) -> str:
-    """Copy the kept files of a tool's output directory into the fixture `name`; returns its directory."""
+def keep(source: str, name: str, directory: str = OUTPUT_DIRECTORY) -> str:
+    """Copy the kept files of a tool's output directory into the fixture `name` under `directory`; returns the
+    fixture's directory."""
     import shutil
 
-    target = os.path.join(OUTPUT_DIRECTORY, name)
+    target = os.path.join(directory, name)
     shutil.rmtree(target, ignore_errors=True)
     os.makedirs(target)
     for file in KEPT_FILES:
