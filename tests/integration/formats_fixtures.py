@@ -1,5 +1,6 @@
 """The format fixtures (tests/fixtures/formats, made by tools/format_fixtures/ with the real tools) and the
-reference model built from a fixture's float tensors and the tool's own dequantized weights."""
+reference model built from a fixture's float tensors and the tool's own dequantized weights; the check that an imported
+model saved with `bitkern.save` loads back bitwise."""
 
 import json
 import os
@@ -40,3 +41,23 @@ def reference_model(name: str, dtype=torch.float32, **config_overrides):
     state.update({f"{module}.weight": weight for module, weight in reference(name).items()})
     model.load_state_dict({key: value.to(dtype) for key, value in state.items()}, strict=True)
     return model.to(dtype).eval()
+
+
+def reload_bitwise(model, checkpoint: str, folder):
+    """`model` (imported from checkpoint directory `checkpoint`) saved with `bitkern.save` beside its config (without
+    the quantization_config) in `folder` and loaded back in float32; its state dict (tensors and each bitkern module's
+    settings) asserted equal to `model`'s.  Returns the loaded model."""
+    import bitkern
+
+    bitkern.save(model, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(checkpoint, "config.json")) as file:
+        config = json.load(file)
+    del config["quantization_config"]
+    with open(os.path.join(folder, "config.json"), "w") as file:
+        json.dump(config, file)
+    again = bitkern.load_pretrained(folder, dtype=torch.float32)
+    mine, theirs = model.state_dict(), again.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key, value in mine.items():
+        assert torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key], key
+    return again

@@ -25,6 +25,8 @@ from safetensors.torch import save_file
 import bitkern
 from bitkern.integration.formats import FormatError, convert_module, pretrained
 
+from tests.integration.formats_fixtures import reload_bitwise
+
 PROMPT = torch.tensor([[3, 17, 100, 33, 95, 4, 120, 61]])
 NEW_TOKENS = 6
 LAYERS = 2
@@ -300,18 +302,8 @@ def test_experts_neither_quantized_nor_float_are_named(stored, tmp_path):
 
 def test_an_imported_model_saved_by_bitkern_loads_back_bitwise(checkpoint, loaded, tmp_path):
     model = loaded(torch.float32)
-    bitkern.save(model, tmp_path / "model.safetensors")
-    with open(os.path.join(checkpoint, "config.json")) as file:
-        config = json.load(file)
-    del config["quantization_config"]
-    with open(tmp_path / "config.json", "w") as file:
-        json.dump(config, file)
-    again = bitkern.load_pretrained(tmp_path, dtype=torch.float32)
+    again = reload_bitwise(model, checkpoint, tmp_path)
     assert isinstance(again.model.layers[0].mlp.experts, bitkern.Experts)
-    mine, theirs = model.state_dict(), again.state_dict()
-    assert mine.keys() == theirs.keys()
-    for key, value in mine.items():  # tensors, and each bitkern module's settings (its extra state)
-        assert torch.equal(value, theirs[key]) if isinstance(value, torch.Tensor) else value == theirs[key], key
     assert torch.equal(_logits(again), _logits(model))
 
 
