@@ -23,7 +23,8 @@ class Settings:
     """bitkern.Linear's weight settings (same names and defaults), plus the layers to leave in float.
 
     modules_to_not_convert: vLLM module names, or their last components ("down_proj", "layers.0.mlp.down_proj");
-    the names of the projections vLLM merges (q_proj, k_proj, v_proj, gate_proj, up_proj) work too.
+    the names of the projections vLLM merges (q_proj, k_proj, v_proj, gate_proj, up_proj) work too, and so do
+    mixture-of-experts layers ("experts", "layers.0.mlp.experts"), which then keep all their experts float.
     """
 
     dtype: str = "nf4"

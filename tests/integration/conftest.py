@@ -31,19 +31,27 @@ def vllm_env(tmp_path_factory):
     return python, env
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    """A Llama with random weights (2 layers, grouped-query attention, float32), saved as a float checkpoint."""
+# the tiny models' shapes: 2 layers, grouped-query attention of 4 heads of 64 (the same attention kernels in each)
+TINY_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  vocab_size=1024, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def save_random(model_class, config, folder: Path) -> Path:
+    """`model_class(config)` with random weights (seed 0, float32) saved to `folder` as a float checkpoint."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256,
-                         tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    model_class(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A Llama with random weights (TINY_SHAPE, MLP 512), saved as a float checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return save_random(LlamaForCausalLM, LlamaConfig(intermediate_size=512, **TINY_SHAPE),
+                       tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 random Qwen3-MoE (8 experts of 64, top-2, hidden 256, 2 layers; its attention the tiny Llama's shapes, so the
 engines share those kernels) served quantized on load (`quantization="bitkern"`, int4 g64) and from the checkpoint
 transformers saves of it quantized with `bitkern.BitkernConfig` (int4 g64), each eager and compiled (torch.compile),
-all four engines in one vLLM process.
+and a fifth engine that keeps layer 0's experts float (modules_to_not_convert), all five in one vLLM process.
 
 Compared with the reference, the float checkpoint loaded by transformers and quantized by `bitkern.quantize_model`
 with the same settings (and, for the checkpoint, the transformers model that saved it): the greedy tokens, identical
@@ -17,15 +17,17 @@ import torch
 
 import bitkern
 
+from tests.integration.conftest import TINY_SHAPE, save_random
 from tests.integration.greedy import greedy_tokens
 
 PROMPTS = [[1, 5, 9, 200], [17, 300, 42, 7, 99, 512, 3, 8, 640, 11], [900], [64, 128, 256, 33, 21]]
 MAX_TOKENS = 12
 INT4 = {"dtype": "int4", "group_size": 64}
-LAYERS = 2
+LAYERS = TINY_SHAPE["num_hidden_layers"]
 MODES = {"eager": True, "compiled": False}
 # what vLLM serves on bitkern per layer: its merged attention projections and the experts' two projections
 SERVED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.gate_up", "mlp.experts.down")
+SKIP_EXPERTS = dict(INT4, modules_to_not_convert=["layers.0.mlp.experts"])
 
 
 def reference_of(model):
@@ -37,19 +39,18 @@ def reference_of(model):
     return tokens, weights
 
 
+def served_names(served_weights) -> set[str]:
+    """The served bitkern modules, an experts layer's projections named as transformers' experts module's."""
+    return {name.replace(".routed_experts.bitkern_experts", "") for name in served_weights}
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
-    """A Qwen3-MoE with random weights (float32), saved as a float checkpoint."""
+    """A Qwen3-MoE with random weights (TINY_SHAPE), saved as a float checkpoint."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_experts=8,
-                            num_experts_per_tok=2, num_hidden_layers=LAYERS, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256,
-                            tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
+    config = Qwen3MoeConfig(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, **TINY_SHAPE)
+    return save_random(Qwen3MoeForCausalLM, config, tmp_path_factory.mktemp("tiny-qwen3-moe"))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def engine(model, eager, settings=None):
 
 @pytest.fixture(scope="module")
 def served(run_vllm, tiny_moe, references, tmp_path_factory):
-    """{(source, mode): (greedy tokens, the served weights of rank 0)} of the four engines, and the process's log."""
+    """{(source, mode): (greedy tokens, the served weights of rank 0)} of the five engines, and the process's log."""
     _, checkpoint = references
     runs, keys = [], []
     for source, model, settings in (("on-load", tiny_moe, INT4), ("checkpoint", checkpoint, None)):
@@ -88,6 +89,10 @@ def served(run_vllm, tiny_moe, references, tmp_path_factory):
             runs.append({"engine": engine(model, eager, settings), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
                          "weights": str(folder)})
             keys.append((source, mode, folder))
+    folder = tmp_path_factory.mktemp("served-skip-experts")
+    runs.append({"engine": engine(tiny_moe, True, SKIP_EXPERTS), "prompts": PROMPTS[:1], "max_tokens": 1,
+                 "weights": str(folder)})
+    keys.append(("on-load", "skip-experts", folder))
     result, output = run_vllm({"runs": runs})
     return {(source, mode): (run["tokens"], torch.load(folder / "rank0.pt"))
             for (source, mode, folder), run in zip(keys, result["runs"])}, output
@@ -110,12 +115,21 @@ def test_the_references_are_quantized(tiny_moe, references):
 def test_moe_served_on_bitkern_matches_transformers(served, references, source, mode):
     tokens, weights = references[0][source]
     served_tokens, served_weights = served[0][(source, mode)]
-    names = {f"model.layers.{layer}.{module}" for layer in range(LAYERS) for module in SERVED}
-    assert {name.replace(".routed_experts.bitkern_experts", "") for name in served_weights} == names
+    assert served_names(served_weights) == {f"model.layers.{layer}.{module}" for layer in range(LAYERS)
+                                            for module in SERVED}
     for name, weight in weights.items():
         served_weight = served_weights[name.replace(".experts.", ".experts.routed_experts.bitkern_experts.")]
         assert torch.equal(served_weight, weight), name
     assert served_tokens == tokens
+
+
+def test_experts_named_in_modules_to_not_convert_stay_float_and_say_so(served):
+    """Layer 0's experts keep vLLM's float method (no bitkern.Experts there), layer 1's are bitkern's."""
+    _, served_weights = served[0][("on-load", "skip-experts")]
+    kept = {"model.layers.0.mlp.experts.gate_up", "model.layers.0.mlp.experts.down"}
+    assert served_names(served_weights) == {f"model.layers.{layer}.{module}" for layer in range(LAYERS)
+                                            for module in SERVED} - kept
+    assert "bitkern: model.layers.0.mlp.experts stays float: listed in modules_to_not_convert" in served[1]
 
 
 def test_routers_stay_float_and_say_so(served):
