@@ -29,7 +29,7 @@ from . import fusion
 from .checkpoint_method import CheckpointLinearMethod
 from .fusion import logger
 from .linear_method import BitkernLinearMethod
-from .moe_method import PROJECTIONS, CheckpointMoEMethod, QuantizedMoEMethod
+from .moe_method import PROJECTIONS, CheckpointMoEMethod, QuantizedMoEMethod, check_experts_layer
 from .settings import Settings
 from .sources import BitkernSource, QuantizedSource, checkpoint_modules, checkpoint_source
 
@@ -155,6 +155,7 @@ class BitkernVllmConfig(QuantizationConfig):
                                 match_mode="suffix"):
                 logger.info("bitkern: %s stays float: listed in modules_to_not_convert", prefix)
                 return None
+            check_experts_layer(layer, prefix)
             return QuantizedMoEMethod(layer.moe_config, self.settings, prefix)
         projections = {name: f"{prefix}.{name}" for name in PROJECTIONS.values()}
         held = [module for module in projections.values() if module in self.source.quantized]
@@ -170,6 +171,7 @@ class BitkernVllmConfig(QuantizationConfig):
         if len(held) != len(projections):
             raise ValueError(f"{prefix}: the checkpoint holds {held} quantized but not "
                              f"{sorted(set(projections.values()) - set(held))}")
+        check_experts_layer(layer, prefix)
         settings = {name: self.source.config.layer_settings(f"{prefix}.{FLOAT_PARAMETERS[name]}")
                     for name in projections}
         return CheckpointMoEMethod(layer.moe_config, settings, prefix)

@@ -45,14 +45,18 @@ def _vllm_experts_fake(x, topk_weights, topk_ids, layer_name):
     return torch.empty_like(x)
 
 
-def check_experts_layer(moe, prefix: str) -> None:
-    """ValueError naming the layer where bitkern.Experts cannot compute it: a gated SiLU (SwiGLU) MLP per expert,
-    routing weights applied to the outputs, no expert parallelism."""
+def check_experts_layer(layer, prefix: str) -> None:
+    """ValueError naming the vLLM MoE layer (`RoutedExperts`) where bitkern.Experts cannot compute it: they take a
+    gated SiLU (SwiGLU) MLP per expert, the routing weights applied to the outputs, no expert parallelism."""
+    moe = layer.moe_config
     activation = getattr(moe.activation, "value", moe.activation)
     if activation != "silu" or not moe.is_act_and_mul:
         raise ValueError(f"{prefix}: experts with activation {activation!r} (gated: {moe.is_act_and_mul}); bitkern's "
                          f"experts compute SwiGLU (silu of the gate times up); list the layer in "
                          f"modules_to_not_convert to keep it float")
+    if layer.apply_router_weight_on_input:
+        raise ValueError(f"{prefix}: the model applies the routing weights to the experts' input; bitkern's experts "
+                         f"apply them to the outputs")
     if moe.moe_parallel_config.use_ep:
         raise ValueError(f"{prefix}: expert parallelism is not supported by bitkern's experts; serve without "
                          f"enable_expert_parallel")
@@ -81,7 +85,6 @@ class QuantizedMoEMethod(BitkernMoEMethod, OnlineMoEMethodBase):
     until the layer is materialized), then quantized one expert at a time with `settings`."""
 
     def __init__(self, moe, settings: Settings, prefix: str):
-        check_experts_layer(moe, prefix)
         super().__init__(moe)
         self.settings = settings
         self.prefix = prefix
@@ -128,7 +131,6 @@ class CheckpointMoEMethod(BitkernMoEMethod):
     Served with tensor_parallel_size=1, without biases."""
 
     def __init__(self, moe, settings: dict[str, LayerSettings], prefix: str):
-        check_experts_layer(moe, prefix)
         if moe.moe_parallel_config.tp_size > 1:
             raise ValueError(f"{prefix}: a bitkern checkpoint's experts are served with tensor_parallel_size=1")
         if moe.has_bias:
