@@ -4,6 +4,9 @@
 device until vLLM's layerwise loading materializes the layer, as vLLM's own online MoE methods do) or loaded as a
 bitkern checkpoint stores them (`CheckpointMoEMethod`).
 
+While the engine starts, each layer's kernels are made ready (`prepare_experts`) for every token count the engine
+runs, as the linear layers' are (linear_method.py), so that no request waits for tuning.
+
 `apply` takes vLLM's routing (top-k ids and weights) and runs the experts in one opaque custom op,
 `torch.ops.bitkern.vllm_experts`: inside it `bitkern.Experts` runs the grouped kernels (a few tokens) or one dense
 kernel per expert (prompts), SwiGLU on the stacked gate/up and the weighted top-k sum.  The op finds the layer by
@@ -20,10 +23,16 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.quantization.online.moe_base import OnlineMoEMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm.config import get_current_vllm_config
+
 from bitkern import Experts
-from bitkern.nn.experts import ExpertWeights
+from bitkern.nn import library
+from bitkern.nn.experts import GROUPED_PAIRS, ExpertWeights
+from bitkern.nn.prepare import KernelCall, prepare_calls
 
 from ..hf.format import TENSOR_NAMES, LayerSettings, expected_experts_tensors, experts_from_checkpoint
+from .fusion import logger
+from .linear_method import engine_tokens
 from .settings import Settings
 
 QUANTIZED_EXPERTS = "bitkern_experts"  # the layer's attribute holding its bitkern.Experts once the weights are loaded
@@ -62,17 +71,57 @@ def check_experts_layer(layer, prefix: str) -> None:
                          f"enable_expert_parallel")
 
 
+def experts_kernel_calls(experts: Experts, dtype: torch.dtype, top_k: int, tokens: tuple[int, ...]) -> list[tuple]:
+    """[(kernel calls, token counts)] that calls of `experts` with x of `dtype`, `top_k` experts a token and any of
+    `tokens` tokens run: each projection's dense kernel at up to every token on one expert (prompts); where the
+    grouped kernels serve, at calls of at most GROUPED_PAIRS token-expert pairs (decode), the first projection's for
+    each token's top_k experts and the down projection's for each pair's one (bitkern.Experts' two paths)."""
+    first, *rest = experts.projections.values()
+    probe = torch.empty(0, first.in_features, dtype=dtype)
+
+    def call(projection: ExpertWeights, spec) -> KernelCall:
+        return KernelCall(spec, *projection.gemm_shape, projection.layout, projection.qweight.device)
+
+    dense = [call(projection, library.spec_of(projection.op_weight(0)[1], projection.compute_dtype or dtype, dtype,
+                                              projection.bias is not None,
+                                              activation_quant=projection.activation_quant))
+             for projection in experts.projections.values()]
+    groups = [(dense, tokens)]
+    decode = [count for count in tokens if count * top_k <= GROUPED_PAIRS]
+    if decode and all(projection.routes(probe) for projection in experts.projections.values()):
+        pairs = tuple(count * top_k for count in decode)
+        for projection, routed, counts in [(first, top_k, tuple(decode)), *((other, 1, pairs) for other in rest)]:
+            stacked = library.op_arguments(projection.stacked_weight())[1]
+            spec = library.grouped_spec_of(stacked, projection.compute_dtype or dtype, dtype,
+                                           projection.bias is not None, projection.num_experts, routed)
+            groups.append(([call(projection, spec)], counts))
+    return groups
+
+
 class BitkernMoEMethod(FusedMoEMethodBase):
-    """A fused-MoE method whose layer holds its bitkern.Experts (attribute QUANTIZED_EXPERTS) once loaded."""
+    """A fused-MoE method whose layer holds its bitkern.Experts (attribute QUANTIZED_EXPERTS) once loaded, with its
+    kernels ready at the engine's token counts (noted in `create_weights`, while vLLM builds the model)."""
+
+    dtype: torch.dtype | None = None
+    tokens: tuple[int, ...] = ()
 
     def get_fused_moe_quant_config(self, layer):
         return None  # bitkern's experts run in `apply`; no vLLM kernel reads a quantization config
 
+    def plan(self, params_dtype: torch.dtype) -> None:
+        """Note what `set_experts` prepares: inputs of `params_dtype` (vLLM's activations) at the engine's token
+        counts."""
+        self.dtype, self.tokens = params_dtype, engine_tokens(get_current_vllm_config())
+
     def set_experts(self, layer: nn.Module, gate_up: ExpertWeights, down: ExpertWeights, settings: dict) -> None:
-        """Give the layer its bitkern.Experts of these projections (SwiGLU gate)."""
+        """Give the layer its bitkern.Experts of these projections (SwiGLU gate), their kernels made ready."""
         experts = Experts(gate_up.num_experts, down.out_features, down.in_features, device="meta", **settings)
         experts.gate_up, experts.down = gate_up, down
         setattr(layer, QUANTIZED_EXPERTS, experts)
+        for calls, counts in experts_kernel_calls(experts, self.dtype, self.moe.experts_per_token, self.tokens):
+            report = prepare_calls(calls, counts, progress=False)
+            if report.built or report.loaded:
+                logger.info("bitkern: %s: %s", layer.layer_name, report)
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
         """The routed experts' output (vLLM's MoE runner runs any shared experts itself: this method has no
@@ -103,6 +152,7 @@ class QuantizedMoEMethod(BitkernMoEMethod, OnlineMoEMethodBase):
             raise ValueError(f"{self.prefix}: experts of hidden size {hidden_size} and intermediate size "
                              f"{intermediate_size_per_partition} (this rank's): {error}; or list the layer in "
                              f"modules_to_not_convert") from None
+        self.plan(params_dtype)
         super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                **extra_weight_attrs)
 
@@ -149,6 +199,7 @@ class CheckpointMoEMethod(BitkernMoEMethod):
                              f"{layer.ckpt_gate_proj_name}/{layer.ckpt_up_proj_name}/{layer.ckpt_down_proj_name}; "
                              f"bitkern checkpoints' experts are served for models naming them gate_proj/up_proj/"
                              f"down_proj (Qwen2-MoE, Qwen3-MoE and the like)")
+        self.plan(params_dtype)
         intermediate = intermediate_size_per_partition
         self.shapes = {"w13": (num_experts, 2 * intermediate, hidden_size),
                        "w2": (num_experts, hidden_size, intermediate)}
