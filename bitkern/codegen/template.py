@@ -69,21 +69,27 @@ class Template(abc.ABC):
     residual_add: bool = False  # it adds a residual tensor in its output stage
     norms: tuple[str, ...] = ("none",)  # the Matmul norm prologues it applies to x
     activation_quants: tuple[str, ...] = ("none",)  # the Matmul activation quantizations its prologue applies
-    requires: frozenset = frozenset()  # the CPU features its code needs (`codegen.cpu.isa`, /proc/cpuinfo names)
+    # the CPU features its code needs, one set per architecture it compiles for (`codegen.cpu.isa`, /proc/cpuinfo
+    # names); () for any CPU
+    requires: tuple[frozenset, ...] = ()
     grouped: bool = False  # it serves grouped specs (rows routed to stacked experts, `ops.GroupedMatmul`), no others
 
+    def runs_at(self, level) -> bool:
+        """Whether CPUs of the instruction-set `level` (`codegen.cpu.isa`) run the template's code."""
+        return not self.requires or any(needs <= level.features for needs in self.requires)
+
     def missing_features(self, device) -> str | None:
-        """Why the device's instruction-set level cannot run the template's code (the features it lacks), or
-        None."""
-        missing = self.requires - device.flags if device.kind == "cpu" else ()
-        if not missing:
+        """Why the device's instruction-set level cannot run the template's code (the features it lacks, or that
+        the template is code of another architecture), or None."""
+        if device.kind != "cpu" or self.runs_at(device.level):
             return None
         from .cpu.isa import architecture
 
-        arch = architecture(self.requires)
-        if arch != device.level.arch:
-            return f"the {device.level.name} level ({device.level.arch}; the {self.title} template is {arch} code)"
-        return f"the {device.level.name} level (it needs {', '.join(sorted(missing))})"
+        needs = next((features for features in self.requires if architecture(features) == device.level.arch), None)
+        if needs is None:
+            arches = " and ".join(sorted(architecture(features) for features in self.requires))
+            return f"the {device.level.name} level ({device.level.arch}; the {self.title} template is {arches} code)"
+        return f"the {device.level.name} level (it needs {', '.join(sorted(needs - device.flags))})"
 
     def unsupported_rows(self, bucket: tuple[int, int], device) -> str | None:
         """Why the template does not serve the M bucket `bucket` on the device (beyond max_rows), or None."""

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(platform.machine() != "aarch64",
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 N, K = 64, 256
+BUCKETS = [(1, 4), (1, 16)]  # the lookup template serves up to 4 rows, the others 16 too; each template's first bucket
 TYPES = ["int4", "nf4", "int8", "mxfp4", "int2"]
 ACTIVATIONS = [(name, activation) for name in TYPES for activation in ("bfloat16", "float32")] + \
               [(name, "int8") for name in TYPES if "int8" in ttype.get(name).compute_types]
@@ -68,13 +69,14 @@ def test_every_template_serving_aarch64_computes_the_reference(name, activation)
     spec, qweight, x, _ = matmul_case(name, N, K, 3, activation,
                                       group=None if ttype.get(name).block_size > 1 else 64)
     packed = pack(qweight)
-    _, candidates = enumerate_candidates(spec, N, K, (1, 16), packed.layout, host_cpu())
     first = {}
-    for candidate in candidates:
-        first.setdefault(candidate.template, candidate.config)
-    assert "generic" in first
-    for template, config in first.items():
-        kernel = build_kernel(spec, N, K, template, config, packed.layout, (1, 16), host_cpu())
+    for bucket in BUCKETS:
+        _, candidates = enumerate_candidates(spec, N, K, bucket, packed.layout, host_cpu())
+        for candidate in candidates:
+            first.setdefault(candidate.template, (candidate.config, bucket))
+    assert "generic" in first and (activation == "int8" or "fma" in first)
+    for template, (config, bucket) in first.items():
+        kernel = build_kernel(spec, N, K, template, config, packed.layout, bucket, host_cpu())
         assert_matches_reference(spec, qweight, x, None, kernel(x, packed))
 
 

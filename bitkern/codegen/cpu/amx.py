@@ -43,7 +43,7 @@ class AmxTemplate(MatrixTemplate):
     config_type = AmxConfig
     amx_tiles = True
     shape_fields = ("n_tiles", "m_tiles", "prefetch", "decode", "chunk_prologue")
-    requires = isa.level("amx").features
+    requires = (isa.level("amx").features,)
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
         return self.unsupported_spec(spec, k)

@@ -58,7 +58,7 @@ class DotTemplate(MatrixTemplate):
     title = "AVX512-BF16"
     config_type = DotConfig
     shape_fields = ("n_tiles", "rows", "prefetch", "decode", "chunk_prologue")
-    requires = isa.level("avx512-bf16").features
+    requires = (isa.level("avx512-bf16").features,)
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
         if device.has_amx_bf16:

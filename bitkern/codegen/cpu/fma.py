@@ -29,18 +29,19 @@ BITS = (2, 4, 8)
 # rows x tiles of 16-lane sums a body keeps in registers: with AVX2 each is two of its 16 ymm
 BODY = 8
 # Beyond few rows, row blocks whose sums, decoded codes and broadcast x stay in the level's vector registers
-# (`block_registers`); the prologue prepares M_CHUNK rows of x at a time (a chunk of widened rows is read once per
+# (`fits_registers`); the prologue prepares M_CHUNK rows of x at a time (a chunk of widened rows is read once per
 # block and task, from L2 or L3; the weights are read again per chunk)
 BLOCK_ROWS = (2, 3, 4, 6, 8, 12)
-VECTOR_REGISTERS = {32: 16, 64: 32}  # ymm with AVX2, zmm with AVX-512
 M_CHUNK = 64
 
 
-def block_registers(rows: int, n_tiles: int, vector_bytes: int, lookup: bool) -> int:
-    """Vector registers a block of rows holds: a 16-lane sum per row and tile, each tile's decoded codes and, for
-    code books, the value table (two registers per 16 lanes with 256-bit vectors), and a broadcast x.  More spills
-    the sums (measured at x86-64-v3, int4 4096x14336 M=16: 2 tiles x 3 rows 14.7 ms, 1 x 6 8.7 ms)."""
-    return (rows * n_tiles + n_tiles + int(lookup)) * (64 // vector_bytes) + 1
+def fits_registers(rows: int, n_tiles: int, level, lookup: bool) -> bool:
+    """Whether a block of rows stays in the `level`'s vector registers: a 16-lane sum per row and tile, each tile's
+    decoded codes and, for code books, the value table (each 16 lanes taking 64 / vector bytes registers), and a
+    broadcast x.  More spills the sums (measured at x86-64-v3, int4 4096x14336 M=16: 2 tiles x 3 rows 14.7 ms,
+    1 x 6 8.7 ms)."""
+    per_16_lanes = 64 // min(level.vector_bytes, 64)
+    return (rows * n_tiles + n_tiles + int(lookup)) * per_16_lanes + 1 <= level.vector_registers
 
 
 def looks_up(spec: Matmul) -> bool:
@@ -85,7 +86,8 @@ class FmaTemplate(LutTemplate):
     name = "fma"
     title = "FMA"
     config_type = FmaConfig
-    requires = isa.level("x86-64-v3").features  # vfmadd231ps
+    # vfmadd231ps on x86; fmla (and tbl for code books, `emit.tir.lookup16`) on aarch64
+    requires = (isa.level("x86-64-v3").features, isa.level("armv8-a").features)
     max_rows = ANY_ROWS
 
     def unsupported_codes(self, spec: Matmul) -> str | None:
@@ -113,17 +115,15 @@ class FmaTemplate(LutTemplate):
     def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[FmaConfig]:
         """Few rows: tiles per task while the sums of the bucket's largest row count stay within BODY (the fewest
         tiles always: one, or a (gate, up) pair for SwiGLU), every prefetch depth.  More rows (none with AVX512-BF16):
-        row blocks of tiles x rows that fit the level's registers (`block_registers`), no prefetch or 32 words (the
+        row blocks of tiles x rows that fit the level's registers (`fits_registers`), no prefetch or 32 words (the
         blocks after the first find the task's words in L2)."""
         fewest = min_tiles(spec)
         if bucket[1] <= FEW_ROWS:
             return [FmaConfig(n_tiles, prefetch) for n_tiles in doublings(fewest, 8)
                     if n_tiles == fewest or n_tiles * bucket[1] <= BODY for prefetch in PREFETCH_WORDS]
-        width = min(device.vector_bytes, 64)
         return [FmaConfig(n_tiles, prefetch, rows, M_CHUNK - M_CHUNK % rows)
                 for n_tiles in doublings(fewest, 4) for rows in BLOCK_ROWS
-                if block_registers(rows, n_tiles, width, looks_up(spec)) <= VECTOR_REGISTERS[width]
-                for prefetch in (0, 32)]
+                if fits_registers(rows, n_tiles, device.level, looks_up(spec)) for prefetch in (0, 32)]
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: FmaConfig, device) -> Work:
         """Per call: every 16-lane vector of codes decoded once, or once per row block (a mask and a convert; a

@@ -14,7 +14,7 @@ import torch
 from ...ops.grouped import GroupedMatmul
 from ...ttype import get, torch_dtype
 from ..template import Work
-from .fma import BODY, VECTOR_REGISTERS, FmaConfig, FmaTemplate, block_registers, looks_up
+from .fma import BODY, FmaConfig, FmaTemplate, fits_registers, looks_up
 from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuKernel, doublings, operand_bytes
 from .layout import AMX_TILE_ROWS, aligned, padded_k
 from .lut import LOOKUP_256, value_table
@@ -60,12 +60,10 @@ class GroupedFmaTemplate(FmaTemplate):
         return None  # any rows: each expert's rows four at a time
 
     def configs(self, spec: GroupedMatmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[FmaConfig]:
-        """Tiles per task while four rows' sums stay within BODY or the level's registers (`block_registers`),
+        """Tiles per task while four rows' sums stay within BODY or the level's registers (`fits_registers`),
         every prefetch depth."""
-        width = min(device.vector_bytes, 64)
         return [FmaConfig(n_tiles, prefetch) for n_tiles in doublings(1, 8) if n_tiles * FEW_ROWS <= BODY
-                or block_registers(FEW_ROWS, n_tiles, width, looks_up(spec)) <= VECTOR_REGISTERS[width]
-                for prefetch in PREFETCH_WORDS]
+                or fits_registers(FEW_ROWS, n_tiles, device.level, looks_up(spec)) for prefetch in PREFETCH_WORDS]
 
     def work(self, spec: GroupedMatmul, n: int, k: int, m: int, config: FmaConfig, device) -> Work:
         """Per call, with the M·top_k pairs on as many distinct experts as they can be: each selected expert's code

@@ -31,6 +31,11 @@ class IsaLevel:
     llvm_attributes: tuple[str, ...] = ()
     arch: str = "x86_64"
 
+    @property
+    def vector_registers(self) -> int:
+        """The vector registers its code has: 32 (AVX-512's zmm, aarch64's v) or 16 (x86 before AVX-512)."""
+        return 32 if self.arch == "aarch64" or self.vector_bytes >= 64 else 16
+
     def runs_on(self, flags) -> bool:
         """Whether a CPU with these /proc/cpuinfo `flags` runs this level's code."""
         return self.features <= frozenset(flags)

@@ -61,7 +61,8 @@ class LutTemplate(CpuTemplate):
     epilogues = EPILOGUES  # its output stage (`emit.lut.Builder._store`)
     norms = NORMS  # the tables are built from x̂ (`emit.norm`)
     residual_add = True
-    requires = isa.level("x86-64-v3").features  # 256-bit vpermps at least (`emit.tir.lookup16`)
+    # 256-bit vpermps at least on x86, NEON's four-register tbl on aarch64 (`emit.tir.lookup16`)
+    requires = (isa.level("x86-64-v3").features, isa.level("armv8-a").features)
 
     def unsupported(self, spec: Matmul, n: int, k: int, device) -> str | None:
         ttype = get(spec.weight_dtype)

@@ -114,7 +114,7 @@ class VnniTemplate(CpuTemplate):
     title = "VNNI"
     config_type = VnniConfig
     shape_fields = ("n_tiles", "rows", "prefetch")
-    requires = isa.level("x86-64-v3").features  # vpmaddubsw at least (`emit.vnni.dot_bytes`)
+    requires = (isa.level("x86-64-v3").features,)  # vpmaddubsw at least (`emit.vnni.dot_bytes`)
     epilogues = EPILOGUES  # the tile16 builder's output stage
     residual_add = True
     norms = NORMS  # the tile16 builder's prologue

@@ -148,32 +148,44 @@ def test_every_aarch64_level_is_a_tvm_target():
 
 
 @pytest.mark.parametrize("level", ARM_LEVELS)
-def test_x86_templates_are_refused_for_aarch64_levels(level):
+def test_templates_of_x86_only_are_refused_for_aarch64_levels(level):
+    """The FMA templates (dense and grouped) and the lookup template serve aarch64 (their few level-specific
+    instructions have NEON forms); the others are x86 code, refused naming it."""
     device = host_cpu().at_level(level)
     spec = Matmul("int4", "bfloat16", group_size=64)
     usable, unused = usable_templates(spec, N, K, (1, 16), "tile16", device)
-    assert [template.name for template in usable] == ["generic"]
+    assert [template.name for template in usable] == ["fma", "generic"]
+    assert "lookup template serves at most" in unused["lut"]
     for template in TEMPLATES:
-        if template.name != "generic":
+        assert template.runs_at(isa.level(level)) == (template.name in ("generic", "fma", "lut", "grouped_fma"))
+        if not template.runs_at(isa.level(level)):
             assert unused[template.name] == (f"the {level} level (aarch64; the {template.title} template is x86_64 "
                                              f"code)")
             with pytest.raises(ValueError, match=f"cannot build for the {level} level"):
                 build_kernel(spec, N, K, template.name, template.config_type(), "tile16", (1, 16), device)
 
 
-def _assembly(spec: Matmul, device) -> str:
-    """The generic template's code for `device`, as TVM's LLVM writes it (no cross tools needed); the pass settings
-    are the build's (`kernel.compile_function`)."""
+def _assembly(spec: Matmul, device, name: str = "generic", bucket: tuple[int, int] = (1, 16)) -> str:
+    """The code of template `name`'s first candidate for `device`, as TVM's LLVM writes it (no cross tools
+    needed); the pass settings are the build's (`kernel.compile_function`)."""
     import tvm
 
-    template = next(t for t in TEMPLATES if t.name == "generic")
-    _, candidates = enumerate_candidates(spec, N, K, (1, 16), "tile16", device)
-    config = next(c.config for c in candidates if c.template == "generic")
-    func, _ = template.program(spec, N, K, config, "tile16", (1, 16), device)
+    template = next(t for t in TEMPLATES if t.name == name)
+    _, candidates = enumerate_candidates(spec, N, K, bucket, "tile16", device)
+    config = next(c.config for c in candidates if c.template == name)
+    func, _ = template.program(spec, N, K, config, "tile16", bucket, device)
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
         library = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(
             device.level.target_dict(device.cores)))
     return library.mod.inspect_source("asm")
+
+
+def _neon_only(code: str) -> bool:
+    """No SVE arithmetic (the templates' fixed-width vectors map to NEON; at the SVE levels LLVM may set a constant
+    with SVE's mov of an immediate, which writes the same register) and no x86 registers."""
+    sve = [line for line in code.splitlines() if re.search(r"\bz\d+\.[bhsd]\b", line)]
+    return all(re.fullmatch(r"\s*mov\s+z\d+\.[bhsd], #-?(0x[0-9a-f]+|\d+)", line) for line in sve) and \
+        "xmm" not in code and "ymm" not in code
 
 
 @pytest.mark.parametrize("level", ARM_LEVELS)
@@ -181,9 +193,24 @@ def test_the_generic_template_compiles_to_neon_at_every_aarch64_level(level):
     """float32 activations: the multiply-adds are NEON fmla on 4-lane v registers.  The SVE levels get the same
     NEON code: the template's vectors have a fixed width, which LLVM maps to NEON without a minimum SVE length."""
     code = _assembly(Matmul("int4", "float32", group_size=64), host_cpu().at_level(level))
-    assert len(re.findall(r"\bfmla\s+v\d+\.4s", code)) >= 4
-    assert not re.search(r"\bz\d+\.[bhsd]\b", code)  # no SVE registers
-    assert "xmm" not in code and "ymm" not in code
+    assert len(re.findall(r"\bfmla\s+v\d+\.4s", code)) >= 4 and _neon_only(code)
+
+
+@pytest.mark.parametrize("level", ARM_LEVELS)
+def test_the_fma_and_lookup_templates_compile_to_fmla_and_tbl_at_every_aarch64_level(level):
+    """The FMA template: integer codes converted in vector registers (ucvtf/scvtf .4s) and multiplied in by fmla;
+    code books (nf4) looked up by tbl over the 64-byte value table's four registers, no scalar loads per code.
+    The lookup template: its partial-sum tables read by the same tbl."""
+    device = host_cpu().at_level(level)
+    converted = _assembly(Matmul("int4", "bfloat16", group_size=64), device, "fma")
+    assert len(re.findall(r"\bfmla\s+v\d+\.4s", converted)) >= 32
+    assert len(re.findall(r"\b[us]cvtf\s+v\d+\.4s", converted)) >= 16 and _neon_only(converted)
+    looked_up = _assembly(Matmul("nf4", "bfloat16", group_size=64), device, "fma")
+    tables = re.findall(r"\btbl\s+v\d+\.16b, \{ v\d+\.16b, v\d+\.16b, v\d+\.16b, v\d+\.16b \}", looked_up)
+    assert len(tables) >= 16 and len(re.findall(r"\bfmla\s+v\d+\.4s", looked_up)) >= 32 and _neon_only(looked_up)
+    lookup = _assembly(Matmul("int4", "float32", group_size=64), device, "lut", (1, 4))
+    assert len(re.findall(r"\btbl\s+v\d+\.16b, \{ v\d+\.16b, v\d+\.16b, v\d+\.16b, v\d+\.16b \}",
+                          lookup)) >= 8 and _neon_only(lookup)
 
 
 _LINKER = shutil.which("aarch64-linux-gnu-ld") or shutil.which("ld.lld")

@@ -17,7 +17,7 @@ from tests.helpers import assert_epilogue_matches_reference, assert_matches_refe
 
 K = 320  # 10 words of 4-bit codes, 5 groups of 64
 # the levels this CPU runs that have the template's features (the others' code: test_isa_levels)
-LEVELS = [level.name for level in isa.LEVELS if TEMPLATE.requires <= level.features and level.runs_on(
+LEVELS = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.runs_on(
     host_cpu().level.features)]
 
 

@@ -19,9 +19,9 @@ from bitkern.tuner.space import usable_templates
 from tests.helpers import assert_within_bound, summed_magnitudes
 
 E, N, K = 6, 48, 320  # 3 tiles per expert: blocks of 2 tiles leave a partial one
-LEVELS = [level.name for level in isa.LEVELS if TEMPLATE.requires <= level.features and level.runs_on(
+LEVELS = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.runs_on(
     host_cpu().level.features)]
-ABOVE = [level.name for level in isa.LEVELS if TEMPLATE.requires <= level.features and level.arch == "x86_64"
+ABOVE = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.arch == "x86_64"
          and level.name not in LEVELS]
 # (dtype, zero mode, group): integer codes (symmetric, zero points), 4-bit code books, bfloat16
 TYPES = [("int4", None, 64), ("uint4", "gptq", 64), ("uint4", "hqq", 64), ("int8", None, 64), ("uint8", "gptq", 64),

@@ -139,7 +139,7 @@ def test_code_books_with_int8_activations_look_up_bytes_at_every_level(level):
         torch.testing.assert_close(kernel(x, pack(qweight)), spec.reference(x, qweight), rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("level", [level.name for level in isa.LEVELS if FMA.requires <= level.features])
+@pytest.mark.parametrize("level", [level.name for level in isa.LEVELS if FMA.runs_at(level)])
 def test_bfloat16_weights_take_the_fma_template_at_every_level(level):
     """bfloat16 weights (lm_heads kept in bf16) at every level from AVX2 up: each code moved into float32's top half
     (vpslld, vpand) and multiplied in by FMA, nothing converted; run against the reference where this CPU runs the

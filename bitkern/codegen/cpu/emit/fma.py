@@ -111,7 +111,7 @@ class _Builder(lut.Builder):
             return tirx.reinterpret("float32x16", top)
         if table is not None:
             index = word if slot == 0 else tirx.shift_right(tirx.reinterpret("uint32x16", word), u32(4 * slot))
-            return lookup16(table, tirx.reinterpret("int32x16", index), self.level.vector_bytes)
+            return lookup16(table, tirx.reinterpret("int32x16", index), self.level)
         if slot == self.top:
             moved = tirx.shift_right(tirx.reinterpret("uint32x16", word), splat(32 - self.bits, "uint32"))
             return tirx.Cast("float32x16", tirx.reinterpret("int32x16", moved))

@@ -347,7 +347,7 @@ class Builder:
                 prefetch_ahead(self.qweight, tile_index, word_index, self.cfg.prefetch, len(tiles))
             word = tirx.reinterpret("uint32x16", load(self.qweight, tile_index, word_index, ramp(0)))
             nibbles = [word if j == 0 else tirx.shift_right(word, u32(4 * j)) for j in range(NIBBLES_PER_WORD)]
-            picked = [lookup16(table, tirx.reinterpret("int32x16", nibble), self.level.vector_bytes)
+            picked = [lookup16(table, tirx.reinterpret("int32x16", nibble), self.level)
                       for table, nibble in zip(tables, nibbles)]
             T.buffer_store(gacc, load(gacc, c, ramp(0)) + _tree_sum(picked), [c, ramp(0)])
 

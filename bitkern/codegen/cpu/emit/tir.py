@@ -1,4 +1,5 @@
-"""Small TIR helpers for the hand-scheduled CPU templates: vectors, bf16 bit patterns, x86 intrinsics."""
+"""Small TIR helpers for the hand-scheduled CPU templates: vectors, bf16 bit patterns, the few intrinsics that
+differ per instruction-set level (x86, aarch64)."""
 
 from __future__ import annotations
 
@@ -129,12 +130,15 @@ def _horizontal(values, combine):
     return values
 
 
-def lookup16(table, index, vector_bytes: int):
+def lookup16(table, index, level):
     """table[index & 15] per lane: 16 float32 lanes looked up in a 16-entry float32 table (`index` int32x16; bits
-    above the low 4 are ignored).  With 512-bit vectors one vpermps; with 256-bit ones (AVX2), per half of the lanes
-    a vpermps into each half of the table (it reads the low 3 bits) and a vblendvps choosing by bit 3 (shifted
-    into the sign bit)."""
-    if vector_bytes >= 64:
+    above the low 4 are ignored), with the instruction-set `level`'s instructions.  x86 with 512-bit vectors: one
+    vpermps; with 256-bit ones (AVX2), per half of the lanes a vpermps into each half of the table (it reads the low
+    3 bits) and a vblendvps choosing by bit 3 (shifted into the sign bit).  aarch64: `tbl` over the table's four
+    NEON registers by byte (`_tbl4_lookup16`)."""
+    if level.arch == "aarch64":
+        return _tbl4_lookup16(table, index)
+    if level.vector_bytes >= 64:
         return tirx.call_llvm_pure_intrin("float32x16", "llvm.x86.avx512.permvar.sf.512", table, index)
     halves = [tirx.Shuffle([table], list(range(start, start + 8))) for start in (0, 8)]
     picked = []
@@ -145,6 +149,20 @@ def lookup16(table, index, vector_bytes: int):
         bit3 = tirx.reinterpret("float32x8", tirx.shift_left(lanes_index, splat(28, "int32", 8)))
         picked.append(tirx.call_llvm_pure_intrin("float32x8", "llvm.x86.avx.blendv.ps.256", low, high, bit3))
     return tirx.Shuffle(picked, list(range(LANES)))
+
+
+def _tbl4_lookup16(table, index):
+    """`lookup16` with NEON's four-register `tbl`: each lane's four byte indices 4·(index & 15) + 0..3 (one multiply
+    spreads 4·i into every byte of the lane, one add numbers the bytes), then per 16 bytes (4 lanes) one `tbl` of
+    the 64-byte table."""
+    offset = tirx.bitwise_and(index, splat(15, "int32")) * splat(4, "int32")
+    byte_index = tirx.reinterpret("int8x64", offset * splat(0x01010101, "int32") + splat(0x03020100, "int32"))
+    table_bytes = tirx.reinterpret("int8x64", table)
+    registers_of_table = [tirx.Shuffle([table_bytes], list(range(16 * r, 16 * r + 16))) for r in range(4)]
+    picked = [tirx.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl4", *registers_of_table,
+                                         tirx.Shuffle([byte_index], list(range(16 * q, 16 * q + 16))))
+              for q in range(4)]
+    return tirx.reinterpret("float32x16", tirx.Shuffle(picked, list(range(64))))
 
 
 def lookup_bytes(table, index, vector_bytes: int):
