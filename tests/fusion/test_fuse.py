@@ -102,7 +102,10 @@ def test_fuse_rewrites_every_pattern_and_keeps_gradients(monkeypatch):
     assert isinstance(model.head[0], EpilogueLinear) and isinstance(model.head[1], nn.Identity)
     x = x.clone().requires_grad_(True)
     y = model(x)
-    assert torch.allclose(y, reference, atol=1e-4 * float(reference.abs().max()))
+    # The fused kernels' template may differ from the separate layers' (the tuner ranks each shape on its own), and
+    # the bf16-product templates (dot, AMX) round nf4's values to bfloat16 where FMA and lookup keep them exact: up to
+    # 2^-8 of sum |x·w| apart per layer (tests.helpers.assert_within_bound), where a fusion error is of y's size
+    assert torch.allclose(y, reference, atol=2.0**-7 * float(reference.abs().max()))
     y.sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
 
