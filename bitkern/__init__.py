@@ -30,7 +30,7 @@ def fuse(model, *example_inputs, **options):
     return fuse_model(model, *example_inputs, **options)
 
 
-def prepare(model, tokens, dtype=None, progress: bool = True, warmup: bool = True):
+def prepare(model, tokens, dtype=None, progress: bool = True, warmup: bool = True, top_k=None):
     """Make ready every kernel a forward of `model` over `tokens` tokens calls (an int or a sequence of counts:
     batch x sequence length; each count's M bucket), loading it from the kernel caches (the user's, then the
     read-only system cache) or tuning and building it, with a progress bar, so that no call tunes; returns the
@@ -38,7 +38,8 @@ def prepare(model, tokens, dtype=None, progress: bool = True, warmup: bool = Tru
     (default: the model's).  A transformers model that runs bitkern's attention gets its decode-attention kernels
     too.  warmup: a transformers model then runs one forward per M bucket of the counts up to 128 tokens, so that
     its first call pays no first-call costs outside bitkern's kernels either (`bitkern.integration.hf.warmup`).
-    Arguments are checked before any kernel is built."""
+    top_k: the experts a token is routed to, for `bitkern.Experts` layers' grouped kernels (default: a transformers
+    model's config.num_experts_per_tok).  Arguments are checked before any kernel is built."""
     import dataclasses
     import sys
     import time
@@ -52,7 +53,9 @@ def prepare(model, tokens, dtype=None, progress: bool = True, warmup: bool = Tru
         from .integration.hf.attention import decode_attention_specs
 
         attention = decode_attention_specs(model, input_dtype(model, dtype))
-    report = prepare_model(model, tokens, dtype, progress, attention)
+    if pretrained and top_k is None:
+        top_k = getattr(model.config, "num_experts_per_tok", None)
+    report = prepare_model(model, tokens, dtype, progress, attention, top_k)
     if not (pretrained and warmup):
         return report
     from .integration.hf.warmup import warm_up

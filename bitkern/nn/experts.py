@@ -32,6 +32,7 @@ from ..ops.grouped import STACK_ROWS
 from ..ops.matmul import ACTIVATION_QUANTS
 from ..ttype import Layout, QuantizedWeight, WeightFormat
 from . import library
+from .prepare import ALL_TOKENS, KernelCall
 from .storage import WEIGHT_BUFFERS, QuantizedModule, check_positive
 
 log = logging.getLogger("bitkern")
@@ -244,6 +245,10 @@ class ExpertWeights(QuantizedModule):
             start += count
         return out
 
+    def kernel_call(self, spec, tokens: tuple[int, int], rows_per_token: int = 1, up_to: bool = False) -> KernelCall:
+        """The KernelCall of `spec` on this projection's weights (one expert's N and K) at `tokens`' counts."""
+        return KernelCall(spec, *self.gemm_shape, self.layout, self.qweight.device, tokens, rows_per_token, up_to)
+
     def routes(self, x: torch.Tensor) -> bool:
         """Whether the grouped kernel serves this projection for rows like x (a CPU tensor in float, no activation
         quantization, a type without a tensor scale, out_features a multiple of 16, in tile16, and a template for
@@ -418,6 +423,28 @@ class Experts(nn.Module):
         unsorted = torch.empty_like(weighted)
         unsorted[order] = weighted
         return unsorted.view(tokens, top_k, hidden.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+
+    def kernel_calls(self, dtype: torch.dtype, top_k: int | None) -> list[KernelCall]:
+        """The kernels calls with x of `dtype` and `top_k` experts a token run (what `bitkern.prepare` and vLLM's
+        MoE method make ready): where the grouped kernels serve, calls of at most GROUPED_PAIRS pairs run the first
+        projection's at a row a token and the others' at a row a pair; the rest run each projection's dense kernel
+        at any row count up to the tokens (an expert's share).  top_k None (unknown): the dense kernels only."""
+        first, *rest = self.projections.values()
+        probe = torch.empty(0, first.in_features, dtype=dtype)
+        grouped = top_k is not None and all(projection.routes(probe) for projection in self.projections.values())
+        decode = (1, GROUPED_PAIRS // top_k) if grouped else (1, 0)
+        calls = [projection.kernel_call(library.spec_of(projection.op_weight(0)[1], projection.compute_dtype or dtype,
+                                                        dtype, projection.bias is not None,
+                                                        activation_quant=projection.activation_quant),
+                                        (decode[1] + 1, ALL_TOKENS[1]), up_to=True)
+                 for projection in self.projections.values()]
+        if grouped:
+            for projection, routed in [(first, top_k), *((other, 1) for other in rest)]:
+                spec = library.grouped_spec_of(library.op_arguments(projection.stacked_weight())[1],
+                                               projection.compute_dtype or dtype, dtype, projection.bias is not None,
+                                               projection.num_experts, routed)
+                calls.append(projection.kernel_call(spec, decode, rows_per_token=top_k // routed))
+        return calls
 
     def _routes(self, hidden_states: torch.Tensor, pairs: int) -> bool:
         """Whether a call of `pairs` token-expert pairs runs the grouped kernels (`_decode`): few pairs, nothing to

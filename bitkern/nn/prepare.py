@@ -5,9 +5,11 @@ call tunes; with a progress bar and a summary.
 A module whose forward runs bitkern's matmul kernels lists them: `kernel_calls(dtype)` gives a `KernelCall` per
 kernel a call with an input of `dtype` runs (`bitkern.Linear`, the fused modules of `bitkern.fusion`); such a
 module stands for its submodules.  A forward over t tokens (the tokens of all sequences of a batch together)
-multiplies t rows, and each count's M bucket has its kernel (`bitkern.tuner.buckets`).  Not listed, so tuned on
-their first call: convolutions (their rows depend on the image size: logged), and the kernels of residual adds
-that torch.compile's fusion pass folds into a linear.
+multiplies t rows, and each count's M bucket has its kernel (`bitkern.tuner.buckets`); `bitkern.Experts` lists
+its grouped kernels and its experts' dense ones with the counts and rows they run at (`kernel_calls(dtype,
+top_k)`).  Not listed, so tuned on their first call: convolutions (their rows depend on the image size: logged),
+experts' grouped kernels where top_k is unknown (logged), and the kernels of residual adds that torch.compile's
+fusion pass folds into a linear.
 """
 
 from __future__ import annotations
@@ -25,22 +27,36 @@ from ..cache.dispatch import device_of
 from ..cache.lookup import prepare_kernel
 from ..ops.matmul import Matmul
 from ..ttype import dtype_name
-from ..tuner.buckets import m_bucket
+from ..tuner.buckets import M_BUCKETS, m_bucket
 from .library import FLOAT_DTYPES
 from .storage import QuantizedModule, check_float_dtype
 
 log = logging.getLogger("bitkern")
 
+ALL_TOKENS = (1, 2**31 - 1)  # a KernelCall's token counts where any forward runs it
+
 
 @dataclass(frozen=True)
 class KernelCall:
-    """One matmul kernel a module calls: its spec, the weight's N and K, the weight's layout and device."""
+    """One matmul kernel a module calls: its spec, the weight's N and K, the weight's layout and device; a forward
+    over t tokens, for t within `tokens` (inclusive bounds), runs it at t·`rows_per_token` rows, or at any count of
+    rows up to that where `up_to` (an expert's share of a prompt's rows)."""
 
     spec: Matmul
     n: int
     k: int
     layout: str
     device: torch.device
+    tokens: tuple[int, int] = ALL_TOKENS
+    rows_per_token: int = 1
+    up_to: bool = False
+
+    def rows(self, counts: tuple[int, ...]) -> list[int]:
+        """One row count per M bucket that forwards over `counts` tokens run this kernel at."""
+        rows = [t * self.rows_per_token for t in counts if self.tokens[0] <= t <= self.tokens[1]]
+        if self.up_to and rows:
+            rows = [low for low, _ in M_BUCKETS if low <= max(rows)]
+        return list({m_bucket(m): m for m in rows}.values())
 
 
 @dataclass(frozen=True)
@@ -98,12 +114,21 @@ def input_dtype(model: nn.Module, dtype=None) -> torch.dtype:
     return found.pop()
 
 
-def kernel_calls(model: nn.Module, dtype: torch.dtype) -> tuple[list[KernelCall], list[str]]:
-    """(the distinct kernels a forward of `model` with inputs of `dtype` calls, in the order met; the names of the
-    bitkern modules whose kernels are not listed, such as convolutions)."""
+def kernel_calls(model: nn.Module, dtype: torch.dtype, top_k: int | None = None
+                 ) -> tuple[list[KernelCall], list[str]]:
+    """(the distinct kernels a forward of `model` with inputs of `dtype` and `top_k` experts a token (mixture of
+    experts; None: unknown) calls, in the order met; the names of the bitkern modules whose kernels are not listed,
+    such as convolutions, and experts layers' grouped kernels where top_k is unknown)."""
+    from .experts import Experts  # experts.py lists its calls as KernelCalls of this module
+
     calls, unlisted = {}, []
 
     def visit(name: str, module: nn.Module) -> None:
+        if isinstance(module, Experts):
+            calls.update(dict.fromkeys(module.kernel_calls(dtype, top_k)))
+            if top_k is None:
+                unlisted.append(f"{name} (grouped kernels: top_k unknown)")
+            return
         listing = getattr(module, "kernel_calls", None)
         if callable(listing):
             calls.update(dict.fromkeys(listing(dtype)))
@@ -117,19 +142,23 @@ def kernel_calls(model: nn.Module, dtype: torch.dtype) -> tuple[list[KernelCall]
     return list(calls), unlisted
 
 
-def prepare(model: nn.Module, tokens, dtype=None, progress: bool = True, attention=()) -> PrepareReport:
+def prepare(model: nn.Module, tokens, dtype=None, progress: bool = True, attention=(), top_k: int | None = None
+            ) -> PrepareReport:
     """Make ready every kernel a forward of `model` over each count of `tokens` calls (see the module docstring):
     loaded from the caches or tuned and built, as the first call of each M bucket would, before any call.
 
     dtype: the dtype of the model's inputs (default: the model's, see `input_dtype`).  progress: show a progress
     bar.  attention: decode-attention specs (`bitkern.ops.attention.DecodeAttention`) to build too (what
-    `bitkern.prepare` finds in a transformers model that runs bitkern's attention).  Every argument is checked
-    before any kernel is built."""
+    `bitkern.prepare` finds in a transformers model that runs bitkern's attention).  top_k: the experts a token is
+    routed to, for the grouped kernels of `bitkern.Experts` layers (None: those are tuned on their first call,
+    logged).  Every argument is checked before any kernel is built."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     counts = check_tokens(tokens)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be a positive int (the experts a token is routed to) or None")
     dtype = input_dtype(model, dtype)
-    calls, unlisted = kernel_calls(model, dtype)
+    calls, unlisted = kernel_calls(model, dtype, top_k)
     if not calls:
         raise ValueError("model has no bitkern layers whose kernels can be prepared; quantize it first "
                          "(bitkern.quantize_model, or transformers' from_pretrained with bitkern.BitkernConfig)")
@@ -151,7 +180,7 @@ def prepare_calls(calls: list[KernelCall], tokens, progress: bool = True, attent
                          f"or prebuild the kernels of a model directory for a target: python -m bitkern prebuild "
                          f"--model")
     devices = {device: device_of(torch.empty(0, device=device)) for device in {call.device for call in calls}}
-    work = [(call, m) for call in calls for m in _representatives(counts)]
+    work = [(call, m) for call in calls for m in call.rows(counts)]
     sources = {"built": 0, "loaded": 0, "ready": 0}
     start = time.perf_counter()
     with tqdm(total=len(work) + len(attention), desc="bitkern: preparing kernels", unit="kernel",
@@ -165,8 +194,3 @@ def prepare_calls(calls: list[KernelCall], tokens, progress: bool = True, attent
             bar.update()
     return PrepareReport(len(work) + len(attention), sources["built"], sources["loaded"], sources["ready"],
                          time.perf_counter() - start, counts)
-
-
-def _representatives(counts: tuple[int, ...]) -> list[int]:
-    """One count per M bucket the counts fall in."""
-    return list({m_bucket(m): m for m in counts}.values())

@@ -4,7 +4,7 @@
 device until vLLM's layerwise loading materializes the layer, as vLLM's own online MoE methods do) or loaded as a
 bitkern checkpoint stores them (`CheckpointMoEMethod`).
 
-While the engine starts, each layer's kernels are made ready (`prepare_experts`) for every token count the engine
+While the engine starts, each layer's kernels are made ready (`Experts.kernel_calls`) for every token count the engine
 runs, as the linear layers' are (linear_method.py), so that no request waits for tuning.
 
 `apply` takes vLLM's routing (top-k ids and weights) and runs the experts in one opaque custom op,
@@ -26,9 +26,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm.config import get_current_vllm_config
 
 from bitkern import Experts
-from bitkern.nn import library
-from bitkern.nn.experts import GROUPED_PAIRS, ExpertWeights
-from bitkern.nn.prepare import KernelCall, prepare_calls
+from bitkern.nn.experts import ExpertWeights
+from bitkern.nn.prepare import prepare_calls
 
 from ..hf.format import TENSOR_NAMES, LayerSettings, expected_experts_tensors, experts_from_checkpoint
 from .fusion import logger
@@ -71,33 +70,6 @@ def check_experts_layer(layer, prefix: str) -> None:
                          f"enable_expert_parallel")
 
 
-def experts_kernel_calls(experts: Experts, dtype: torch.dtype, top_k: int, tokens: tuple[int, ...]) -> list[tuple]:
-    """[(kernel calls, token counts)] that calls of `experts` with x of `dtype`, `top_k` experts a token and any of
-    `tokens` tokens run: each projection's dense kernel at up to every token on one expert (prompts); where the
-    grouped kernels serve, at calls of at most GROUPED_PAIRS token-expert pairs (decode), the first projection's for
-    each token's top_k experts and the down projection's for each pair's one (bitkern.Experts' two paths)."""
-    first, *rest = experts.projections.values()
-    probe = torch.empty(0, first.in_features, dtype=dtype)
-
-    def call(projection: ExpertWeights, spec) -> KernelCall:
-        return KernelCall(spec, *projection.gemm_shape, projection.layout, projection.qweight.device)
-
-    dense = [call(projection, library.spec_of(projection.op_weight(0)[1], projection.compute_dtype or dtype, dtype,
-                                              projection.bias is not None,
-                                              activation_quant=projection.activation_quant))
-             for projection in experts.projections.values()]
-    groups = [(dense, tokens)]
-    decode = [count for count in tokens if count * top_k <= GROUPED_PAIRS]
-    if decode and all(projection.routes(probe) for projection in experts.projections.values()):
-        pairs = tuple(count * top_k for count in decode)
-        for projection, routed, counts in [(first, top_k, tuple(decode)), *((other, 1, pairs) for other in rest)]:
-            stacked = library.op_arguments(projection.stacked_weight())[1]
-            spec = library.grouped_spec_of(stacked, projection.compute_dtype or dtype, dtype,
-                                           projection.bias is not None, projection.num_experts, routed)
-            groups.append(([call(projection, spec)], counts))
-    return groups
-
-
 class BitkernMoEMethod(FusedMoEMethodBase):
     """A fused-MoE method whose layer holds its bitkern.Experts (attribute QUANTIZED_EXPERTS) once loaded, with its
     kernels ready at the engine's token counts (noted in `create_weights`, while vLLM builds the model)."""
@@ -118,10 +90,10 @@ class BitkernMoEMethod(FusedMoEMethodBase):
         experts = Experts(gate_up.num_experts, down.out_features, down.in_features, device="meta", **settings)
         experts.gate_up, experts.down = gate_up, down
         setattr(layer, QUANTIZED_EXPERTS, experts)
-        for calls, counts in experts_kernel_calls(experts, self.dtype, self.moe.experts_per_token, self.tokens):
-            report = prepare_calls(calls, counts, progress=False)
-            if report.built or report.loaded:
-                logger.info("bitkern: %s: %s", layer.layer_name, report)
+        report = prepare_calls(experts.kernel_calls(self.dtype, self.moe.experts_per_token), self.tokens,
+                               progress=False)
+        if report.built or report.loaded:
+            logger.info("bitkern: %s: %s", layer.layer_name, report)
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
         """The routed experts' output (vLLM's MoE runner runs any shared experts itself: this method has no

@@ -1,6 +1,7 @@
 """Kernels ready before the first token in transformers: `bitkern.prepare` on a fused Llama that runs bitkern's
 attention covers every kernel `generate` calls (matmuls with norm prologues and SwiGLU epilogues, decode attention),
-and `from_pretrained` with `BitkernConfig(prepare=...)` returns a model whose `generate` tunes nothing."""
+and `from_pretrained` with `BitkernConfig(prepare=...)` returns a model whose `generate` tunes nothing; a Qwen3-MoE's
+experts get their grouped and dense kernels ready too."""
 
 import pytest
 import torch
@@ -74,6 +75,33 @@ def test_from_pretrained_with_prepare_returns_a_ready_model(caches, tiny_llama, 
     assert "prepare" not in model.config.quantization_config.to_dict()  # a loading option, not saved
     _forbid_building(monkeypatch)
     _generate(model.eval())
+
+
+def test_prepare_covers_the_experts_of_a_moe_model(caches, monkeypatch, caplog):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from bitkern.nn.prepare import prepare as prepare_model
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, vocab_size=128, tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    bitkern.quantize_model(model, "int8", group_size=32, skip=["lm_head"])
+    counts = (1, 2, 24)  # 1 and 2 tokens: the grouped kernels (at most 32 pairs of top-2); 24: the dense ones
+    report = bitkern.prepare(model, tokens=counts, progress=False, warmup=False)
+    # q/o and k/v at 3 buckets; the experts' dense gate/up and down at every bucket up to 24 rows (an expert's
+    # share of the prompt: 1, 2..4, 5..16, 17..128); the grouped gate/up at 1 and 2 rows, the grouped down at 2
+    # and 4 rows (a row a pair: one bucket)
+    assert report.kernels == 2 * 3 + 2 * 4 + 2 + 1, report
+    _forbid_building(monkeypatch)
+    with torch.inference_mode():
+        for count in counts:
+            model(input_ids=torch.randint(0, config.vocab_size, (1, count)))
+    with caplog.at_level("INFO", logger="bitkern"):
+        unknown = prepare_model(model, counts, progress=False)
+    assert unknown.kernels == 2 * 3 + 2 * 4 and unknown.built == 0
+    assert "model.layers.0.mlp.experts (grouped kernels: top_k unknown)" in caplog.text
 
 
 def test_prepare_in_the_config_is_checked_before_loading():
