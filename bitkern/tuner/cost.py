@@ -59,9 +59,10 @@ CPU_CYCLES = {
     "lookup_word_row": 12,  # per word and row of x: 7 shifts, 8 vpermps, 8 adds on two ports (measured 12-14 at M=1)
     "lookup_table_entry": 4,  # per 16-entry table a thread builds
     "l2_byte": 1 / 32,  # per byte re-read from L2 (32 bytes per cycle)
-    # FMA decode (few rows), per 64 bytes: a vector of codes masked in place and converted on two ports; per row, a
-    # broadcast of x and one multiply-add (estimated)
-    "convert_code_vector": 1.0, "fma_code_row": 0.75,
+    # FMA decode (few rows), per 64 bytes: a vector of codes masked in place and converted on two ports; per row, one
+    # multiply-add, and a broadcast of x per row and task (shared by its n_tiles tiles: on Zen 5 the grouped int4
+    # projections took 0.8x the time with 2 tiles a task as with 1, measured)
+    "convert_code_vector": 1.0, "fma_code_row": 0.5, "fma_broadcast_row": 0.25,
     # VNNI (activation_quant="int8"): vpdpbusd one per cycle; beside them, per byte position of a word and row block,
     # its shift, mask and the word's load; per row, tile and 32-k block, the int32 sums converted, scaled and added;
     # per group the offset term; per activation broadcast a load; per x element quantized in the prologue (estimated)

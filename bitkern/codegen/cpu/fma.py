@@ -127,8 +127,8 @@ class FmaTemplate(LutTemplate):
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: FmaConfig, device) -> Work:
         """Per call: every 16-lane vector of codes decoded once, or once per row block (a mask and a convert; a
-        shift and a lookup, LOOKUP_256 times that with 256-bit vectors), and multiplied in per row; with 256-bit
-        vectors each counts twice."""
+        shift and a lookup, LOOKUP_256 times that with 256-bit vectors), and multiplied in per row, x broadcast per row
+        and task; with 256-bit vectors each counts twice."""
         bits = get(spec.weight_dtype).bits
         vectors = -(-n // AMX_TILE_ROWS) * padded_k(k, bits)
         widths = 64 // device.vector_bytes
@@ -136,7 +136,7 @@ class FmaTemplate(LutTemplate):
         blocks = -(-m // config.rows) if config.rows else 1
         decode = LOOKUP_256 if looks_up(spec) and device.vector_bytes < 64 else 1
         operations = {"convert_code_vector": vectors * blocks * widths * decode, "fma_code_row": vectors * m * widths,
-                      **norm_prologue(spec, m, k, min(device.cores, tasks))}
+                      "fma_broadcast_row": vectors * m * widths // config.n_tiles, **norm_prologue(spec, m, k, min(device.cores, tasks))}
         return Work(tasks, operand_bytes(spec, n, k, m), operations, streams=config.n_tiles, prefetch=config.prefetch)
 
     def emit(self, spec: Matmul, n: int, k: int, config: FmaConfig, bucket, device):

@@ -76,7 +76,8 @@ class GroupedFmaTemplate(FmaTemplate):
         tasks = selected * -(-(n // AMX_TILE_ROWS) // config.n_tiles)
         decode = LOOKUP_256 if looks_up(spec) and device.vector_bytes < 64 else 1
         operations = {"convert_code_vector": vectors * -(-per_expert // FEW_ROWS) * widths * decode,
-                      "fma_code_row": vectors * per_expert * widths}
+                      "fma_code_row": vectors * per_expert * widths,
+                      "fma_broadcast_row": vectors * per_expert * widths // config.n_tiles}
         dram = selected * operand_bytes(spec, n, k, 0) + pairs * (k + n) * 4
         return Work(tasks, dram, operations, streams=config.n_tiles, prefetch=config.prefetch)
 

@@ -154,6 +154,20 @@ def test_the_tuner_times_candidates_on_experts_it_has_not_read_before():
     assert tuned.record.profiled and tuned.kernel.template == "grouped_fma"
 
 
+def test_the_model_ranks_two_tiles_a_task_first_at_decode():
+    """x's broadcast serves a task's n_tiles tiles: at a MoE decode step's shapes (64 experts of 768, hidden 2048,
+    top-8) the model's best configuration takes more than 1 tile a task, as timing on Zen 5 does (4 tiles, which
+    AVX-512's registers hold: 0.6-0.7x the time of 1)."""
+    from bitkern.tuner.cost import estimate
+
+    cpu = host_cpu()
+    for (n, k), m, top_k in (((1536, 2048), 1, 8), ((2048, 768), 8, 1)):
+        spec = GroupedMatmul("int4", "float32", group_size=128, experts=64, top_k=top_k)
+        configs = TEMPLATE.configs(spec, n, k, (m, m), cpu, None)
+        best = min(configs, key=lambda config: estimate("grouped_fma", config, spec, n, k, m, cpu).seconds)
+        assert best.n_tiles > 1, (n, k, best)
+
+
 AVX512 = [level for level in LEVELS if isa.level(level).vector_bytes == 64]
 
 
