@@ -1,8 +1,8 @@
 """bitkern through transformers on a Llama-style model (hidden 2048, MLP 5632, 8 layers, vocabulary 32000,
 random weights, a bfloat16 checkpoint of 1.1 GB), each measurement in a fresh process:
 
-- `hf_load`: `from_pretrained` of the float checkpoint (bfloat16), of it quantized on load to int4 (group 128),
-  and of the int4 checkpoint `save_pretrained` wrote: seconds, and the process's memory above what it held
+- `hf_load`: `from_pretrained` of the float checkpoint (bfloat16), of it quantized on load to int4 (group 128)
+  by round-to-nearest and by method="hqq", and of the int4 checkpoint `save_pretrained` wrote: seconds, and the process's memory above what it held
   before loading (sampled every millisecond), at its peak and after loading, against the checkpoint's size:
   anonymous memory (RssAnon, the process's own) and all resident memory (VmRSS, with the pages of the mapped
   checkpoint; transformers maps the files and a float model keeps its weights in the mapped pages), in the
@@ -47,6 +47,7 @@ def test_load_memory_and_time(checkpoints, record, wait_policy):
     checkpoint_bytes = sum(f.stat().st_size for f in checkpoints["bfloat16"].glob("*.safetensors"))
     cases = {"float (bfloat16)": (checkpoints["bfloat16"], None),
              "int4 quantized on load": (checkpoints["bfloat16"], QUANTIZATION),
+             "int4 method=\"hqq\" quantized on load": (checkpoints["bfloat16"], {**QUANTIZATION, "method": "hqq"}),
              "int4 pre-quantized": (checkpoints["int4"], None)}
     for name, (path, quantization) in cases.items():
         result = _worker({"task": "load", "path": str(path), "quantization": quantization}, environment)
