@@ -647,8 +647,7 @@ def _affine_error(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     """Σ (w − (q − z)·s)² of each group for stored float zeros z and scales s, q the codes they round w to
     (infinite where the scale is not positive and finite)."""
     scale, zero = scales.float(), zeros.float().unsqueeze(-1)
-    codes = torch.round(groups / _nonzero(scale).unsqueeze(-1) + zero).clamp_(0, top)
-    residual = codes.sub_(zero).mul_(scale.unsqueeze(-1)).sub_(groups)
+    residual = _float_zero_codes(groups, scales, zeros, top).sub_(zero).mul_(scale.unsqueeze(-1)).sub_(groups)
     error = torch.linalg.vecdot(residual, residual)
     return error.masked_fill_(~(torch.isfinite(error) & (scale > 0)), math.inf)
 
@@ -657,13 +656,19 @@ def _refit_affine(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     """The scale and float zero of the least-squares line w ≈ s·q − s·z through each group's codes q (those
     `scales` and `zeros` round it to), stored in their dtypes; a group whose codes are all equal gets an
     infinite scale, which `_affine_error` rejects."""
-    codes = torch.round(groups / _nonzero(scales.float()).unsqueeze(-1) + zeros.float().unsqueeze(-1)).clamp_(0, top)
+    codes = _float_zero_codes(groups, scales, zeros, top)
     mean_codes, mean_weights = codes.mean(-1), groups.mean(-1)
     centred = codes.sub_(mean_codes.unsqueeze(-1))
     scale = torch.linalg.vecdot(centred, groups) / torch.linalg.vecdot(centred, centred)
     stored = scale.to(scales.dtype)
     zero = mean_codes - mean_weights / stored.float()
     return stored, zero.to(zeros.dtype)
+
+
+def _float_zero_codes(groups: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, top: int) -> torch.Tensor:
+    """The codes (float32) that stored float zeros and scales round each group's weights to: w / s + z, rounded and
+    clamped to 0..top, as `_Rounding` does for zero_mode "hqq"."""
+    return torch.round(groups / _nonzero(scales.float()).unsqueeze(-1) + zeros.float().unsqueeze(-1)).clamp_(0, top)
 
 
 def _search_block_scale(ttype: TType, groups: torch.Tensor, codes: torch.Tensor, tensor_scale):
