@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..nn import Linear, library
-from ..nn.prepare import KernelCall
+from ..nn.kernel_call import KernelCall
 from .stack import stacked_layer
 
 

@@ -32,7 +32,7 @@ from ..ops.grouped import STACK_ROWS
 from ..ops.matmul import ACTIVATION_QUANTS
 from ..ttype import Layout, QuantizedWeight, WeightFormat
 from . import library
-from .prepare import ALL_TOKENS, KernelCall
+from .kernel_call import ALL_TOKENS, KernelCall
 from .storage import WEIGHT_BUFFERS, QuantizedModule, check_positive
 
 log = logging.getLogger("bitkern")

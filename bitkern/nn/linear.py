@@ -9,7 +9,7 @@ from ..codegen import pack
 from ..ops.matmul import ACTIVATION_QUANTS
 from ..ttype import QuantizedWeight
 from . import library
-from .prepare import KernelCall
+from .kernel_call import KernelCall
 from .storage import QuantizedModule, check_positive
 
 

@@ -25,39 +25,13 @@ from tqdm import tqdm
 from ..cache.attention import prepare_attention
 from ..cache.dispatch import device_of
 from ..cache.lookup import prepare_kernel
-from ..ops.matmul import Matmul
 from ..ttype import dtype_name
-from ..tuner.buckets import M_BUCKETS, m_bucket
+from .experts import Experts
+from .kernel_call import KernelCall
 from .library import FLOAT_DTYPES
 from .storage import QuantizedModule, check_float_dtype
 
 log = logging.getLogger("bitkern")
-
-ALL_TOKENS = (1, 2**31 - 1)  # a KernelCall's token counts where any forward runs it
-
-
-@dataclass(frozen=True)
-class KernelCall:
-    """One matmul kernel a module calls: its spec, the weight's N and K, the weight's layout and device; a forward
-    over t tokens, for t within `tokens` (inclusive bounds), runs it at t·`rows_per_token` rows, or at any count of
-    rows up to that where `up_to` (an expert's share of a prompt's rows)."""
-
-    spec: Matmul
-    n: int
-    k: int
-    layout: str
-    device: torch.device
-    tokens: tuple[int, int] = ALL_TOKENS
-    rows_per_token: int = 1
-    up_to: bool = False
-
-    def rows(self, counts: tuple[int, ...]) -> list[int]:
-        """One row count per M bucket that forwards over `counts` tokens run this kernel at."""
-        rows = [t * self.rows_per_token for t in counts if self.tokens[0] <= t <= self.tokens[1]]
-        if self.up_to and rows:
-            rows = [low for low, _ in M_BUCKETS if low <= max(rows)]
-        return list({m_bucket(m): m for m in rows}.values())
-
 
 @dataclass(frozen=True)
 class PrepareReport:
@@ -119,8 +93,6 @@ def kernel_calls(model: nn.Module, dtype: torch.dtype, top_k: int | None = None
     """(the distinct kernels a forward of `model` with inputs of `dtype` and `top_k` experts a token (mixture of
     experts; None: unknown) calls, in the order met; the names of the bitkern modules whose kernels are not listed,
     such as convolutions, and experts layers' grouped kernels where top_k is unknown)."""
-    from .experts import Experts  # experts.py lists its calls as KernelCalls of this module
-
     calls, unlisted = {}, []
 
     def visit(name: str, module: nn.Module) -> None:
