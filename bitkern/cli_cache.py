@@ -72,7 +72,7 @@ def _store(args: argparse.Namespace):
 
 
 def _prebuild(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .cache.prebuild import kernel_requests, parse_shapes, prebuild, prebuild_requests, shapes_from_config
+    from .cache.prebuild import parse_shapes, prebuild, prebuild_requests, shapes_from_config
     from .nn.prepare import check_tokens
 
     if args.system and os.geteuid() != 0:
@@ -89,12 +89,14 @@ def _prebuild(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      f"length), e.g. 1,16,128")
     try:
         if args.model:
-            from .integration.hf.prebuild import model_kernels
+            from .integration.hf.prebuild import model_requests
+            from .ops.grouped import GroupedMatmul
 
-            requests = kernel_requests(model_kernels(args.model, _settings(args, parser), args.activation), rows,
-                                       args.target)
+            requests = model_requests(args.model, rows, args.target, _settings(args, parser), args.activation)
             for spec, n, k in dict.fromkeys((r.spec, r.n, r.k) for r in requests):
-                print(f"  {n:>6} x {k:<6} {spec.weight_dtype} (group {spec.group_size}) x {spec.activation_dtype}")
+                grouped = f", {spec.experts} experts, top {spec.top_k}" if isinstance(spec, GroupedMatmul) else ""
+                print(f"  {n:>6} x {k:<6} {spec.weight_dtype} (group {spec.group_size}{grouped}) x "
+                      f"{spec.activation_dtype}")
             report = prebuild_requests(requests, store, description=f"prebuild {args.model} for {args.target}")
         else:
             shapes = shapes_from_config(args.config) if args.config else parse_shapes(args.shapes)

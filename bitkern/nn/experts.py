@@ -252,8 +252,10 @@ class ExpertWeights(QuantizedModule):
     def routes(self, x: torch.Tensor) -> bool:
         """Whether the grouped kernel serves this projection for rows like x (a CPU tensor in float, no activation
         quantization, a type without a tensor scale, out_features a multiple of 16, in tile16, and a template for
-        them on this CPU)."""
-        if not x.is_cpu or self._activation_quant != "none" or self.layout != Layout.TILE16 or \
+        them on this CPU).  A meta projection (no weights yet: what `prebuild --model` lists) is judged in tile16,
+        the layout its weights take on a CPU."""
+        tile16 = self.layout == Layout.TILE16 or self.qweight.is_meta
+        if not x.is_cpu or self._activation_quant != "none" or not tile16 or \
                 ttype.get(self.weight_dtype).tensor_scale or self.out_features % STACK_ROWS:
             return False
         return _grouped_kernel_serves(self._stacked_format(), self._compute_dtype or x.dtype, x.dtype,

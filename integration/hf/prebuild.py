@@ -2,27 +2,51 @@
 `python -m bitkern prebuild --model PATH`: the model is built from its config.json on the meta device and its
 nn.Linear layers are replaced as `from_pretrained` with a `BitkernConfig` replaces them, after the checkpoint's own
 quantization_config (a checkpoint `save_pretrained` wrote) or, for a float checkpoint, the settings it will be
-served with.  A GPTQ, AWQ or bitsandbytes checkpoint is loaded (`bitkern.load_pretrained`): its layers' settings
-come from its tensors.
+served with, and its experts modules (mixture of experts) by empty `bitkern.Experts`.  A GPTQ, AWQ or bitsandbytes
+checkpoint is loaded (`bitkern.load_pretrained`): its layers' settings come from its tensors.  The kernels are those
+`bitkern.prepare` makes ready (`kernel_calls`), experts' grouped ones for the config's num_experts_per_tok.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModel
 
+from ...cache.prebuild import Request, kernel_requests
+from ...nn.experts import Experts
+from ...nn.kernel_call import KernelCall
 from ...nn.prepare import input_dtype, kernel_calls
+from ...ops.grouped import GroupedMatmul
+from ...ttype import Layout
+from ...tuner.buckets import m_bucket
+from ...tuner.device import device_for
+from ...tuner.space import usable_templates
 from .config import METHOD, BitkernConfig
 from .quantizer import _plan, _replace, kept_modules
 
+log = logging.getLogger("bitkern")
 
-def model_kernels(path, settings: BitkernConfig | None = None, dtype=None) -> list[tuple]:
-    """(Matmul spec, N, K) of every distinct kernel a forward of the model in directory `path` calls with inputs of
-    `dtype` (default: the checkpoint's dtype).  settings: the BitkernConfig a float checkpoint will be loaded with
-    (ValueError where it is missing for a float checkpoint, or given for a quantized one)."""
+
+def model_requests(path, tokens: tuple[int, ...], target: str = "cpu", settings: BitkernConfig | None = None,
+                   dtype=None) -> list[Request]:
+    """The prebuild requests of every kernel a forward over each count of `tokens` of the model in directory `path`
+    runs on `target`, each at the M buckets it runs at (see `model_kernels` for `settings` and `dtype`)."""
+    calls = model_kernels(path, settings, dtype, target)
+    return list(dict.fromkeys(request for call in calls for request in
+                              kernel_requests([(call.spec, call.n, call.k)], call.rows(tokens), target)))
+
+
+def model_kernels(path, settings: BitkernConfig | None = None, dtype=None, target: str = "cpu") -> list[KernelCall]:
+    """The distinct kernels a forward of the model in directory `path` calls on `target` with inputs of `dtype`
+    (default: the checkpoint's dtype), with the token counts they run at.  settings: the BitkernConfig a float
+    checkpoint will be loaded with (ValueError where it is missing for a float checkpoint, or given for a quantized
+    one).  Experts layers' grouped kernels are listed for the config's num_experts_per_tok where `target` has them;
+    elsewhere their dense kernels serve every token count (as the experts run there)."""
     path = os.fspath(path)
     config = AutoConfig.from_pretrained(path)
     stored = getattr(config, "quantization_config", None)
@@ -40,8 +64,17 @@ def model_kernels(path, settings: BitkernConfig | None = None, dtype=None) -> li
         model = load_pretrained(path, dtype=dtype)
     else:
         model = _meta_model(config, settings or BitkernConfig.from_dict(dict(stored)))
-    calls, _ = kernel_calls(model, input_dtype(model, dtype))
-    return list(dict.fromkeys((call.spec, call.n, call.k) for call in calls))
+    dtype = input_dtype(model, dtype)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    calls, unlisted = kernel_calls(model, dtype, top_k)
+    grouped = [call for call in calls if isinstance(call.spec, GroupedMatmul)]
+    if grouped and not _runs_grouped(grouped, device_for(target)):
+        log.info("bitkern prebuild: %s runs the experts of %s through their dense kernels at every token count (no "
+                 "grouped kernels there)", target, path)
+        calls, _ = kernel_calls(model, dtype)
+    if unlisted:
+        log.warning("bitkern prebuild: not prebuilt, so tuned on their first call: %s", ", ".join(unlisted))
+    return calls
 
 
 def _meta_model(config, settings: BitkernConfig):
@@ -52,8 +85,18 @@ def _meta_model(config, settings: BitkernConfig):
                          if hasattr(transformers, name)), None)
     with torch.device("meta"):
         model = architecture._from_config(config) if architecture is not None else AutoModel.from_config(config)
-    linears, _ = _plan(model, settings, kept_modules(model))  # experts modules: not prebuilt yet
+    linears, experts = _plan(model, settings, kept_modules(model))
     for name, layer_settings in linears.items():
         module = model.get_submodule(name)
         _replace(model, name, layer_settings.layer(module.in_features, module.out_features, module.bias is not None))
+    for name, parameters in experts.items():
+        _replace(model, name, Experts.empty_like(model.get_submodule(name),
+                                                 lambda parameter: dataclasses.asdict(parameters[parameter])))
     return model
+
+
+def _runs_grouped(grouped: list[KernelCall], device) -> bool:
+    """Whether experts run these grouped kernels on `device` (the experts listed them by this CPU's templates): a
+    CPU with a template for each, reading them in tile16 as every CPU template does."""
+    return device.kind == "cpu" and all(usable_templates(call.spec, call.n, call.k, m_bucket(1), Layout.TILE16,
+                                                         device)[0] for call in grouped)
