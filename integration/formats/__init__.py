@@ -7,11 +7,12 @@ permutation of act-order layers, the bias); `ImportedLinear.to_module()` makes t
 gpt-oss's MXFP4 experts (quant_method "mxfp4") become an `ImportedExperts` per experts module (one mxfp4
 `QuantizedWeight` per expert and projection, the checkpoint's bytes as they are, and the biases);
 `ImportedExperts.to_module(float_experts)` makes the `bitkern.Experts`.  Mixture-of-experts checkpoints that store one
-linear layer per expert and projection (GPTQModel's GPTQ of Qwen3-MoE and Mixtral) become an `ImportedExperts` per
-experts module too (`expert_linears`).
+linear layer per expert and projection (GPTQModel's GPTQ of Qwen3-MoE and Mixtral; AutoGPTQ's of Mixtral under
+transformers 4, whose names transformers' conversion mapping renames: `checkpoint_names`) become an `ImportedExperts`
+per experts module too (`expert_linears`).
 
 Entry points: `convert_module(tensors, prefix, quantization_config)` (one module),
-`convert_state_dict(state_dict, quantization_config)` (a whole checkpoint: modules and the float rest),
+`convert_state_dict(state_dict, quantization_config, model_type)` (a whole checkpoint: modules and the float rest),
 `quantized_modules(keys, quantization_config)` (which modules a checkpoint holds quantized),
 `import_checkpoint(path)` (a checkpoint directory), `save_gptq(model, path)` / `export_gptq(layer)` (GPTQ out).
 """
@@ -28,7 +29,7 @@ def import_checkpoint(path) -> tuple[dict, dict, dict]:
     config = read_config(path)
     if "quantization_config" not in config:
         raise FormatError(f"{path}/config.json has no quantization_config: not a quantized checkpoint")
-    modules, rest = convert_state_dict(read_tensors(path), config["quantization_config"])
+    modules, rest = convert_state_dict(read_tensors(path), config["quantization_config"], config.get("model_type"))
     return config, modules, rest
 
 

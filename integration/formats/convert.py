@@ -1,12 +1,14 @@
 """A checkpoint's state dict in any supported format -> bitkern layers (one `ImportedLinear` per quantized linear
 module, one `ImportedExperts` per quantized experts module: gpt-oss's MXFP4 ones, and those stored as one linear layer
-per expert and projection, as GPTQModel writes Qwen3-MoE and Mixtral) plus the float tensors that stay as they are.
+per expert and projection, as GPTQModel writes Qwen3-MoE and Mixtral, or AutoGPTQ wrote Mixtral under transformers 4)
+plus the float tensors that stay as they are.
 Every module is converted and checked before anything is returned, so a bad tensor anywhere fails the whole import
 and nothing is half-loaded."""
 
 from __future__ import annotations
 
 from . import awq, bnb, gptq, mxfp4
+from .checkpoint_names import checkpoint_names
 from .expert_linears import gather_experts
 from .imported import FormatError, ImportedExperts, ImportedLinear
 
@@ -33,19 +35,21 @@ def convert_module(tensors: dict, prefix: str, quantization_config) -> ImportedL
     return form.convert(tensors, prefix, settings)
 
 
-def convert_state_dict(state_dict: dict, quantization_config) -> tuple[dict, dict]:
+def convert_state_dict(state_dict: dict, quantization_config, model_type: str | None = None) -> tuple[dict, dict]:
     """({module name: ImportedLinear or ImportedExperts}, {key: tensor} of everything else) for a checkpoint's whole
-    state dict; `state_dict` itself is not changed."""
+    state dict, named as the transformers 5 model of `model_type` (config.json's) names them: an older checkpoint's
+    names are renamed as transformers renames them (`checkpoint_names`); `state_dict` itself is not changed."""
     form, settings = quantization_settings(quantization_config)
     prefixes = module_prefixes(form, state_dict)
     if not prefixes:
         raise FormatError(f"the checkpoint holds no {form.QUANT_METHOD} tensors (looked for keys ending in "
                           f"{', '.join(form.TENSORS)})")
+    names = checkpoint_names(model_type)
     modules = gather_experts({prefix[:-1]: form.convert(state_dict, prefix, settings) for prefix in prefixes},
-                             form.TENSORS[0])
+                             form.TENSORS[0], names)
     owned = {prefix + name for prefix in prefixes for name in (*form.OWNED, "bias")}
-    rest = {key: value for key, value in state_dict.items() if key not in owned}
-    return modules, rest
+    rest = {names.rename(key): value for key, value in state_dict.items() if key not in owned}
+    return {names.rename(name): module for name, module in modules.items()}, rest
 
 
 def quantized_modules(keys, quantization_config) -> list[str]:

@@ -9,6 +9,10 @@ as the gate's rows then the up's (the halves the model's `_apply_gate` splits) a
 [hidden, intermediate]; rows stack exactly (codes, scales and zeros are per row), so the dequantized weights stay the
 checkpoint's own, bit for bit.
 
+Checkpoints of transformers 4 name the layers otherwise (Mixtral's `P.e.w1`, `w3`, `w2`); transformers' own
+conversion mapping for the model type says which is which (`checkpoint_names`), and errors name the tensors as the
+checkpoint does.
+
 Act-order layers (each expert's input columns in an order of its own) are refused: bitkern's grouped kernels read
 every expert's input in one order.
 """
@@ -21,36 +25,40 @@ import torch
 
 from bitkern.ttype import QuantizedWeight
 
+from .checkpoint_names import STACKED, CheckpointNames
 from .imported import FormatError, ImportedExperts, ImportedLinear
 
-EXPERT_LINEAR = re.compile(r"(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)")
-# bitkern's projection -> the expert linear layers it stacks by rows, in order
-STACKED = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+EXPERT_LINEAR = re.compile(r"(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<layer>\w+)")
 
 
-def experts_of(names) -> dict[str, dict[tuple[int, str], str]]:
-    """{experts module: {(expert, projection): linear layer name}} of the expert linear layers among module `names`."""
+def experts_of(names, checkpoint_names: CheckpointNames = CheckpointNames()) -> dict[str, dict[tuple[int, str], str]]:
+    """{experts module: {(expert, gate_proj / up_proj / down_proj): linear layer name}} of the expert linear layers
+    among module `names` (named as `checkpoint_names` says)."""
     found = {}
     for name in names:
         match = EXPERT_LINEAR.fullmatch(name)
-        if match:
-            found.setdefault(match["module"], {})[int(match["expert"]), match["projection"]] = name
+        layer = checkpoint_names.expert_layer(match["layer"]) if match else None
+        if layer in STACKED["gate_up"] + STACKED["down"]:
+            found.setdefault(match["module"], {})[int(match["expert"]), layer] = name
     return found
 
 
-def gather_experts(modules: dict, first_tensor: str) -> dict:
+def gather_experts(modules: dict, first_tensor: str, checkpoint_names: CheckpointNames = CheckpointNames()) -> dict:
     """`modules` ({name: ImportedLinear or ImportedExperts}) with each experts module's expert linear layers replaced
     by one ImportedExperts under the experts module's name; `first_tensor` (e.g. "qweight") names a layer's tensors
-    in errors."""
+    in errors; `checkpoint_names`: how the checkpoint names the layers."""
     gathered = dict(modules)
-    for module, layers in experts_of(modules).items():
+    for module, layers in experts_of(modules, checkpoint_names).items():
         experts = 1 + max(expert for expert, _ in layers)
+        stored = {layer: name.rpartition(".")[2] for (_, layer), name in layers.items()}
         for expert in range(experts):
             for projection in STACKED["gate_up"] + STACKED["down"]:
                 if (expert, projection) not in layers:
-                    raise FormatError(f"tensor {f'{module}.{expert}.{projection}.{first_tensor}'!r} is missing from "
-                                      f"the checkpoint: experts module {module!r} holds {experts} experts quantized, "
-                                      f"each needs gate_proj, up_proj and down_proj")
+                    tensor = f"{module}.{expert}.{stored.get(projection, projection)}.{first_tensor}"
+                    raise FormatError(f"tensor {tensor!r} is missing from the checkpoint: experts module {module!r} "
+                                      f"holds {experts} experts quantized, each needs "
+                                      f"{', '.join(stored.get(layer, layer) for layer in STACKED['gate_up'])} and "
+                                      f"{stored.get('down_proj', 'down_proj')}")
         weights, biases = {}, {}
         for name, projections in STACKED.items():
             stacked = [_stack([(layers[expert, p], gathered.pop(layers[expert, p])) for p in projections], first_tensor)

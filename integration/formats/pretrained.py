@@ -42,7 +42,8 @@ def load_pretrained(path, **from_pretrained_kwargs):
         dtype = getattr(torch, dtype, dtype)
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype={dtype!r} is not supported; accepted: torch.float32, torch.float16, torch.bfloat16")
-    quantization_config = read_config(path).get("quantization_config")
+    config = read_config(path)
+    quantization_config = config.get("quantization_config")
     if (quantization_config or {}).get("quant_method") == "bitkern":
         model = _from_pretrained(path, dtype, from_pretrained_kwargs)
         if "compute_dtype" not in from_pretrained_kwargs:  # the compute dtypes the checkpoint's config gives
@@ -57,7 +58,7 @@ def load_pretrained(path, **from_pretrained_kwargs):
     if quantization_config is None:
         raise FormatError(f"{path}/config.json has no quantization_config and its weights are not bitkern's: "
                           f"not a quantized checkpoint (load it with transformers, then bitkern.quantize_model)")
-    modules, rest = convert_state_dict(read_tensors(path), quantization_config)
+    modules, rest = convert_state_dict(read_tensors(path), quantization_config, config.get("model_type"))
     model = _build(path, dtype, from_pretrained_kwargs)
     _replace_modules(model, modules, dtype)
     _assign(model, rest, dtype)

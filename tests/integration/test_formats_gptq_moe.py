@@ -1,5 +1,7 @@
 """`bitkern.load_pretrained` of GPTQ mixture-of-experts checkpoints as GPTQModel writes them: one GPTQ linear layer per
-expert and projection (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.{qweight,qzeros,scales,g_idx}`).
+expert and projection (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.{qweight,qzeros,scales,g_idx}`); and Mixtral
+ones of transformers 4 (AutoGPTQ: `model.layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.*`), here the GPTQModel
+Mixtral fixture with its tensors renamed so (the bytes are GPTQModel's), the names as transformers itself writes them.
 
 The fixtures (tests/fixtures/formats_moe, made by tools/format_fixtures/make_gptq_moe.py with gptqmodel 7.6.0 itself)
 are tiny random Qwen3-MoE and Mixtral models (2 layers, hidden 64, 4 experts of 64, top-2) quantized by GPTQModel to
@@ -235,3 +237,99 @@ def test_an_imported_model_saved_by_bitkern_loads_back_bitwise(loaded, tmp_path)
     again = reload_bitwise(model, _path(FIXTURES[1]), tmp_path)
     assert isinstance(again.model.layers[0].mlp.experts, bitkern.Experts)
     assert torch.equal(_logits(again, SHORT), _logits(model, SHORT))
+
+
+# Mixtral GPTQ checkpoints of transformers 4 (AutoGPTQ, e.g. TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ) name the MoE
+# block "block_sparse_moe" and each expert's linear layers w1 (gate), w3 (up) and w2 (down), as transformers 4's
+# MixtralBlockSparseTop2MLP did; transformers 5 renames them on load (its conversion mapping for "mixtral").
+OLD_LAYOUT = {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
+
+
+def _old_name(key: str) -> str:
+    for new, old in OLD_LAYOUT.items():
+        key = key.replace(new, old)
+    return key
+
+
+def test_the_old_layout_is_what_transformers_writes_for_mixtral(tmp_path):
+    """transformers 5 saves a Mixtral in the transformers 4 layout (its conversion mapping reversed): w1 and w3 are
+    the halves of gate_up_proj (gate, up), w2 is down_proj, the router is block_sparse_moe.gate; OLD_LAYOUT agrees."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=4,
+                                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                             vocab_size=128))
+    model.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    experts = model.model.layers[0].mlp.experts
+    assert not experts.is_transposed
+    for e in range(4):
+        layers = {key: stored[_old_name(f"model.layers.0.mlp.experts.{e}.{key}.weight")]
+                  for key in ("gate_proj", "up_proj", "down_proj")}
+        assert torch.equal(torch.cat([layers["gate_proj"], layers["up_proj"]]), experts.gate_up_proj[e])
+        assert torch.equal(layers["down_proj"], experts.down_proj[e])
+    assert torch.equal(stored[_old_name("model.layers.0.mlp.gate.weight")], model.model.layers[0].mlp.gate.weight)
+
+
+@pytest.fixture(scope="module")
+def old_mixtral(tmp_path_factory):
+    """The GPTQModel-made Mixtral fixture with its tensors renamed to the transformers 4 layout (bytes unchanged)."""
+    folder = tmp_path_factory.mktemp("old-mixtral")
+    for name in ("config.json", "quantize_config.json"):
+        shutil.copy(os.path.join(_path(FIXTURES[1]), name), folder / name)
+    tensors = load_file(os.path.join(_path(FIXTURES[1]), "model.safetensors"))
+    renamed = {_old_name(key): value for key, value in tensors.items()}
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.qzeros" in renamed  # every expert and router tensor moved
+    assert "model.layers.0.block_sparse_moe.gate.weight" in renamed and not any(".mlp." in key for key in renamed)
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_old_mixtral_names_load_as_the_same_experts_bit_for_bit_and_generate_the_same_tokens(old_mixtral, loaded):
+    name = FIXTURES[1]
+    model, reference = bitkern.load_pretrained(old_mixtral, dtype=torch.float32), _reference(name)
+    stored = load_file(old_mixtral / "model.safetensors")
+    for layer in range(LAYERS):
+        module_name = f"model.layers.{layer}.mlp.experts"
+        experts = model.get_submodule(module_name)
+        assert isinstance(experts, bitkern.Experts), module_name
+        intermediate = experts.projections["down"].in_features
+        gate_up = experts.projections["gate_up"].dequantize_weight(torch.float16)
+        down = experts.projections["down"].dequantize_weight(torch.float16)
+        for e in range(EXPERTS):
+            for weight, key in ((gate_up[e, :intermediate], "gate_proj"), (gate_up[e, intermediate:], "up_proj"),
+                                (down[e], "down_proj")):
+                assert torch.equal(_bits(weight), _bits(reference[f"{module_name}.{e}.{key}"])), (module_name, e, key)
+        router = model.get_submodule(f"model.layers.{layer}.mlp.gate").weight
+        assert torch.equal(router, stored[f"model.layers.{layer}.block_sparse_moe.gate.weight"].float())
+    assert [n for n, m in model.named_modules() if type(m) is torch.nn.Linear] == ["lm_head"]
+    exact = _float_model(name, _own_weights(name))
+    assert _relative_error(_logits(model, LONG), _logits(exact, LONG)) < 1e-5
+    options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        tokens = exact.generate(SHORT, **options)
+        assert len(set(tokens[0, SHORT.shape[1]:].tolist())) > 1
+        assert torch.equal(model.generate(SHORT, **options), tokens)
+        assert torch.equal(loaded[name].generate(SHORT, **options), tokens)
+
+
+OLD_EXPERT = "model.layers.1.block_sparse_moe.experts.2."
+OLD_BAD = {
+    "an expert's up projection (w3) missing": (_drop(OLD_EXPERT + "w3."), OLD_EXPERT + "w3.qweight", "missing"),
+    "an expert's down projection (w2) scales in another dtype": (
+        _changed(OLD_EXPERT + "w2.scales", lambda t: t[OLD_EXPERT + "w2.scales"].to(torch.bfloat16)),
+        OLD_EXPERT + "w2.qweight", "share one format"),
+}
+
+
+@pytest.mark.parametrize("case", OLD_BAD)
+def test_bad_old_mixtral_experts_are_refused_naming_the_stored_tensor(case, old_mixtral, tmp_path, no_model):
+    change, tensor, what = OLD_BAD[case]
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(old_mixtral, folder)
+    save_file(change(load_file(folder / "model.safetensors")), folder / "model.safetensors", metadata={"format": "pt"})
+    before = _files(folder)
+    with pytest.raises(FormatError, match=re.escape(repr(tensor)) + ".*" + what):
+        bitkern.load_pretrained(folder)
+    assert _files(folder) == before
