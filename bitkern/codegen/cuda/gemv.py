@@ -157,7 +157,7 @@ class GemvTemplate(CudaTemplate):
         expr = cuda_matmul_expr(spec, n, k, config.rows)
         output = splitk.partial_sums(expr, config.split_k) if config.split_k > 1 else expr.output
         func = te.create_prim_func([*expr.inputs, output])
-        schedule = _Schedule(s_tir.Schedule(func.with_attr("global_symbol", "main")), spec, n, k, config, expr)
+        schedule = Schedule(s_tir.Schedule(func.with_attr("global_symbol", "main")), spec, n, k, config, expr)
         schedule.apply()
         funcs = {f"{prefix}gemv": schedule.sch.mod["main"].with_attr("global_symbol", "main")}
         if config.split_k > 1:
@@ -168,8 +168,11 @@ class GemvTemplate(CudaTemplate):
 TEMPLATE = GemvTemplate()
 
 
-class _Schedule:
-    """The schedule primitives of the template, step by step."""
+class Schedule:
+    """The schedule primitives of the template, step by step; metadata_scope: where the decode reads scales and zeros
+    (`intrin.decode_intrinsic`)."""
+
+    metadata_scope = "global"
 
     def __init__(self, sch, spec: Matmul, n: int, k: int, config: GemvConfig, expr):
         self.sch, self.spec, self.n, self.k, self.cfg, self.expr = sch, spec, n, k, config, expr
@@ -226,20 +229,25 @@ class _Schedule:
         _, vector = sch.split(sch.get_loops(cache)[-1], [None, lanes])
         sch.vectorize(vector)
 
+    def _weight_registers(self, wdec, k_step):
+        """The block that loads a thread's packed words of a k-step into registers (a local cache of qweight)."""
+        register = self.sch.cache_read(wdec, read_index(self.sch, wdec, "qweight"), "local")
+        self.sch.compute_at(register, k_step)
+        return register
+
     def _per_thread(self, partial, k_step) -> None:
         """Per k-step of a thread: one vectorized load of the packed words, LOP3 decode of each word."""
         sch, cfg = self.sch, self.cfg
         wdec = sch.get_sblock("wdec")
         sch.compute_at(wdec, k_step)
         sch.set_scope(wdec, 0, "local")
-        register = sch.cache_read(wdec, read_index(sch, wdec, "qweight"), "local")
-        sch.compute_at(register, k_step)
+        register = self._weight_registers(wdec, k_step)
         if cfg.words > 1:
             sch.vectorize(sch.get_loops(register)[-1])
         if cfg.decode == "lop3":
             word = sch.get_loops(wdec)[-1]
             _, lanes = sch.split(word, [None, self.per_word])
-            sch.tensorize(lanes, decode_intrinsic(self.expr.decoder))
+            sch.tensorize(lanes, decode_intrinsic(self.expr.decoder, self.metadata_scope))
             sch.annotate(k_step, "pragma_import_c", library([self.expr.decoder]))
         else:
             log.info("bitkern: CUDA GEMV decodes %s with plain TIR (decode='tir')", self.ttype.name)

@@ -126,13 +126,25 @@ def retyped(func, dtype: str):
     return tvm.script.from_source(text)
 
 
+METADATA_SCOPES = ("global", "local")
+
+
+def decode_intrinsic(decoder: Decoder, metadata_scope: str = "global") -> str:
+    """Register (once) and name the intrinsic decoding one word of `decoder`'s codes into C outputs; the word is in
+    registers, the scale and zero in `metadata_scope` (global: read where they are; local: gathered into registers
+    first, as the grouped GEMV does for each pair's expert)."""
+    if metadata_scope not in METADATA_SCOPES:
+        raise ValueError(f"metadata_scope={metadata_scope!r} is not known; accepted: {list(METADATA_SCOPES)}")
+    return _registered(decoder, metadata_scope)
+
+
 @functools.lru_cache(maxsize=None)
-def decode_intrinsic(decoder: Decoder) -> str:
-    """Register (once) and name the intrinsic decoding one word of `decoder`'s codes into C outputs."""
+def _registered(decoder: Decoder, metadata_scope: str) -> str:
     from tvm.s_tir import TensorIntrin
 
-    name = f"bitkern_{decoder.name}"
-    TensorIntrin.register(name, _decode_function(decoder, describe=True), _decode_function(decoder, describe=False))
+    name = f"bitkern_{decoder.name}" + ("" if metadata_scope == "global" else f"_{metadata_scope}")
+    TensorIntrin.register(name, _decode_function(decoder, True, metadata_scope),
+                          _decode_function(decoder, False, metadata_scope))
     return name
 
 
@@ -154,8 +166,9 @@ def _read_order(decoder: Decoder) -> list[str]:
     return [region.source.name for region in func.body.block.body.body.block.reads]
 
 
-def _decode_function(decoder: Decoder, describe: bool):
-    """The description (loop of `dequant` over the word's codes) or implementation (the C call)."""
+def _decode_function(decoder: Decoder, describe: bool, metadata_scope: str):
+    """The description (loop of `dequant` over the word's codes) or implementation (the C call), the scale and zero
+    read from `metadata_scope`."""
     from tvm import ir, sym, tirx
     from tvm.script.ir_builder import IRBuilder
     from tvm.script.ir_builder import tirx as T
@@ -178,7 +191,7 @@ def _decode_function(decoder: Decoder, describe: bool):
                 else:
                     dtype = "uint8" if role == "scale" and decoder.scale == "uint8" or \
                         role == "zero" and decoder.zero_mode != "hqq" else tvm_dtype(decoder.scale)
-                    buffers[role] = T.match_buffer(handles[role], (1,), dtype, offset_factor=1)
+                    buffers[role] = T.match_buffer(handles[role], (1,), dtype, scope=metadata_scope, offset_factor=1)
             element = (lambda role: buffers[role][0] if role in buffers else None)
             if describe:
                 everything = {"word": word, **buffers}

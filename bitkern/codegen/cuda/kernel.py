@@ -54,9 +54,12 @@ class CudaKernel:
         kernels; residual: [M, out_features] in the output type, for specs with one)."""
         self._check_call(x, weight)
         self._check_device(x.device)
-        y, calls = self.plan(x, weight, bias, residual)
-        module = self._module(x.device)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
+        return self.launch(x.device, *self.plan(x, weight, bias, residual))
+
+    def launch(self, device: torch.device, y: torch.Tensor, calls) -> torch.Tensor:
+        """Enqueue planned `calls` on torch's current stream of `device`; returns y."""
+        module = self._module(device)
+        stream = torch.cuda.current_stream(device).cuda_stream
         for call in calls:
             module.launch(call.name, call.grid, call.block, call.shared_bytes, stream, call.arguments,
                           call.static_shared_bytes)
@@ -67,10 +70,20 @@ class CudaKernel:
         """(y, [LaunchCall]): the output allocated on x's device and the launches that compute it, arguments
         packed (each call holds the tensors it points into); everything a call does but the driver calls (a dry
         run checks them against the cubin with host tensors, `launcher.check_launches`)."""
+        return self._plan(x, weight, bias, residual, {})
+
+    def output_rows(self, m: int) -> int:
+        """Rows of the [rows, out_features] output a call with M rows of x writes."""
+        return m
+
+    def _plan(self, x: torch.Tensor, weight: Lop3Weight, bias: torch.Tensor | None, residual: torch.Tensor | None,
+              extra: dict):
+        """`plan` with `extra` {name: tensor} arguments beside the weight's (a grouped kernel's routing)."""
         self._check_call(x, weight)
         m, device = x.shape[0], x.device
-        y = torch.empty(m, self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype), device=device)
-        tensors = {"x": x, "qweight": weight.qweight, "scales": weight.scales, "y": y}
+        y = torch.empty(self.output_rows(m), self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype),
+                        device=device)
+        tensors = {"x": x, "qweight": weight.qweight, "scales": weight.scales, "y": y, **extra}
         if weight.zeros is not None:
             tensors["zeros"] = weight.zeros
         if weight.tensor_scale is not None:
@@ -163,11 +176,12 @@ def kernel_from_files(files: dict[str, bytes]) -> CudaKernel:
     templates = {t.name: t for t in TEMPLATES}
     if template not in templates:
         raise ValueError(f"kernel.json describes a kernel of template {template!r}; accepted: {list(templates)}")
-    config = templates[template].config_from_dict(description["config"])
+    chosen = templates[template]
+    config = chosen.config_from_dict(description["config"])
     binary = Binary(description["arch"], cubin, ptx, description["registers"], description["spills"])
-    return CudaKernel(Matmul(**description["spec"]), description["n"], description["k"], template, config,
-                      description["arch"], tuple(description["m_range"]),
-                      source, [Launch.from_json(launch) for launch in description["launches"]], binary)
+    return chosen.kernel_class(chosen.spec_class(**description["spec"]), description["n"], description["k"], template,
+                               config, description["arch"], tuple(description["m_range"]),
+                               source, [Launch.from_json(launch) for launch in description["launches"]], binary)
 
 
 WARP = 32
@@ -219,6 +233,8 @@ class CudaTemplate(Template):
 
     target = "cuda"
     layouts = (Layout.LOP3,)
+    kernel_class = CudaKernel  # what `build` and `kernel_from_files` make
+    spec_class = Matmul  # the spec its kernels serve (kernel.json stores its fields)
     epilogues = EPILOGUES  # the expression's output stage (`ops.expr.output_stage`, via `expr.cuda_matmul_expr`)
     residual_add = True
 
@@ -272,7 +288,7 @@ class CudaTemplate(Template):
         for launch in ordered:
             log.debug("bitkern: %s for %s: %d registers, %d bytes dynamic shared memory", launch.name, arch,
                       binary.registers.get(launch.name, -1), launch.shared_bytes)
-        return CudaKernel(spec, n, k, self.name, config, arch, bucket, source, ordered, binary)
+        return self.kernel_class(spec, n, k, self.name, config, arch, bucket, source, ordered, binary)
 
 
 def weight_bytes(spec: Matmul, n_pad: int, k_pad: int) -> float:
