@@ -4,7 +4,8 @@
 attaches `run` to it (`bitkern.ops.execution.attach`), so `Matmul(...)(x, weight)` comes here: the inputs are
 checked (a few comparisons on the hot path, the full check otherwise), the kernel of (spec, N, K, M, layout,
 device) is found through `kernel_for`, and it runs on x's rows; a `GroupedMatmul`'s calls come to `run_grouped`.
-Inside `rehearsal(device)` the same calls, with host tensors, run as on a GPU up to the driver (a GPU kit's dry run).
+Inside `rehearsal(device)` the same calls (grouped ones too), with host tensors, run as on a GPU up to the driver (a GPU
+kit's dry run).
 """
 
 from __future__ import annotations
@@ -53,30 +54,34 @@ def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
 
 
 @functools.lru_cache(maxsize=None)
-def serves_grouped(spec, n: int, k: int) -> bool:
-    """Whether this CPU has a kernel template for the `GroupedMatmul` spec on experts' [N, K] weights (in tile16)."""
-    from ..tuner.device import host_cpu
+def serves_grouped(spec, n: int, k: int, device_type: str = "cpu") -> bool:
+    """Whether a kernel template serves the `GroupedMatmul` spec on experts' [N, K] weights on this machine's
+    `device_type` ("cpu": this CPU, in tile16; "cuda": the current GPU, in lop3)."""
+    from ..tuner.device import cuda_device, host_cpu
     from ..tuner.space import usable_templates
 
-    return bool(usable_templates(spec, n, k, m_bucket(1), Layout.TILE16, host_cpu())[0])
+    device = cuda_device() if device_type == "cuda" else host_cpu()
+    return bool(usable_templates(spec, n, k, m_bucket(1), layout_for(None, device.kind), device)[0])
 
 
 def run_grouped(spec, x: torch.Tensor, weight, indices: torch.Tensor, bias: torch.Tensor | None = None,
                 checked: bool = False) -> torch.Tensor:
-    """y = spec(x, weight, indices, bias) of a `bitkern.ops.GroupedMatmul` by its compiled kernel (host CPU; see
-    `GroupedMatmul.__call__`); `checked`: the caller has already checked the inputs (`GroupedMatmul.check_routed`)."""
+    """y = spec(x, weight, indices, bias) of a `bitkern.ops.GroupedMatmul` by its compiled kernel (on x's device: the
+    host CPU or a CUDA GPU; see `GroupedMatmul.__call__`); `checked`: the caller has already checked the inputs
+    (`GroupedMatmul.check_routed`)."""
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                         f"got {type(weight).__name__}")
+    rehearsing = _rehearsal.get()
+    if rehearsing is not None:
+        return _rehearse_grouped(spec, x, weight, indices, bias, *rehearsing)
     if not checked:
         spec.check_routed(x, weight, indices, bias)
-    if not x.is_cpu:
-        raise NotImplementedError(f"grouped kernels run on CPU tensors (x is on {x.device})")
     rows, k = weight.shape
     n = rows // spec.experts
     if x.shape[0] == 0:
         return torch.empty((0, spec.top_k, n), dtype=torch_dtype(spec.output_dtype), device=x.device)
-    kernel = kernel_for(spec, n, k, x.shape[0], weight.layout)
+    kernel = kernel_for(spec, n, k, x.shape[0], weight.layout, device_of(x))
     return kernel(x if x.is_contiguous() else x.contiguous(), weight, bias, indices=indices)
 
 
@@ -113,6 +118,24 @@ def _rehearse(spec, x, weight, bias, residual, device, store, launches) -> torch
     check_launches(kernel.binary.cubin, calls, device.shared_bytes_per_block)
     launches.extend(calls)
     return y if y.shape == shape else y.reshape(shape)
+
+
+def _rehearse_grouped(spec, x, weight, indices, bias, device, store, launches) -> torch.Tensor:
+    from ..codegen.cuda.launcher import check_launches
+
+    spec.check_routed(x, weight, indices, bias)
+    rows, k = weight.shape
+    n = rows // spec.experts
+    layout = layout_for(weight.ttype, device.kind)
+    if weight.layout != layout:
+        weight = to_layout(weight.to_portable(), layout)
+    if x.shape[0] == 0:
+        return torch.empty((0, spec.top_k, n), dtype=torch_dtype(spec.output_dtype), device=x.device)
+    kernel = kernel_for(spec, n, k, x.shape[0], layout, device, store)
+    y, calls = kernel.plan(x.contiguous(), weight, bias, indices=indices)
+    check_launches(kernel.binary.cubin, calls, device.shared_bytes_per_block)
+    launches.extend(calls)
+    return y
 
 
 def device_of(x: torch.Tensor):

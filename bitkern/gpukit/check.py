@@ -74,8 +74,12 @@ def _check_item(item: dict, key: KernelKey, device, store: DiskStore, generator)
         if kernel is None:
             raise KernelNotFound("not in the kit's bundle")
         if item["kind"] == "tuned":  # the call a GPU test makes, through the dispatch
+            x, weight, bias, extra = _inputs(key, TUNED_M.get(key.bucket, key.bucket[0]), generator)
             with rehearsal(device, store) as launches:
-                key.spec(*_inputs(key, TUNED_M.get(key.bucket, key.bucket[0]), generator))
+                if key.spec.experts:
+                    key.spec(x, weight, extra["indices"], bias)
+                else:
+                    key.spec(x, weight, bias, extra.get("residual"))
             return 1, len(launches)
         return 1, sum(_check_plan(kernel, _inputs(key, m, generator), device) for m in PINNED_ROWS)
     kernels = [kernel for _, kernel in store.pinned(key)]
@@ -88,19 +92,26 @@ def _check_item(item: dict, key: KernelKey, device, store: DiskStore, generator)
 
 
 def _check_plan(kernel, inputs, device) -> int:
-    _, calls = kernel.plan(*inputs)
+    x, weight, bias, extra = inputs
+    _, calls = kernel.plan(x, weight, bias, **extra)
     check_launches(kernel.binary.cubin, calls, device.shared_bytes_per_block)
     return len(calls)
 
 
 def _inputs(key: KernelKey, m: int, generator):
-    """Host tensors of a call with M rows: x, a weight in the key's layout with random codes, the bias, the
-    residual."""
+    """Host tensors of a call with M rows: x, a weight in the key's layout with random codes (a grouped spec's
+    experts stacked), the bias, and {"residual": ...} for a residual spec or {"indices": ...} (each row to top_k
+    experts) for a grouped one."""
     spec = key.spec
+    experts = spec.experts or 1
     x = torch.randn(m, key.k, generator=generator)
     x = x.mul(16).round().clamp(-127, 127).to(torch.int8) if spec.activation_dtype == "int8" else \
         x.to(torch_dtype(spec.activation_dtype))
-    bias = torch.randn(key.n, generator=generator) if spec.bias else None
-    residual = torch.randn(m, spec.out_features(key.n), generator=generator).to(torch_dtype(spec.output_dtype)) \
-        if spec.residual else None
-    return x, random_packed(spec, key.n, key.k, key.layout, generator), bias, residual
+    bias = torch.randn(*([spec.experts] if spec.experts else []), key.n, generator=generator) if spec.bias else None
+    extra = {}
+    if spec.residual:
+        extra["residual"] = torch.randn(m, spec.out_features(key.n), generator=generator).to(
+            torch_dtype(spec.output_dtype))
+    if spec.experts:
+        extra["indices"] = torch.randint(0, spec.experts, (m, spec.top_k), generator=generator)
+    return x, random_packed(spec, experts * key.n, key.k, key.layout, generator), bias, extra

@@ -3,9 +3,10 @@
 Three kinds, each a prebuild `Request` (`bitkern.cache.prebuild`):
 - pinned: the correctness matrix (`correctness_cases`), each case one template configuration (the GEMM and the
   GEMV on every weight type x activation type x zero mode, output types, split-K, the plain-TIR decode, fuzzed
-  shapes fixed by a seed, edge shapes, the fusion epilogues): tests/codegen/cuda/test_gpu.py runs each case;
-- tuned: the kernels the GPU tests reach through torch ops and modules (`DISPATCH`: tests/cache/test_dispatch_gpu.py,
-  tests/nn/test_compile.py), the tuner's choice built by its model;
+  shapes fixed by a seed, edge shapes, the fusion epilogues; the grouped mixture-of-experts GEMV on every type, top_k
+  and routing, `grouped_cases`): tests/codegen/cuda/test_gpu.py runs each case;
+- tuned: the kernels the GPU tests reach through torch ops and modules (`DISPATCH`, `DISPATCH_EXPERTS`:
+  tests/cache/test_dispatch_gpu.py, tests/nn/test_compile.py), the tuner's choice built by its model;
 - candidates: the benchmark's Llama-3-8B/70B layer shapes (`BENCH_SHAPES` x `BENCH_ROWS` for int4 g128, nf4 / int8
   / int2 at M=1), each shipped as the tuner's shortlist, so that the device times them and keeps the fastest.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.prebuild import Request
+from ..ops.grouped import GroupedMatmul
 from ..ops.matmul import Matmul
 from ..ttype import get, torch_dtype
 from ..tuner.buckets import m_bucket
@@ -53,6 +55,10 @@ DISPATCH = (
 # (int4 g128 256 x 512, float16 activations, float32 output, bias)
 DISPATCH_EPILOGUES = tuple((epilogue, residual, m) for epilogue, residual in (("swiglu", True), ("gelu", False))
                            for m in (1, 33))
+# (dtype, group_size, activation, experts, hidden, intermediate, tokens, top_k): the `bitkern.Experts` modules moved to
+# CUDA in tests/cache/test_dispatch_gpu.py's test_experts_on_cuda_run_the_grouped_kernel, whose decode calls run the
+# grouped kernel of each projection (gate/up: each token to its top_k experts; down: each pair's row to its expert)
+DISPATCH_EXPERTS = (("int4", 32, "float16", 8, 256, 128, 2, 2), ("nf4", 64, "bfloat16", 8, 256, 128, 3, 4))
 
 
 @dataclass(frozen=True)
@@ -74,11 +80,15 @@ class Case:
     prefer: object = None  # a configuration tried before the template's list
     epilogue: str = "none"  # the spec's epilogue ("swiglu": the weight is a stacked [gate; up] of N rows)
     residual: bool = False
+    experts: int = 0  # a grouped case (`ops.GroupedMatmul`): E experts of [N, K] weights stacked, x's rows routed
+    top_k: int = 1  # to top_k of them
+    routing: str = "spread"  # how its rows are routed (`ROUTINGS`)
 
     def __str__(self) -> str:
         return (f"{self.group}-{self.template}-{self.weight}-{self.zero_mode}-{self.activation}-"
                 f"{self.n}x{self.k}x{self.m}-g{self.group_size}" + (f"-{self.output}" if self.output else "") +
                 ("" if self.epilogue == "none" else f"-{self.epilogue}") + ("-residual" if self.residual else "") +
+                (f"-e{self.experts}top{self.top_k}-{self.routing}" if self.experts else "") +
                 (f"-s{self.seed}" if self.seed else "") + ("" if self.prefer is None else f"-{_short(self.prefer)}"))
 
     def supported_on(self, arch: str) -> bool:
@@ -91,24 +101,47 @@ class Case:
             template.unsupported_epilogue(spec) is None
 
     def inputs(self):
-        """(spec, quantized weight, x, bias, residual) on the host, the same on every machine."""
+        """(spec, quantized weight, x, bias, residual) on the host, the same on every machine (a grouped case: its
+        experts' stacked [E·N, K] weight and [E, N] bias; its routing is `indices`)."""
         generator = torch.Generator().manual_seed(self.seed)
         block = get(self.weight).block_size > 1
         scale = torch.bfloat16 if self.activation == "bfloat16" else torch.float16
         from ..ttype import quantize
 
-        q = quantize(torch.randn(self.n, self.k, generator=generator), self.weight,
+        q = quantize(torch.randn(max(1, self.experts) * self.n, self.k, generator=generator), self.weight,
                      group_size=None if block else self.group_size, zero_mode=self.zero_mode, scale_dtype=scale)
         options = {"accumulate_dtype": "int32"} if self.activation == "int8" else {}
-        spec = Matmul.for_weight(q, self.activation, bias=self.bias, output_dtype=self.output, epilogue=self.epilogue,
-                                 residual=self.residual, **options)
+        if self.experts:
+            spec = GroupedMatmul.for_weight(q, self.activation, bias=self.bias, output_dtype=self.output,
+                                            experts=self.experts, top_k=self.top_k, **options)
+        else:
+            spec = Matmul.for_weight(q, self.activation, bias=self.bias, output_dtype=self.output,
+                                     epilogue=self.epilogue, residual=self.residual, **options)
         x = torch.randn(self.m, self.k, generator=generator)
         x = x.mul(20).round().clamp(-127, 127).to(torch.int8) if self.activation == "int8" else \
             x.to(torch_dtype(self.activation))
-        b = torch.randn(self.n, generator=generator) if self.bias else None
+        b = torch.randn(*([self.experts] if self.experts else []), self.n, generator=generator) if self.bias else None
         r = torch.randn(self.m, spec.out_features(self.n), generator=generator).to(torch_dtype(spec.output_dtype)) \
             if self.residual else None
         return spec, q, x, b, r
+
+    def indices(self) -> torch.Tensor:
+        """A grouped case's routing [M, top_k] (int64 expert ids, the same on every machine): "spread" sends row m's
+        slot j to expert (m·top_k + j) mod E; "empty" draws distinct experts from 1..E-1, so expert 0 has no token;
+        "one" sends every pair to expert E // 2; "fuzz" draws any experts, repeats within a row included."""
+        if not self.experts:
+            raise ValueError(f"case {self} is not grouped (experts=0): it has no routing")
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        m, e, top_k = self.m, self.experts, self.top_k
+        if self.routing == "spread":
+            return torch.arange(m * top_k).view(m, top_k) % e
+        if self.routing == "empty":
+            return torch.stack([torch.randperm(e - 1, generator=generator)[:top_k] + 1 for _ in range(m)])
+        if self.routing == "one":
+            return torch.full((m, top_k), e // 2, dtype=torch.int64)
+        if self.routing == "fuzz":
+            return torch.randint(0, e, (m, top_k), generator=generator)
+        raise ValueError(f"routing={self.routing!r} is not known; accepted: {list(ROUTINGS)}")
 
     def config(self, spec: Matmul, arch: str):
         """The first configuration of the template that builds the case (LOP3 decode first, the plain-TIR one for
@@ -158,7 +191,16 @@ def _mma_gemv_configs():
             MmaGemvConfig(warps=1, words=1), MmaGemvConfig(block_m=32, warps=2))
 
 
-_CONFIGS = {"gemm": _gemm_configs, "gemv": _gemv_configs, "mma_gemv": _mma_gemv_configs}
+def _grouped_configs():
+    from ..codegen.cuda import GroupedGemvConfig
+
+    return (GroupedGemvConfig(), GroupedGemvConfig(k_threads=16, words=2), GroupedGemvConfig(k_threads=8, words=1),
+            GroupedGemvConfig(k_threads=4, words=1, warps=2), GroupedGemvConfig(k_threads=1, words=1, warps=1))
+
+
+_CONFIGS = {"gemm": _gemm_configs, "gemv": _gemv_configs, "mma_gemv": _mma_gemv_configs,
+            "grouped_gemv": _grouped_configs}
+ROUTINGS = ("spread", "empty", "one", "fuzz")
 
 
 def _short(config) -> str:
@@ -223,6 +265,45 @@ def correctness_cases() -> list[Case]:
               Case("epilogue", "gemm", "uint4", 64, 40, 130, "bfloat16", "gptq", group_size=-1, epilogue="swiglu",
                    residual=True, prefer=GemmConfig(block_m=32, warp_m=16, block_n=64, warp_n=32, block_k=64))]
     cases += _mma_gemv_cases()
+    cases += grouped_cases()
+    return cases
+
+
+GROUPED_EXPERTS = 10
+GROUPED_FUZZ_SEED = 2028
+
+
+def grouped_cases() -> list[Case]:
+    """The grouped (mixture-of-experts) GEMV's cases, 10 experts of [128, 512] weights: every weight type it serves x
+    float16 / bfloat16 activations at top_k 2 (3 rows), int8 activations, top_k 1 and 8 on the common types, each
+    routing (`Case.indices`: spread, an expert without tokens, one expert taking every pair, fuzzed) at top_k 1, 2
+    and 8, output types, float32 activations, a ragged K and fuzzed shapes."""
+    grouped = functools.partial(Case, template="grouped_gemv", experts=GROUPED_EXPERTS)
+    cases = [grouped(group="moe-types", weight=name, n=128, k=512, m=3, activation=activation, zero_mode=zero,
+                     top_k=2)
+             for activation in ("float16", "bfloat16") for name, zero in FLOAT_WEIGHTS if name != "nvfp4"]
+    cases += [grouped(group="moe-int8", weight=name, n=128, k=512, m=2, activation="int8", zero_mode=zero,
+                      group_size=-1, output="float16", top_k=2) for name, zero in INT8_WEIGHTS]
+    cases += [grouped(group="moe-topk", weight=name, n=128, k=512, m=m, activation=activation, zero_mode=zero,
+                      top_k=top_k)
+              for name, zero in (("int4", "none"), ("uint4", "gptq"), ("nf4", "none"))
+              for activation in ("float16", "bfloat16") for top_k, m in ((1, 4), (8, 4))]
+    cases += [grouped(group="moe-routing", weight="int4", n=128, k=512, m=m, activation="float16", top_k=top_k,
+                      routing=routing, seed=seed)
+              for routing in ROUTINGS for top_k, m, seed in ((1, 5, 1), (2, 4, 2), (8, 3, 3))]
+    cases += [grouped(group="moe-outputs", weight="uint4", n=128, k=512, m=3, activation="float16", zero_mode="gptq",
+                      output=output, top_k=2) for output in ("float32", "bfloat16")]
+    cases += [grouped(group="moe-f32", weight="int4", n=64, k=512, m=2, activation="float32", output="float32",
+                      top_k=2)]
+    cases += [grouped(group="edge", weight="int4", n=16, k=40, m=m, activation="float16", group_size=-1, top_k=top_k,
+                      routing="fuzz") for m, top_k in ((1, 8), (65, 2))]
+    fuzz = random.Random(GROUPED_FUZZ_SEED)
+    for _ in range(6):
+        name = fuzz.choice(("int4", "uint4", "nf4", "int2", "fp4_e2m1", "int8"))
+        top_k = fuzz.choice((1, 2, 4, 8))
+        cases.append(grouped(group="moe-fuzz", weight=name, n=16 * fuzz.randint(1, 12), k=8 * fuzz.randint(1, 64),
+                             m=fuzz.randint(1, 8), activation="float16", zero_mode="gptq" if name == "uint4" else "none",
+                             group_size=-1, top_k=top_k, routing="fuzz", seed=fuzz.randint(0, 1000)))
     return cases
 
 
@@ -266,12 +347,25 @@ def bench_specs() -> list[tuple[Matmul, tuple[int, ...]]]:
 
 
 def dispatch_specs() -> list[tuple[Matmul, int, int, int]]:
-    """(spec, N, K, M) of `DISPATCH` and `DISPATCH_EPILOGUES`."""
+    """(spec, N, K, M) of `DISPATCH`, `DISPATCH_EPILOGUES` and the grouped kernels of `DISPATCH_EXPERTS`."""
     return [(Matmul(name, activation, group_size=group, zero_mode=zero, bias=bias, output_dtype=output,
                     scale_dtype="float16"), n, k, m)
             for name, group, zero, activation, output, bias, n, k, m in DISPATCH] + \
         [(Matmul("int4", "float16", output_dtype="float32", bias=True, epilogue=epilogue, residual=residual), 256, 512, m)
-         for epilogue, residual, m in DISPATCH_EPILOGUES]
+         for epilogue, residual, m in DISPATCH_EPILOGUES] + [kernel for entry in DISPATCH_EXPERTS
+                                                             for kernel in experts_kernels(*entry)]
+
+
+def experts_kernels(dtype: str, group_size: int, activation: str, experts: int, hidden: int, intermediate: int,
+                    tokens: int, top_k: int) -> list[tuple[GroupedMatmul, int, int, int]]:
+    """(spec, N, K, M) of the grouped kernels a decode call of `tokens` tokens runs in a `bitkern.Experts` (SwiGLU,
+    no bias, output in x's dtype): gate/up [2·intermediate, hidden] at a row a token for its top_k experts, then down
+    [hidden, intermediate] at a row a pair for its one expert."""
+    def spec(routed):
+        return GroupedMatmul(dtype, activation, group_size=group_size, output_dtype=activation, experts=experts,
+                             top_k=routed)
+
+    return [(spec(top_k), 2 * intermediate, hidden, tokens), (spec(1), hidden, intermediate, tokens * top_k)]
 
 
 def requests(arch: str, smoke: bool = False) -> list[Request]:

@@ -42,6 +42,7 @@ FLOAT_PARAMETERS = {"gate_up": "gate_up_proj", "up": "up_proj", "down": "down_pr
 # calls of at most this many token-expert pairs (decode: 4 tokens of top-8) run the grouped kernels, one call per
 # projection; more (prompts) run each expert's rows through the dense kernels, which block rows
 GROUPED_PAIRS = 32
+GROUPED_LAYOUTS = {"cpu": Layout.TILE16, "cuda": Layout.LOP3}  # the layout the grouped kernels of a device type read
 
 
 class ExpertWeights(QuantizedModule):
@@ -250,16 +251,16 @@ class ExpertWeights(QuantizedModule):
         return KernelCall(spec, *self.gemm_shape, self.layout, self.qweight.device, tokens, rows_per_token, up_to)
 
     def routes(self, x: torch.Tensor) -> bool:
-        """Whether the grouped kernel serves this projection for rows like x (a CPU tensor in float, no activation
-        quantization, a type without a tensor scale, out_features a multiple of 16, in tile16, and a template for
-        them on this CPU).  A meta projection (no weights yet: what `prebuild --model` lists) is judged in tile16,
-        the layout its weights take on a CPU."""
-        tile16 = self.layout == Layout.TILE16 or self.qweight.is_meta
-        if not x.is_cpu or self._activation_quant != "none" or not tile16 or \
+        """Whether the grouped kernel serves this projection for rows like x (a CPU tensor with the weight in tile16 or
+        a CUDA one with it in lop3, in float, no activation quantization, a type without a tensor scale, out_features
+        a multiple of 16, and a template for them on x's device).  A meta projection (no weights yet: what `prebuild
+        --model` lists) is judged in the layout its weights take on x's device."""
+        laid_out = self.qweight.is_meta or self.layout == GROUPED_LAYOUTS.get(x.device.type)
+        if x.device.type not in GROUPED_LAYOUTS or not laid_out or self._activation_quant != "none" or \
                 ttype.get(self.weight_dtype).tensor_scale or self.out_features % STACK_ROWS:
             return False
         return _grouped_kernel_serves(self._stacked_format(), self._compute_dtype or x.dtype, x.dtype,
-                                      self._parameters["bias"] is not None, self.num_experts)
+                                      self._parameters["bias"] is not None, self.num_experts, x.device.type)
 
     def routed(self, x: torch.Tensor, indices: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """y [M, top_k, out_features] of x [M, in_features] with each row's top_k experts (indices [M, top_k]) by one
@@ -303,11 +304,12 @@ def stacked_format(format_text: str, experts: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _grouped_kernel_serves(stacked_format_text: str, compute: torch.dtype, output: torch.dtype, bias: bool,
-                           experts: int) -> bool:
-    """Whether this CPU has a grouped kernel template for experts stacked as `stacked_format_text`."""
+                           experts: int, device_type: str) -> bool:
+    """Whether this machine's `device_type` ("cpu", "cuda") has a grouped kernel template for experts stacked as
+    `stacked_format_text`."""
     spec = library.grouped_spec_of(stacked_format_text, compute, output, bias, experts, 1)
     rows, k = WeightFormat.decode(stacked_format_text).shape
-    return serves_grouped(spec, rows // experts, k)
+    return serves_grouped(spec, rows // experts, k, device_type)
 
 
 @torch.compiler.disable  # run as it is, not traced, under torch.compile
@@ -432,7 +434,7 @@ class Experts(nn.Module):
         projection's at a row a token and the others' at a row a pair; the rest run each projection's dense kernel
         at any row count up to the tokens (an expert's share).  top_k None (unknown): the dense kernels only."""
         first, *rest = self.projections.values()
-        probe = torch.empty(0, first.in_features, dtype=dtype)
+        probe = torch.empty(0, first.in_features, dtype=dtype, device=first.qweight.device)
         grouped = top_k is not None and all(projection.routes(probe) for projection in self.projections.values())
         decode = (1, GROUPED_PAIRS // top_k) if grouped else (1, 0)
         calls = [projection.kernel_call(library.spec_of(projection.op_weight(0)[1], projection.compute_dtype or dtype,

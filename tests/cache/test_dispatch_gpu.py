@@ -1,9 +1,11 @@
-"""Through the public API on a GPU: Matmul on CUDA tensors and modules moved to CUDA (skipped without one)."""
+"""Through the public API on a GPU: Matmul on CUDA tensors and modules moved to CUDA, mixture-of-experts decode steps
+by the grouped kernels included (skipped without one)."""
 
 import pytest
 import torch
 
 import bitkern
+from bitkern.gpukit.matrix import DISPATCH_EXPERTS
 from bitkern.ops import Matmul
 from tests.helpers import assert_within_epilogue_bound, epilogue_bound
 
@@ -54,3 +56,31 @@ def test_linear_moved_to_cuda_relays_its_weight():
     torch.testing.assert_close(layer(x.cuda()).cpu(), expected, rtol=2e-2, atol=2e-2)
     layer.cpu()
     assert layer.layout == "tile16" and torch.equal(layer.dequantize_weight(), weight)
+
+
+@pytest.mark.parametrize("entry", DISPATCH_EXPERTS, ids=lambda entry: f"{entry[0]}-{entry[2]}-top{entry[7]}")
+def test_experts_on_cuda_run_the_grouped_kernel(entry):
+    """A `bitkern.Experts` moved to CUDA runs a decode step by the grouped kernels (the kit's `DISPATCH_EXPERTS`),
+    against the float64 computation on its dequantized experts: y_t = Σ_j w_tj · down_e(swiglu(gate_up_e(x_t)))."""
+    from bitkern.nn.experts import swiglu
+
+    dtype, group, activation, num_experts, hidden, intermediate, tokens, top_k = entry
+    generator = torch.Generator().manual_seed(top_k)
+    experts = bitkern.Experts(num_experts, hidden, intermediate, dtype=dtype, group_size=group)
+    gate_up = experts.gate_up.dequantize_weight(torch.float64)
+    down = experts.down.dequantize_weight(torch.float64)
+    x = torch.randn(tokens, hidden, generator=generator).to(getattr(torch, activation))
+    index = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1)
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(index[t, j])
+            expected[t] += weights[t, j].double() * (swiglu(x[t].double() @ gate_up[e].T) @ down[e].T)
+    experts.to("cuda")
+    assert experts.gate_up.layout == "lop3"
+    x, index, weights = x.cuda(), index.cuda(), weights.cuda()
+    assert experts._routes(x, tokens * top_k)  # the grouped kernels serve both projections on this GPU
+    y = experts(x, index, weights)
+    assert y.shape == (tokens, hidden) and y.dtype == x.dtype
+    torch.testing.assert_close(y.double().cpu(), expected, rtol=3e-2, atol=3e-2 * float(expected.abs().max()))

@@ -198,3 +198,53 @@ def test_every_case_gets_the_configuration_it_prefers(arch):
     assert len(preferring) >= 20
     refused = [str(case) for case in preferring if case.config(case.spec(), arch) != case.prefer]
     assert not refused, refused
+
+
+def test_matrix_holds_grouped_cases_for_every_type_top_k_and_routing():
+    """The kit's correctness matrix carries the grouped (mixture-of-experts) GEMV: every weight type it serves x float16
+    / bfloat16 activations, int8 activations, top_k 1, 2 and 8, an expert left without tokens and one expert taking
+    every pair; every such case has a configuration on sm_80 and sm_90, so the kit builds its kernel."""
+    from bitkern.codegen import template
+    from bitkern.gpukit.matrix import FLOAT_WEIGHTS, correctness_cases, requests
+    from bitkern.ops.grouped import GroupedMatmul
+
+    grouped = [case for case in correctness_cases() if case.experts]
+    def serves(name, zero):
+        block = bitkern.ttype.get(name).block_size
+        spec = GroupedMatmul(name, "float16", experts=2, zero_mode=zero, group_size=block if block > 1 else 128)
+        return template("grouped_gemv").unsupported(spec, 128, 512, cuda_device("sm_90")) is None
+
+    served = {(name, zero) for name, zero in FLOAT_WEIGHTS if serves(name, zero)}
+    assert served and ("nvfp4", "none") not in served
+    for activation in ("float16", "bfloat16"):
+        assert {(c.weight, c.zero_mode) for c in grouped if c.activation == activation} >= served, activation
+    assert any(c.activation == "int8" for c in grouped)
+    assert {c.top_k for c in grouped} >= {1, 2, 8}
+    empty = [c for c in grouped if c.experts - len(set(c.indices().flatten().tolist())) > 0]
+    one = [c for c in grouped if c.m * c.top_k > 1 and len(set(c.indices().flatten().tolist())) == 1]
+    assert {c.top_k for c in empty} >= {1, 2, 8} and {c.top_k for c in one} >= {1, 2, 8}
+    for arch in ("sm_80", "sm_90"):
+        assert all(case.supported_on(arch) and case.request(arch) is not None for case in grouped), arch
+        pinned = {r.template for r in requests(arch) if r.template}
+        assert "grouped_gemv" in pinned
+
+
+def test_dispatch_holds_the_grouped_kernels_an_experts_decode_asks_for():
+    """`DISPATCH_EXPERTS`' grouped kernels are those `bitkern.Experts.kernel_calls` lists for its decode (the specs do
+    not depend on the device: the GPU test's module asks for these on CUDA)."""
+    from bitkern.gpukit.matrix import DISPATCH_EXPERTS, dispatch_specs, experts_kernels
+
+    listed = {(spec, n, k) for spec, n, k, _ in dispatch_specs() if spec.experts}
+    for dtype, group, activation, num_experts, hidden, intermediate, tokens, top_k in DISPATCH_EXPERTS:
+        experts = bitkern.Experts(num_experts, hidden, intermediate, dtype=dtype, group_size=group)
+        calls = [call for call in experts.kernel_calls(getattr(torch, activation), top_k) if call.spec.experts]
+        wanted = experts_kernels(dtype, group, activation, num_experts, hidden, intermediate, tokens, top_k)
+        assert {(c.spec, c.n, c.k) for c in calls} == {(spec, n, k) for spec, n, k, _ in wanted} <= listed
+        assert [m for *_, m in wanted] == [tokens, tokens * top_k]
+
+
+def test_smoke_kit_carries_a_grouped_kernel(smoke_kit):
+    """The smoke kit's pinned kernels end with a grouped case's (the matrix lists them last), so the dry runs above
+    check a grouped kernel's launches, the routing among its arguments, against its cubin."""
+    kit = json.loads((smoke_kit / "kit.json").read_text())
+    assert any(item["kind"] == "pinned" and item["key"]["pinned"].startswith("grouped_gemv:") for item in kit["kernels"])

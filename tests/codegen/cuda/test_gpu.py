@@ -1,7 +1,8 @@
 """CUDA kernels on a GPU (skipped without one): the decode functions bit-exact on the device, and the GEMM
 and GEMV kernels against the float64 reference for every weight type x activation type x zero mode, output
 types, split-K, fuzzed shapes (fixed by a seed), edge shapes and the fusion epilogues (against the unfused
-computation; `bitkern.gpukit.matrix.correctness_cases`), torch's current stream and CUDA graphs.  Each case's kernel is one configuration of its template, from the kernel
+computation), the grouped mixture-of-experts GEMV for every type, top_k and routing
+(`bitkern.gpukit.matrix.correctness_cases`), torch's current stream and CUDA graphs.  Each case's kernel is one configuration of its template, from the kernel
 cache (a GPU kit ships them all; elsewhere they are built, which needs TVM and nvcc).
 
 Run on a GPU machine:  python -m pytest tests/codegen/cuda/test_gpu.py -q   (or a GPU kit's OUT/run)
@@ -83,7 +84,7 @@ def _check(spec, q, x, bias, y, residual=None):
     assert_within_epilogue_bound(spec, y, reference, bound)
 
 
-@pytest.mark.parametrize("case", correctness_cases(), ids=str)
+@pytest.mark.parametrize("case", [case for case in correctness_cases() if not case.experts], ids=str)
 def test_kernel_matches_the_float64_reference(case):
     """Every case: y within the bound of the float64 reference, element by element."""
     arch = _arch()
@@ -93,6 +94,26 @@ def test_kernel_matches_the_float64_reference(case):
     y = kernel(x.cuda().contiguous(), packed, None if b is None else b.cuda(), None if r is None else r.cuda())
     torch.cuda.synchronize()
     _check(spec, q, x, b, y, r)
+
+
+@pytest.mark.parametrize("case", [case for case in correctness_cases() if case.experts], ids=str)
+def test_grouped_kernel_matches_the_float64_reference(case):
+    """Every grouped (mixture-of-experts) case: y [M, top_k, N] within the bound of the float64 reference per (row,
+    expert) pair, element by element: (eps_w + K·2^-21)·Σ|x||w_e| for the sums, eps_out·|ref| for the output cast."""
+    arch = _arch()
+    spec, q, x, b, _ = case.inputs()
+    indices = case.indices()
+    kernel = _kernel(case, spec, arch)
+    y = kernel(x.cuda().contiguous(), pack(q).to("cuda"), None if b is None else b.cuda(), indices=indices.cuda())
+    torch.cuda.synchronize()
+    reference = spec.exact(x, q, indices, b)
+    experts = q.dequantize(torch.float64).abs().view(spec.experts, -1, q.shape[1])
+    magnitude = torch.einsum("mk,mjnk->mjn", x.double().abs(), experts[indices])
+    bound = (WEIGHT_EPS[spec.activation_dtype] + q.shape[1] * 2.0**-21) * magnitude + \
+        OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
+    assert tuple(y.shape) == tuple(reference.shape) and y.dtype == torch_dtype(spec.output_dtype)
+    excess = (y.double().cpu() - reference).abs() - bound
+    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
 
 
 def test_launch_follows_torch_streams_and_cuda_graphs():
