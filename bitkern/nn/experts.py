@@ -434,7 +434,7 @@ class Experts(nn.Module):
         projection's at a row a token and the others' at a row a pair; the rest run each projection's dense kernel
         at any row count up to the tokens (an expert's share).  top_k None (unknown): the dense kernels only."""
         first, *rest = self.projections.values()
-        probe = torch.empty(0, first.in_features, dtype=dtype, device=first.qweight.device)
+        probe = torch.empty(0, first.in_features, dtype=dtype, device="cuda" if first.qweight.is_cuda else "cpu")
         grouped = top_k is not None and all(projection.routes(probe) for projection in self.projections.values())
         decode = (1, GROUPED_PAIRS // top_k) if grouped else (1, 0)
         calls = [projection.kernel_call(library.spec_of(projection.op_weight(0)[1], projection.compute_dtype or dtype,
