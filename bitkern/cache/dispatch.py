@@ -81,6 +81,10 @@ def run_grouped(spec, x: torch.Tensor, weight, indices: torch.Tensor, bias: torc
     n = rows // spec.experts
     if x.shape[0] == 0:
         return torch.empty((0, spec.top_k, n), dtype=torch_dtype(spec.output_dtype), device=x.device)
+    if x.is_cuda:  # before any kernel is tuned
+        from ..codegen.cuda.grouped import check_pairs
+
+        check_pairs(x.shape[0], spec.top_k, n)
     kernel = kernel_for(spec, n, k, x.shape[0], weight.layout, device_of(x))
     return kernel(x if x.is_contiguous() else x.contiguous(), weight, bias, indices=indices)
 
@@ -131,6 +135,9 @@ def _rehearse_grouped(spec, x, weight, indices, bias, device, store, launches) -
         weight = to_layout(weight.to_portable(), layout)
     if x.shape[0] == 0:
         return torch.empty((0, spec.top_k, n), dtype=torch_dtype(spec.output_dtype), device=x.device)
+    from ..codegen.cuda.grouped import check_pairs
+
+    check_pairs(x.shape[0], spec.top_k, n)
     kernel = kernel_for(spec, n, k, x.shape[0], layout, device, store)
     y, calls = kernel.plan(x.contiguous(), weight, bias, indices=indices)
     check_launches(kernel.binary.cubin, calls, device.shared_bytes_per_block)

@@ -29,6 +29,15 @@ MAX_INDEX = 2**31  # the kernel indexes the stacked weight and y in int32
 MAX_PAIRS = 65535  # a thread block row per (row, expert) pair: CUDA's grid.y limit
 
 
+def check_pairs(m: int, top_k: int, n: int) -> None:
+    """Raise unless a call of M rows to top_k experts of N outputs each fits the kernel's grid and int32 indexing."""
+    pairs = m * top_k
+    if pairs > MAX_PAIRS or pairs * n >= MAX_INDEX:
+        raise ValueError(f"x has {m} rows: {pairs} (row, expert) pairs of {n} outputs; a grouped kernel serves up to "
+                         f"{MAX_PAIRS} pairs (a block row each) and {MAX_INDEX - 1} outputs (run larger calls expert "
+                         f"by expert, as bitkern.Experts does for prompts)")
+
+
 @dataclass
 class GroupedCudaKernel(CudaKernel):
     """A compiled grouped kernel: called with the routing as well."""
@@ -50,11 +59,7 @@ class GroupedCudaKernel(CudaKernel):
         if not isinstance(indices, torch.Tensor) or tuple(indices.shape) != (x.shape[0], self.spec.top_k):
             raise ValueError(f"indices must be a [{x.shape[0]}, top_k={self.spec.top_k}] tensor of expert ids, got "
                              f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__}")
-        pairs = x.shape[0] * self.spec.top_k
-        if pairs > MAX_PAIRS or pairs * self.n >= MAX_INDEX:
-            raise ValueError(f"x has {x.shape[0]} rows: {pairs} (row, expert) pairs of {self.n} outputs; a grouped kernel "
-                             f"serves up to {MAX_PAIRS} pairs (a block row each) and {MAX_INDEX - 1} outputs (run "
-                             f"larger calls expert by expert, as bitkern.Experts does for prompts)")
+        check_pairs(x.shape[0], self.spec.top_k, self.n)
         if indices.dtype != INDEX_DTYPE or not indices.is_contiguous():
             indices = indices.to(INDEX_DTYPE).contiguous()  # expert ids below E: exact
         y, calls = self._plan(x, weight, None if bias is None else bias.reshape(-1), None, {"indices": indices})

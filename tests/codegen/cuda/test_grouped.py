@@ -332,3 +332,8 @@ def test_grouped_calls_are_rehearsed_up_to_the_driver(tmp_path):
     (launch,) = launches
     assert launch.name.startswith("grouped_gemv") and launch.grid[1] == 4
     assert ("pointer", indices.data_ptr()) in launch.arguments  # int64 and contiguous: passed as it is
+    many = torch.zeros(40000, 256).half()
+    with rehearsal(cuda_device("sm_90"), DiskStore(tmp_path / "untouched")) as launches:
+        with pytest.raises(ValueError, match="80000 .row, expert. pairs"):
+            spec(many, bitkern.pack(q), torch.zeros(40000, 2, dtype=torch.long))
+    assert not launches and not list((tmp_path / "untouched").rglob("kernel.cubin"))  # refused before any build
