@@ -160,16 +160,17 @@ def _stack(name, experts, n, k, activation, zero_mode, group, generator):
 
 @pytest.fixture(scope="module")
 def run_expr(llvm_target):
-    """Compile `grouped_expr` unscheduled for the host and run it on (x, stacked weight, indices, bias)."""
+    """Compile `grouped_expr` unscheduled for the host and run it on (x, stacked weight, indices, bias); `packed`: the
+    stacked weight in the lop3 layout as a caller holds it (default: `to_lop3` of the portable one)."""
     import tvm
     from tvm import te
 
-    def run(spec, q, x, indices, bias=None):
+    def run(spec, q, x, indices, bias=None, packed=None):
         n, k = q.shape[0] // spec.experts, q.shape[1]
         expr = grouped_expr(spec, n, k)
         kernel = tvm.compile(tvm.IRModule({"main": te.create_prim_func([*expr.inputs, expr.output])}),
                              target=llvm_target)["main"]
-        packed = to_lop3(q)
+        packed = to_lop3(q) if packed is None else packed
         y = torch.empty(x.shape[0] * spec.top_k, n, dtype=TORCH[spec.output_dtype])
         arguments = [x, packed.qweight, packed.scales] + ([packed.zeros] if packed.zeros is not None else [])
         arguments += [indices.to(torch.int64).contiguous()] + ([bias] if bias is not None else [])
@@ -337,3 +338,28 @@ def test_grouped_calls_are_rehearsed_up_to_the_driver(tmp_path):
         with pytest.raises(ValueError, match="80000 .row, expert. pairs"):
             spec(many, bitkern.pack(q), torch.zeros(40000, 2, dtype=torch.long))
     assert not launches and not list((tmp_path / "untouched").rglob("kernel.cubin"))  # refused before any build
+
+
+def test_experts_hold_on_cuda_the_stacked_weight_the_kernel_reads(run_expr):
+    """A `bitkern.Experts` projection re-laid for CUDA (lop3, as `.to("cuda")` does) gives the grouped kernel its
+    experts' buffers seen as one [E·N, K] weight: the same codes, scales and zeros as its experts' portable weights
+    stacked, and the kernel's expression on those very tensors matches the float64 reference of the spec the module
+    asks for."""
+    from bitkern.codegen.cuda import Lop3Weight
+    from bitkern.nn import library
+    from bitkern.ttype import Layout
+
+    experts = bitkern.Experts(6, 128, 64, dtype="uint4", group_size=32, zero_mode="gptq")
+    projection = experts.gate_up
+    portable = projection.quantized_weights()
+    projection._relayout(Layout.LOP3)
+    stacked = projection.stacked_weight()
+    assert isinstance(stacked, Lop3Weight) and stacked.shape == (6 * 128, 128)
+    q = stacked.to_portable()
+    for name in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(q, name), torch.cat([getattr(w, name) for w in portable])), name
+    spec = library.grouped_spec_of(library.op_arguments(stacked)[1], torch.float16, torch.float16, False, 6, 2)
+    generator = torch.Generator().manual_seed(9)
+    x = _activations("float16", 3, 128, generator)
+    indices = torch.tensor([[5, 0], [0, 2], [2, 2]])
+    _check(spec, q, x, indices, None, run_expr(spec, q, x, indices, packed=stacked))
