@@ -18,11 +18,10 @@ import transformers
 from transformers import AutoConfig, AutoModel
 
 from ...cache.prebuild import Request, kernel_requests
-from ...nn.experts import Experts
+from ...nn.experts import GROUPED_LAYOUTS, Experts
 from ...nn.kernel_call import KernelCall
 from ...nn.prepare import input_dtype, kernel_calls
 from ...ops.grouped import GroupedMatmul
-from ...ttype import Layout
 from ...tuner.buckets import m_bucket
 from ...tuner.device import device_for
 from ...tuner.space import usable_templates
@@ -97,6 +96,6 @@ def _meta_model(config, settings: BitkernConfig):
 
 def _runs_grouped(grouped: list[KernelCall], device) -> bool:
     """Whether experts run these grouped kernels on `device` (the experts listed them by this CPU's templates): a
-    CPU with a template for each, reading them in tile16 as every CPU template does."""
-    return device.kind == "cpu" and all(usable_templates(call.spec, call.n, call.k, m_bucket(1), Layout.TILE16,
-                                                         device)[0] for call in grouped)
+    template for each on the device, reading them in its kernels' layout (tile16 on CPUs, lop3 on CUDA GPUs)."""
+    layout = GROUPED_LAYOUTS[device.kind]
+    return all(usable_templates(call.spec, call.n, call.k, m_bucket(1), layout, device)[0] for call in grouped)

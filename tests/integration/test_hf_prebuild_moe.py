@@ -1,8 +1,8 @@
 """`python -m bitkern prebuild --model` on mixture-of-experts models: the experts' grouped decode kernels and each
 projection's dense kernels are prebuilt, so that loading the checkpoint and generating (a prompt, then one token at a
 time) tunes and builds nothing; the list found on the meta device is the one a loaded model gives (Qwen3-MoE,
-Mixtral, gpt-oss; a bitkern checkpoint and a float one served with a BitkernConfig); a CUDA target lists no grouped
-kernels, since experts run their dense kernels there."""
+Mixtral, gpt-oss; a bitkern checkpoint and a float one served with a BitkernConfig); a CUDA target lists the same
+kernels, its experts running CUDA's grouped decode kernel."""
 
 import pytest
 import torch
@@ -115,9 +115,13 @@ def test_the_listing_on_meta_is_the_loaded_models(checkpoints, empty_cache, arch
     assert grouped == {(2, (1, 1)), (1, (2, 4))}  # gate/up: a token's row, its 2 experts; down: a row a pair
 
 
-def test_a_cuda_target_lists_the_experts_dense_kernels_at_every_count(checkpoints, empty_cache):
-    listed = model_requests(checkpoints["qwen3_moe"][True], TOKENS, "sm_90", dtype=torch.float16)
-    assert listed and not any(isinstance(r.spec, GroupedMatmul) for r in listed)
-    down = {r.bucket for r in listed if (r.n, r.k) == (64, 32)}  # the experts' down projection
-    assert down == {(1, 1), (2, 4), (5, 16), (17, 128)}  # decode steps too run it: one row an expert
-    assert all(r.target == "sm_90" for r in listed)
+def test_a_cuda_target_lists_the_grouped_decode_kernels_as_a_cpu_does(checkpoints, empty_cache):
+    """Experts on CUDA run the grouped GEMV for decode (`grouped_gemv`) as CPUs run theirs: the same kernels listed,
+    for sm_90."""
+    folder = checkpoints["qwen3_moe"][True]
+    listed = model_requests(folder, TOKENS, "sm_90", dtype=torch.float16)
+    on_cpu = model_requests(folder, TOKENS, "cpu", dtype=torch.float16)
+    assert listed and all(r.target == "sm_90" for r in listed)
+    assert {(r.spec, r.n, r.k, r.bucket) for r in listed} == {(r.spec, r.n, r.k, r.bucket) for r in on_cpu}
+    grouped = {(r.spec.top_k, r.bucket) for r in listed if isinstance(r.spec, GroupedMatmul)}
+    assert grouped == {(2, (1, 1)), (1, (2, 4))}
