@@ -87,6 +87,26 @@ def _llama_cpp_ms(harness: Path, dtype: str, n: int, k: int, m: int, threads: in
     return min(times)
 
 
+def measure(dtype: str, n: int, k: int, rows: int, group: int, activation_quant: str, device, probes: dict,
+            probe_bytes: int, rounds: int, torch_call=None) -> dict:
+    """One case of the table: bitkern's kernel for `dtype` and [n, k] at `rows`, timed round by round with the DRAM
+    probes (and `torch_call`, torch's bf16 matmul, where given): {"template", "ms", "gbs", "fraction" (of the DRAM
+    probe), "cached_ms", "times" (each call's seconds per round), and "torch_ms", "torch_ratio" with torch}."""
+    call, cached, nbytes, template = _case(dtype, n, k, rows, group, activation_quant, device)
+    calls = {"bitkern": call, "bitkern in cache": cached, **({"torch": torch_call} if torch_call else {}),
+             **{f"probe {name}": probe for name, probe in probes.items()}}
+    times = interleaved(calls, rounds=rounds)
+    probe_s = [min(values) for values in zip(*(times[f"probe {name}"] for name in probes))]
+    ms = statistics.median(times["bitkern"]) * 1e3
+    case = {"template": template, "ms": ms, "gbs": nbytes / ms / 1e6,
+            "fraction": statistics.median((nbytes / b) / (probe_bytes / p) for p, b in zip(probe_s, times["bitkern"])),
+            "cached_ms": statistics.median(times["bitkern in cache"]) * 1e3, "times": times}
+    if torch_call:
+        case.update(torch_ms=statistics.median(times["torch"]) * 1e3, torch_ratio=round_ratio(times["torch"],
+                                                                                              times["bitkern"]))
+    return case
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--level", default=None, help="an instruction-set level (default: the host's)")
@@ -127,23 +147,18 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         torch_call = _torch_bf16(n, k, args.rows)
         for dtype in args.types:
-            call, cached, nbytes, template = _case(dtype, n, k, args.rows, args.group, args.activation_quant, device)
-            calls = {"bitkern": call, "bitkern in cache": cached, "torch": torch_call,
-                     **{f"probe {name}": probe for name, probe in probes.items()}}
-            times = interleaved(calls, rounds=args.rounds)
-            probe_s = [min(values) for values in zip(*(times[f"probe {name}"] for name in probes))]
-            fraction = statistics.median((nbytes / b) / (probe_bytes / p) for p, b in zip(probe_s, times["bitkern"]))
-            ms = statistics.median(times["bitkern"]) * 1e3
-            lines.append(f"| {dtype} | {n}x{k} | {template} | {ms:.3f} | {nbytes / ms / 1e6:.1f} | {fraction:.2f} | "
-                         f"{statistics.median(times['bitkern in cache']) * 1e3:.3f} | "
-                         f"{statistics.median(times['torch']) * 1e3:.3f} | "
-                         f"{round_ratio(times['torch'], times['bitkern']):.2f} |")
+            case = measure(dtype, n, k, args.rows, args.group, args.activation_quant, device, probes, probe_bytes,
+                           args.rounds, torch_call)
+            lines.append(f"| {dtype} | {n}x{k} | {case['template']} | {case['ms']:.3f} | {case['gbs']:.1f} | "
+                         f"{case['fraction']:.2f} | {case['cached_ms']:.3f} | {case['torch_ms']:.3f} | "
+                         f"{case['torch_ratio']:.2f} |")
             if harness and dtype in LLAMA_CPP_TYPES:
                 theirs = _llama_cpp_ms(harness, dtype, n, k, args.rows, device.cores, max(args.rounds, 11))
-                lines[-1] += f" {LLAMA_CPP_TYPES[dtype]} | {theirs:.3f} | {theirs / ms:.2f} |"
+                lines[-1] += f" {LLAMA_CPP_TYPES[dtype]} | {theirs:.3f} | {theirs / case['ms']:.2f} |"
             elif harness:
                 lines[-1] += " - | - | - |"
             print(lines[-1], flush=True)
+            times = case["times"]
     probe_gbs = probe_bytes / min(min(times[f"probe {name}"]) for name in probes) / 1e9
     lines += ["", f"DRAM probe (last case's best round): {probe_gbs:.1f} GB/s; `of DRAM probe` is the median over "
                   f"rounds of (weight bytes / kernel time) / (probe bytes / probe time) in the same round.  `ms, "

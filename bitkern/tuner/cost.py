@@ -4,7 +4,8 @@ A template counts what one call of a configuration does (`Template.work`: DRAM b
 footprint it keeps in L1); this model prices it on a device.  CPUs: each operation costs the cycles below
 (per 64-byte operation on the CPUs the templates target: Sapphire Rapids, two 512-bit ALU ports, one 512-bit
 store per cycle, AMX tile load 8 cycles, tdpbf16ps 16 cycles for 16 rows and ~9 for a few; CPUs without AMX,
-such as AMD Zen 4: one vdpbf16ps per cycle; decode and AMX work do not overlap, measured), spread over the
+such as AMD Zen 4: one vdpbf16ps per cycle; decode and AMX work do not overlap, measured; on aarch64 the operations
+of the templates serving it are priced as their NEON instructions on the device's core, `ARM_MIXES`), spread over the
 cores, with the §4.1 penalties: too little parallelism (tasks that leave cores idle or unbalanced), a footprint
 over its share of L1, and — for the prefetch knob the traffic counts cannot see — the distance from the
 prefetch depth that keeps the device's memory latency covered; memory and compute partly overlap.  CUDA GPUs:
@@ -13,11 +14,14 @@ HBM traffic at the device bandwidth, mma work at its tensor throughput, per wave
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from ..codegen import Work, template
+from ..codegen.cpu.lut import LOOKUP_256
 from ..ops.matmul import Matmul
+from .arm_cores import arm_core
 
 # Cycles per operation a CPU template counts.
 CPU_CYCLES = {
@@ -75,6 +79,26 @@ CPU_CYCLES = {
     "generic_decode_vector": 6,
     "generic_fma_vector": 2.5,
 }
+# aarch64: the NEON instructions (classes of `arm_cores.CLASSES`) one counted operation takes, read from the templates'
+# inner loops as LLVM compiles them for Neoverse V1 (benchmarks/arm_model.py prints them per weight byte), priced by the
+# device's core (`ArmCore.cycles`).  FMA: per 4 lanes of codes a mask (and, sign flip) and an int-to-float convert,
+# a shift per 8; per row an fmla; x's element loaded per row and 4 lanes of a task.  The work counts' lookup factor
+# (LOOKUP_256, AVX2's three instructions per lookup) applies on aarch64 as well: a code-book decode (one four-register
+# tbl, an index multiply and shift) is priced as three conversions, and the lookup template's per-row work (per word:
+# 32 tbl of four registers, 32 index multiplies, 32 fadd, ~64 moves and masks, ~32 shifts, stack traffic) is spread
+# over that factor.  Generic: per 4 lanes decoded (shifts, convert, scale multiply, the tile's store) and per 4 lanes
+# and row of products (an fmla, its loads, x's broadcast).
+ARM_MIXES = {
+    "convert_code_vector": {"logic": 2, "convert": 1, "shift": 0.125, "load": 0.25},
+    "fma_code_row": {"fp": 1},
+    "fma_broadcast_row": {"load": 0.25},
+    "lookup_word": {"load": 4, "prefetch": 0.5, "scalar": 1},
+    "lookup_word_row": {name: count / LOOKUP_256 for name, count in
+                        {"tbl4": 32, "imul": 32, "fp": 32, "logic": 64, "shift": 32, "load": 40, "store": 40}.items()},
+    "lookup_table_entry": {"fp": 1, "logic": 0.5, "store": 0.25},
+    "generic_decode_vector": {"shift": 3, "convert": 1, "fp": 1, "store": 1, "load": 1, "scalar": 2.5},
+    "generic_fma_vector": {"fp": 1, "load": 1.25, "scalar": 0.5, "dup_gpr": 0.25},
+}
 L1_PRESSURE = 0.25  # slowdown per L1 capacity of footprint beyond its share of L1 (activations and codes stream
 #                     through the rest; measured on the AMX template's stage depth)
 OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
@@ -119,9 +143,10 @@ def estimate(template_name: str, config, spec: Matmul, n: int, k: int, m: int, d
 
 def _cpu_estimate(work: Work, device) -> Estimate:
     """The work's cycles over the cores (an unbalanced last round of tasks costs a whole one) against its DRAM
-    bytes at the measured bandwidth; the footprint and prefetch penalties."""
-    priced = {op: count * CPU_CYCLES[op] for op, count in work.operations.items()}
-    bound = [max(count * CPU_CYCLES[op] for op, count in group.items()) for group in work.bounds]
+    bytes at the device's bandwidth; the footprint and prefetch penalties."""
+    cycles_of = operation_cycles(device)
+    priced = {op: count * cycles_of[op] for op, count in work.operations.items()}
+    bound = [max(count * cycles_of[op] for op, count in group.items()) for group in work.bounds]
     pressure = 1 + L1_PRESSURE * max(0.0, work.l1_bytes - work.l1_budget) / device.l1_bytes
     cycles = (sum(priced.values()) + sum(bound)) * pressure
     tasks = work.tasks
@@ -135,6 +160,18 @@ def _cpu_estimate(work: Work, device) -> Estimate:
         seconds *= 1 + PREFETCH_PENALTY * doublings
     return Estimate(seconds, {"compute_s": compute, "dram_s": memory, "dram_bytes": work.dram_bytes, "tasks": tasks,
                               "imbalance": imbalance, "l1_pressure": pressure, **priced})
+
+
+def operation_cycles(device) -> dict:
+    """Cycles per counted operation on a CPU `device`: CPU_CYCLES, with `ARM_MIXES` priced by the core an aarch64
+    device's code is tuned for (`arm_cores.arm_core`)."""
+    return _arm_cycles(device.level.llvm_cpu) if device.level.arch == "aarch64" else CPU_CYCLES
+
+
+@functools.lru_cache(maxsize=None)
+def _arm_cycles(llvm_cpu: str) -> dict:
+    core = arm_core(llvm_cpu)
+    return {**CPU_CYCLES, **{op: core.cycles(mix) for op, mix in ARM_MIXES.items()}}
 
 
 def _cuda_estimate(work: Work, device) -> Estimate:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..codegen.cpu import isa
 from ..codegen.cpu.isa import IsaLevel
+from .arm_cores import arm_core
 
 log = logging.getLogger("bitkern")
 
@@ -59,7 +60,10 @@ class CpuDevice:
         return "amx_bf16" in self.level.features
 
     def memory_bandwidth(self) -> float:
-        """DRAM read bandwidth with all cores (bytes/s), measured once per process."""
+        """DRAM read bandwidth with all cores (bytes/s): measured once per process where this device's code runs; for
+        aarch64 code compiled elsewhere, its cores' share of the DRAM peak of the core's machine (`arm_cores`)."""
+        if self.level.arch == "aarch64" and not self.runs_here():
+            return arm_core(self.level.llvm_cpu).share_bytes_per_s * self.cores
         return _measured_bandwidth(self.cores)
 
     @property
