@@ -1,7 +1,7 @@
 """Modelled speed of bitkern's aarch64 kernels on named ARM cores (Neoverse N1/V1/V2, Apple M1/M4, Cortex-A76), from
 their generated assembly: measured only where run on such a machine (--native).
 
-The model.  Each kernel is cross-compiled here for the core's target (TVM's LLVM, the build's pass settings) and its
+Each kernel is cross-compiled here for the core's target (TVM's LLVM, the build's pass settings) and its
 hot inner loops are read from the assembly: the innermost loops holding the products (`fmla` for the FMA and generic
 templates, the four-register `tbl` for the lookup template) and, for the generic template, the one decoding a weight
 tile into memory.  Each loop's instructions are sorted into classes (`bitkern.tuner.arm_cores.CLASSES`) and priced by
@@ -252,7 +252,7 @@ def weight_bytes(dtype: str, n: int, k: int) -> float:
 
 
 def model_text() -> str:
-    """The model in words: this module's docstring's second paragraph."""
+    """The model in words: the second paragraph of this module's docstring."""
     return __doc__.split("\n\n")[1].replace("\n", " ")
 
 
@@ -260,8 +260,8 @@ def tables(core_names: list[str]) -> tuple[list[str], list[str]]:
     """(the modelled table: per core, type and shape the best template's M=1 fraction of DRAM and M=16/512 rates; the
     counts: per core, template and type, instructions per weight byte by class at M=1)."""
     table = ["| core | type | N x K | M=1 template | cycles / weight byte | limited by | predicted M=1 fraction of "
-             "DRAM | M=16 template | M=16 GFLOP/s | M=512 template | M=512 GFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "DRAM | M=1 ms | M=16 template | M=16 GFLOP/s | M=512 template | M=512 GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     count_lines = ["| core | template | type | M | " + " | ".join(CLASSES) + " | cycles / byte | limited by |",
                    "|---|---|---|---|" + "---|" * len(CLASSES) + "---|---|"]
     for core_name in core_names:
@@ -278,8 +278,10 @@ def tables(core_names: list[str]) -> tuple[list[str], list[str]]:
             for n, k in SHAPES:
                 size = weight_bytes(dtype, n, k)
                 one = best[1]
+                fraction = fraction_of_dram(one, core_name)
+                ms = size / (fraction * ARM_CORES[core_name].dram_bytes_per_s) * 1e3
                 table.append(f"| {core_name} | {dtype} | {n}x{k} | {one.template} | {one.cycles_per_byte:.2f} | "
-                             f"{one.limit} | {fraction_of_dram(one, core_name):.2f} | {best[16].template} | "
+                             f"{one.limit} | {fraction:.2f} | {ms:.3f} | {best[16].template} | "
                              f"{rate_gflops(best[16], core_name, n, k, 16, size):.0f} | {best[512].template} | "
                              f"{rate_gflops(best[512], core_name, n, k, 512, size):.0f} |")
                 print(table[-1], flush=True)
@@ -330,11 +332,14 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = parser.parse_args()
     lines = [header(), "", "# bitkern's aarch64 kernels: modelled, not measured", "",
-             f"The model: {model_text()}", "", "Cores:", *cores_text(args.cores), ""]
+             f"The model, not a measurement: {model_text()}", "", "Cores:", *cores_text(args.cores), ""]
     table, count_lines = tables(args.cores)
-    below = [row for row in table[2:] if float(row.split("|")[7]) < TARGET_FRACTION]
+    cells = [[cell.strip() for cell in row.split("|")[1:-1]] for row in table[2:]]
+    below = {(c[0], c[1]): (c[6], c[5]) for c in cells if float(c[6]) < TARGET_FRACTION}
     lines += ["## Predicted fraction of DRAM at M=1, rates at M=16 and M=512 (best template per row)", "", *table, "",
-              f"{len(below)} of {len(table) - 2} rows below {TARGET_FRACTION} at M=1.", "",
+              f"Below {TARGET_FRACTION} at M=1 (core, type: fraction, the class that limits it): " +
+              ("; ".join(f"{core} {dtype}: {fraction}, {limit}" for (core, dtype), (fraction, limit) in below.items())
+               or "none") + ".", "",
               "## Instructions per weight byte in the inner loops, by class (M=1)", "", *count_lines, ""]
     if args.native:
         if platform.machine() not in ("aarch64", "arm64"):
