@@ -15,7 +15,8 @@ Not modelled: loop overheads outside the inner loops (group scales, the prologue
 misses beyond the DRAM stream, frequency changes under load.
 
 Run: python benchmarks/arm_model.py [--cores neoverse-v1 ...] [--out benchmarks/results/arm_model.md]
-     python benchmarks/arm_model.py --native     (on an aarch64 machine: also measures, benchmarks/cpu_levels.py's way)
+     python benchmarks/arm_model.py --native [--native-core apple-m1] [--native-rows 1 16 512]
+         (on an aarch64 machine: also measures, benchmarks/cpu_levels.py's way, and prints both side by side)
 """
 
 from __future__ import annotations
@@ -235,13 +236,16 @@ def fraction_of_dram(prediction: Prediction, core_name: str) -> float:
     return min(1.0, prediction.decode_bytes_per_s(CPU_TARGETS[core_name].clock_hz) / core.share_bytes_per_s)
 
 
-def rate_gflops(prediction: Prediction, core_name: str, n: int, k: int, m: int, weight_bytes: float) -> float:
-    """Predicted GFLOP/s (2·M·N·K over the larger of the compute time on all cores and the weights' DRAM time)."""
+def rate_gflops(prediction: Prediction, core_name: str, n: int, k: int, m: int, weight_bytes: float,
+                cores: int | None = None) -> float:
+    """Predicted GFLOP/s (2·M·N·K over the larger of the compute time and the weights' DRAM time) on `cores` cores
+    (default: all of the machine's), each with its share of the DRAM peak."""
     from bitkern.tuner.device import CPU_TARGETS
 
     core = ARM_CORES[core_name]
-    compute = weight_bytes * prediction.cycles_per_byte / (core.cores * CPU_TARGETS[core_name].clock_hz)
-    return 2 * m * n * k / max(compute, weight_bytes / core.dram_bytes_per_s) / 1e9
+    cores = cores or core.cores
+    compute = weight_bytes * prediction.cycles_per_byte / (cores * CPU_TARGETS[core_name].clock_hz)
+    return 2 * m * n * k / max(compute, weight_bytes / (core.share_bytes_per_s * cores)) / 1e9
 
 
 def weight_bytes(dtype: str, n: int, k: int) -> float:
@@ -297,9 +301,10 @@ def cores_text(core_names: list[str]) -> list[str]:
             for name, core in ((name, ARM_CORES[name]) for name in core_names)]
 
 
-def native(core_name: str, rounds: int) -> list[str]:
-    """On an aarch64 machine: benchmarks/cpu_levels.py's measurement of this CPU at M=1 beside the model's M=1
-    fraction for `core_name` (the model of the core this machine has)."""
+def native(core_name: str, rounds: int, rows: list[int]) -> list[str]:
+    """On an aarch64 machine: benchmarks/cpu_levels.py's measurement of this CPU beside the model of `core_name` (the
+    core this machine has) with this machine's cores: at M=1 the fraction of DRAM (measured: of the probe; modelled:
+    of the peak), above it GFLOP/s."""
     from conftest import read_probes
     from cpu_levels import measure
 
@@ -307,16 +312,22 @@ def native(core_name: str, rounds: int) -> list[str]:
 
     device = host_cpu()
     probes, probe_bytes = read_probes()
-    lines = ["| type | N x K | measured kernel | measured fraction of DRAM probe | modelled template | modelled "
-             "fraction of DRAM |", "|---|---|---|---|---|---|"]
-    for dtype in TYPES:
-        model = min((p for p in (predict(core_name, dtype, 1, t) for t in TEMPLATES) if p is not None),
-                    key=lambda p: p.cycles_per_byte)
-        for n, k in SHAPES:
-            measured = measure(dtype, n, k, 1, GROUP, "none", device, probes, probe_bytes, rounds)
-            lines.append(f"| {dtype} | {n}x{k} | {measured['template']} | {measured['fraction']:.2f} | "
-                         f"{model.template} | {fraction_of_dram(model, core_name):.2f} |")
-            print(lines[-1], flush=True)
+    lines = ["| type | N x K | M | measured kernel | measured | modelled template | modelled |",
+             "|---|---|---|---|---|---|---|"]
+    for m in rows:
+        for dtype in TYPES:
+            model = min((p for p in (predict(core_name, dtype, m, t) for t in TEMPLATES) if p is not None),
+                        key=lambda p: p.cycles_per_byte)
+            for n, k in SHAPES:
+                measured = measure(dtype, n, k, m, GROUP, "none", device, probes, probe_bytes, rounds)
+                if m == 1:
+                    figures = measured["fraction"], fraction_of_dram(model, core_name)
+                else:
+                    figures = (2 * m * n * k / measured["ms"] / 1e6,
+                               rate_gflops(model, core_name, n, k, m, weight_bytes(dtype, n, k), device.cores))
+                lines.append(f"| {dtype} | {n}x{k} | {m} | {measured['template']} | {figures[0]:.2f} | "
+                             f"{model.template} | {figures[1]:.2f} |")
+                print(lines[-1], flush=True)
     return lines
 
 
@@ -329,6 +340,7 @@ def main() -> None:
                         help="on an aarch64 machine: also measure this CPU (benchmarks/cpu_levels.py's way)")
     parser.add_argument("--native-core", default=None, help="the core this machine has (default: detected)")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--native-rows", type=int, nargs="+", default=list(ROWS), help="rows M measured by --native")
     parser.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = parser.parse_args()
     lines = [header(), "", "# bitkern's aarch64 kernels: modelled, not measured", "",
@@ -349,8 +361,9 @@ def main() -> None:
         core_name = args.native_core or host_cpu().level.llvm_cpu
         if core_name not in ARM_CORES:
             parser.error(f"this CPU's core ({host_cpu().name}) is not modelled; name one with --native-core")
-        lines += [f"## Measured here ({host_cpu().name}) beside the model of {core_name}, M=1", "",
-                  *native(core_name, args.rounds), ""]
+        lines += [f"## Measured here ({host_cpu().name}, {host_cpu().cores} threads) beside the model of {core_name}",
+                  "", "M=1: fraction of DRAM (measured: of the probe; modelled: of the peak); M > 1: GFLOP/s.", "",
+                  *native(core_name, args.rounds, args.native_rows), ""]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
