@@ -1,0 +1,59 @@
+"""benchmarks/arm_model.py: its instruction counter on a known aarch64 loop, and its model giving the figure the
+committed results file documents for one case (Neoverse V1, int4, FMA template, M=1)."""
+
+import importlib.util
+import re
+import sys
+
+from tests.docs_pages import ROOT
+
+LOOP = """
+.LBB0_1:
+	mov	x10, #64
+.LBB0_2:
+	ldp	q0, q1, [x1], #32
+	and	v2.16b, v0.16b, v16.16b
+	ushr	v3.16b, v0.16b, #4
+	ucvtf	v2.4s, v2.4s
+	tbl	v4.16b, { v20.16b, v21.16b, v22.16b, v23.16b }, v3.16b
+	fmla	v8.4s, v2.4s, v5.s[0]
+	ld1r	{ v6.4s }, [x9], #4
+	dup	v7.4s, w8
+	mla	v9.4s, v3.4s, v17.4s
+	prfm	pldl1keep, [x5, x12]
+	str	q8, [sp, #16]
+	subs	x10, x10, #1
+	b.ne	.LBB0_2
+	add	x11, x11, #1
+	cbnz	x11, .LBB0_1
+	ret
+"""
+
+
+def _arm_model():
+    spec = importlib.util.spec_from_file_location("benchmarks_arm_model", ROOT / "benchmarks" / "arm_model.py")
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_counter_finds_the_innermost_loop_and_sorts_its_instructions_into_classes():
+    model = _arm_model()
+    [loop] = model.innermost_loops(LOOP)
+    assert loop[0].startswith("ldp") and loop[-1] == "b.ne .LBB0_2"
+    assert model.counts(loop) == {"load": 2, "logic": 1, "shift": 1, "convert": 1, "tbl4": 1, "fp": 1,
+                                  "load_broadcast": 1, "dup_gpr": 1, "imul": 1, "prefetch": 1, "store": 1,
+                                  "scalar": 1, "branch": 1}
+
+
+def test_the_model_gives_the_documented_fraction_for_int4_on_neoverse_v1():
+    """The FMA template's int4 kernel compiled for Neoverse V1 here: its cycles per weight byte and M=1 fraction of
+    DRAM are those of benchmarks/results/arm_model.md."""
+    model = _arm_model()
+    prediction = model.predict("neoverse-v1", "int4", 1, "fma")
+    results = (ROOT / "benchmarks" / "results" / "arm_model.md").read_text()
+    row = re.search(r"^\| neoverse-v1 \| int4 \| 4096x4096 \| (\w+) \| ([\d.]+) \| (\w+) \| ([\d.]+) \|", results,
+                    re.MULTILINE)
+    assert row[1] == prediction.template == "fma" and row[3] == prediction.limit
+    assert f"{prediction.cycles_per_byte:.2f}" == row[2]
+    assert f"{model.fraction_of_dram(prediction, 'neoverse-v1'):.2f}" == row[4]
