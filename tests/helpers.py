@@ -1,8 +1,11 @@
 """What several test modules share: error bounds of the CPU kernels against the float64 reference, the
-comparison of module outputs, and the cases of the CUDA decode functions (the host and the GPU tests run the same
-ones)."""
+comparison of module outputs, the cases of the CUDA decode functions (the host and the GPU tests run the same
+ones), and the benchmark scripts as modules."""
 
 import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,18 @@ from bitkern.codegen.words import word_order
 from bitkern.ops import Matmul
 from bitkern.ttype import torch_dtype
 from bitkern.tuner import host_cpu
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is no package), registered as benchmarks_<name> so that its
+    dataclasses resolve."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
 
 # -- CPU kernels against bitkern.ops references ---------------------------------------------------------------
 OUTPUT_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}

@@ -1,11 +1,10 @@
 """benchmarks/arm_model.py: its instruction counter on a known aarch64 loop, and its model giving the figure the
 committed results file documents for one case (Neoverse V1, int4, FMA template, M=1)."""
 
-import importlib.util
 import re
-import sys
 
 from tests.docs_pages import ROOT
+from tests.helpers import benchmark
 
 LOOP = """
 .LBB0_1:
@@ -30,15 +29,8 @@ LOOP = """
 """
 
 
-def _arm_model():
-    spec = importlib.util.spec_from_file_location("benchmarks_arm_model", ROOT / "benchmarks" / "arm_model.py")
-    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_counter_finds_the_innermost_loop_and_sorts_its_instructions_into_classes():
-    model = _arm_model()
+    model = benchmark("arm_model")
     [loop] = model.innermost_loops(LOOP)
     assert loop[0].startswith("ldp") and loop[-1] == "b.ne .LBB0_2"
     assert model.counts(loop) == {"load": 2, "logic": 1, "shift": 1, "convert": 1, "tbl4": 1, "fp": 1,
@@ -49,7 +41,7 @@ def test_the_counter_finds_the_innermost_loop_and_sorts_its_instructions_into_cl
 def test_the_model_gives_the_documented_fraction_for_int4_on_neoverse_v1():
     """The FMA template's int4 kernel compiled for Neoverse V1 here: its cycles per weight byte and M=1 fraction of
     DRAM are those of benchmarks/results/arm_model.md."""
-    model = _arm_model()
+    model = benchmark("arm_model")
     prediction = model.predict("neoverse-v1", "int4", 1, "fma")
     results = (ROOT / "benchmarks" / "results" / "arm_model.md").read_text()
     row = re.search(r"^\| neoverse-v1 \| int4 \| 4096x4096 \| (\w+) \| ([\d.]+) \| (\w+) \| ([\d.]+) \|", results,

@@ -2,13 +2,12 @@
 figure of benchmarks/plots.py draws from the committed results files, and every current results file says where,
 when, how and from which commit it was measured."""
 
-import importlib.util
 import re
-import sys
 
 import pytest
 
 from tests.docs_pages import PAGES, ROOT, prose
+from tests.helpers import benchmark
 
 RESULTS = ROOT / "benchmarks" / "results"
 MAX_IMAGE_BYTES = 150_000
@@ -16,11 +15,7 @@ HEADER = re.compile(r"^Machine: .+; date: \d{4}-\d{2}-\d{2}.*; command: `.+`; co
 
 
 def _plots():
-    """benchmarks/plots.py (benchmarks/ is no package), registered so that its dataclasses resolve."""
-    spec = importlib.util.spec_from_file_location("benchmarks_plots", ROOT / "benchmarks" / "plots.py")
-    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("plots")
 
 
 def _embedded():

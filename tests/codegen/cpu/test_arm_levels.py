@@ -17,7 +17,7 @@ from bitkern.tuner import device_for, host_cpu
 from bitkern.tuner.device import (CPU_TARGETS, cpuinfo_features, cpuinfo_model, named_cpu, parse_sysctl,
                                   sysctl_caches, sysctl_features, unrunnable)
 from bitkern.tuner.space import enumerate_candidates, usable_templates
-from tests.helpers import matmul_case
+from tests.helpers import benchmark, matmul_case
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="checks cross-compiling from x86-64")
 
@@ -167,17 +167,10 @@ def test_templates_of_x86_only_are_refused_for_aarch64_levels(level):
 
 def _assembly(spec: Matmul, device, name: str = "generic", bucket: tuple[int, int] = (1, 16)) -> str:
     """The code of template `name`'s first candidate for `device`, as TVM's LLVM writes it (no cross tools
-    needed); the pass settings are the build's (`kernel.compile_function`)."""
-    import tvm
-
-    template = next(t for t in TEMPLATES if t.name == name)
+    needed; benchmarks/arm_model.py's `assembly`, the build's pass settings)."""
     _, candidates = enumerate_candidates(spec, N, K, bucket, "tile16", device)
     config = next(c.config for c in candidates if c.template == name)
-    func, _ = template.program(spec, N, K, config, "tile16", bucket, device)
-    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-        library = tvm.compile(tvm.IRModule({"main": func}), target=tvm.target.Target(
-            device.level.target_dict(device.cores)))
-    return library.mod.inspect_source("asm")
+    return benchmark("arm_model").assembly(spec, N, K, name, config, bucket, device)
 
 
 def _neon_only(code: str) -> bool:
