@@ -8,12 +8,13 @@ only it can take, over its pipes) or the issue width, whichever is larger.  Numb
 - Neoverse V1 and V2: Arm's Software Optimization Guides as LLVM's scheduling models encode them
   (llvm/lib/Target/AArch64/AArch64SchedNeoverseV1.td, ...V2.td, read 2026-11): 4 vector pipes V0-V3, fmla and
   logic on any, shifts on V1/V3, a Q-form int-to-float convert 2 micro-ops on V0/V2, tbl on V0/V1 (V1: 2 micro-ops
-  for 1-3 table registers, 3 for 4; V2: 1, 2, 3); three load pipes.
+  for 1-3 table registers, 3 for 4; V2: 1 for 1-2, 2 for 3, 3 for 4); three load pipes; issue width 8 (LLVM's V1
+  figure, taken for V2 too); V2's six integer pipes counted as V1's four (scalar work never binds these loops).
 - Neoverse N1 and Cortex-A76 (the same core): 2 vector pipes, shifts on V1 only, converts 2 micro-ops on V0, tbl of
-  n registers n micro-ops: from Arm's N1 Software Optimization Guide, not re-checked here (estimate).
-- Apple M1 (Firestorm): Dougall Johnson's published measurements (dougallj.github.io/applecpu/firestorm.html):
-  4 SIMD pipes taking fmla, logic, shifts and converts (fcvtzu vector: 1 micro-op) alike, tbl of 1-2 registers 1
-  micro-op; 3- and 4-register tbl 2 micro-ops (estimate: his tbx of 2 registers takes 2); three load pipes.
+  n registers n micro-ops, issue width 4: from Arm's N1 Software Optimization Guide, not re-checked here (estimate).
+- Apple M1 (Firestorm): Dougall Johnson's published measurements (dougallj.github.io/applecpu/): 4 SIMD pipes taking
+  fmla, logic, shifts and converts (fcvtzu vector: 1 micro-op) alike, tbl of 1-2 registers 1 micro-op; 3- and
+  4-register tbl 2 micro-ops (estimate: his tbx of 2 registers takes 2); three load pipes; issue width 8.
 - Apple M4: no published per-instruction tables; M1's per-cycle numbers (estimate), its own clock and memory.
 - Memory: DRAM peak of the machine's channels (Graviton 2: 8 x DDR4-3200, 64 cores; Graviton 3: 8 x DDR5-4800, 64
   cores; Graviton 4: 12 x DDR5-5600, 96 cores; M1: LPDDR4X-4266, 128 bits, 4 performance cores; M4: LPDDR5X-7500,
