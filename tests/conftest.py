@@ -133,3 +133,17 @@ def build_elementwise(llvm_target):
         return tvm.compile(tvm.IRModule({"main": func}), target=llvm_target)["main"]
 
     return build
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """An empty user cache, no system cache, cost-model tuning, a fresh process map: for tests that count what a
+    call builds."""
+    from bitkern.cache import forget
+
+    monkeypatch.setenv("BITKERN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("BITKERN_SYSTEM_CACHE_DIR", str(tmp_path / "no-system-cache"))
+    monkeypatch.setenv("BITKERN_TUNING", "model")
+    forget()
+    yield
+    forget()

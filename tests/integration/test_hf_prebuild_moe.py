@@ -49,17 +49,6 @@ def checkpoints(tmp_path_factory):
     return folders
 
 
-@pytest.fixture
-def empty_cache(tmp_path, monkeypatch):
-    """An empty user cache, no system cache, cost-model tuning, a fresh process map."""
-    monkeypatch.setenv("BITKERN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("BITKERN_SYSTEM_CACHE_DIR", str(tmp_path / "absent"))
-    monkeypatch.setenv("BITKERN_TUNING", "model")
-    forget()
-    yield
-    forget()
-
-
 def _load(folder, quantized: bool):
     from transformers import AutoModelForCausalLM
 

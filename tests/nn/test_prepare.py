@@ -12,15 +12,7 @@ from bitkern.cache import forget
 from bitkern.nn.prepare import PrepareReport, kernel_calls
 
 
-@pytest.fixture(autouse=True)
-def own_caches(tmp_path, monkeypatch):
-    """An empty user cache, no system cache, cost-model tuning; a fresh process map."""
-    monkeypatch.setenv("BITKERN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("BITKERN_SYSTEM_CACHE_DIR", str(tmp_path / "no-system-cache"))
-    monkeypatch.setenv("BITKERN_TUNING", "model")
-    forget()
-    yield
-    forget()
+pytestmark = pytest.mark.usefixtures("empty_cache")
 
 
 def _model() -> nn.Module:
