@@ -1,8 +1,9 @@
 """VNNI template: y = x̂ · dequant(W)ᵀ for activation_quant="int8" specs, integer weight codes (or, for 4-bit code
-books and floats, their int8 code book looked up by vpshufb, `TType.int8_values`) times int8 activations in exact int32
-byte dot products, for any number of rows: vpdpbusd with AVX512-VNNI (Intel since Cascade Lake, AMD
-Zen 4 and later) and AVX-VNNI (Alder Lake and later, Zen 5), vpmaddubsw and vpmaddwd with AVX2 (`emit.vnni.dot_bytes`);
-its code comes from `emit.vnni` (see there for the kernel's structure)."""
+books and floats, their int8 code book looked up by vpshufb or NEON's tbl, `TType.int8_values`) times int8 activations
+in exact int32 byte dot products, for any number of rows, with each level's byte dot product (`dot_instruction`):
+vpdpbusd with AVX512-VNNI (Intel since Cascade Lake, AMD Zen 4 and later) and AVX-VNNI (Alder Lake and later, Zen 5),
+vpmaddubsw and vpmaddwd with AVX2, and sdot with aarch64's dot product: Neoverse N1 and later, Cortex-A76, Apple M1
+(`emit.vnni.dot_bytes`); its code comes from `emit.vnni` (see there for the kernel's structure)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ PRODUCTS = ACTIVATION_BLOCK // 4  # vpdpbusd per row, tile and activation block 
 BODY = 320
 # 16-lane registers a row block may hold: y and an int32 sum per (row, tile); per tile its word and two group factors
 REGISTERS = 30  # of 32 zmm
-REGISTERS_256 = 12  # with 256-bit vectors (two of the 16 ymm each): a few spill, the byte products bound the time
+# with 256-bit vectors (two of AVX2's 16 ymm each) or 128-bit ones (four of aarch64's 32 v each), 512 bytes of registers
+# either way: a few spill, the byte products bound the time
+REGISTERS_NARROW = 12
 
 
 def looks_up_bytes(spec: Matmul) -> bool:
-    """Whether the kernel looks each code's byte up in the type's int8 code book (vpshufb, `byte_table`) instead of
-    multiplying the code itself: types that are neither int nor uint."""
+    """Whether the kernel looks each code's byte up in the type's int8 code book (vpshufb or tbl, `byte_table`)
+    instead of multiplying the code itself: types that are neither int nor uint."""
     return get(spec.weight_dtype).kind not in (INT, UINT)
 
 
@@ -50,7 +53,7 @@ def byte_bias(spec: Matmul, level) -> int:
 
 def byte_table(spec: Matmul, level) -> torch.Tensor:
     """The `lut` argument of a looked-up type: its int8 code book t as bytes t + `byte_bias`, 16 of them repeated per
-    128-bit lane as vpshufb reads them, as 16 int32."""
+    128-bit lane as vpshufb reads them (tbl reads the first 16), as 16 int32."""
     values, _ = get(spec.weight_dtype).int8_values
     codes = values.to(torch.int16) + byte_bias(spec, level)
     table = torch.zeros(16, dtype=torch.int16)
@@ -58,21 +61,39 @@ def byte_table(spec: Matmul, level) -> torch.Tensor:
     return (table & 0xFF).to(torch.uint8).repeat(4).view(torch.int32)
 
 
+def dot_instruction(level) -> str:
+    """The byte dot product of a level's kernels: "sdot" (aarch64's dot-product extension, signed bytes times signed
+    bytes), "vpdpbusd" (AVX512-VNNI on 512-bit vectors, AVX-VNNI on 256-bit ones; unsigned times signed bytes) or
+    "vpmaddubsw" (x86 without VNNI: unsigned times signed byte pairs into saturating int16, then vpmaddwd)."""
+    if level.arch == "aarch64":
+        return "sdot"
+    vnni = "avx512_vnni" if level.vector_bytes >= 64 else "avx_vnni"
+    return "vpdpbusd" if vnni in level.features else "vpmaddubsw"
+
+
 def reads_signed_bytes(level, bits: int) -> bool:
-    """Whether the kernel reads `bits`-bit codes as signed bytes: 8-bit codes with AVX2's vpmaddubsw, by the sign
-    trick (|s| times q with the sign of s: pairs of products stay within int16, `dot_bytes`); else as unsigned."""
-    return bits == 8 and level.vector_bytes == 32 and "avx_vnni" not in level.features
+    """Whether the kernel reads `bits`-bit codes as signed bytes: 8-bit codes with sdot, and with AVX2's vpmaddubsw
+    by the sign trick (|s| times q with the sign of s: pairs of products stay within int16, `dot_bytes`); else as
+    unsigned (which sdot reads as signed bytes of the same values: below 2^bits <= 16)."""
+    if bits != 8:
+        return False
+    instruction = dot_instruction(level)
+    return instruction == "sdot" or (instruction == "vpmaddubsw" and level.vector_bytes == 32)
 
 
 def dot_cost(level, bits: int, looked_up: bool = False) -> float:
     """Instructions per 64 bytes of byte dot products at a level (`emit.vnni.dot_bytes`), relative to one 512-bit
-    vpdpbusd: two 256-bit ones with AVX-VNNI; without VNNI a vpmaddubsw and a vpaddw (on two ports) per vector (two
-    vectors with AVX2) and per block of 8 a vpmaddwd and an add (`emit.vnni.sums_pairs`); 8-bit codes widen per
-    vector, with AVX2 with a vpabsb and a vpsignb more (the sign trick), with AVX-512 twice over (two nibbles); a
-    looked-up code book (`looks_up_bytes`, bits 8) a vpshufb more per vector."""
+    vpdpbusd: two 256-bit ones with AVX-VNNI; four sdot (and tbl of a looked-up code book) at two per cycle on aarch64;
+    without VNNI a vpmaddubsw and a vpaddw (on two ports) per vector (two vectors with AVX2) and per block of 8 a
+    vpmaddwd and an add (`emit.vnni.sums_pairs`); 8-bit codes widen per vector, with AVX2 with a vpabsb and a vpsignb
+    more (the sign trick), with AVX-512 twice over (two nibbles); a looked-up code book (`looks_up_bytes`, bits 8) a
+    vpshufb more per vector."""
     lookup = int(looked_up)
-    if "avx512_vnni" in level.features or "avx_vnni" in level.features:
+    instruction = dot_instruction(level)
+    if instruction == "vpdpbusd":
         return (1 + lookup / 2) * (64 / level.vector_bytes)  # vpshufb on another port than vpdpbusd
+    if instruction == "sdot":
+        return (1 + lookup) * (64 / level.vector_bytes) / 2
     operations = (2.25 if bits <= 4 else 5 if reads_signed_bytes(level, bits) else 6) + lookup
     return operations * (64 / level.vector_bytes) / 2
 
@@ -114,7 +135,8 @@ class VnniTemplate(CpuTemplate):
     title = "VNNI"
     config_type = VnniConfig
     shape_fields = ("n_tiles", "rows", "prefetch")
-    requires = (isa.level("x86-64-v3").features,)  # vpmaddubsw at least (`emit.vnni.dot_bytes`)
+    # vpmaddubsw at least, or sdot (`dot_instruction`)
+    requires = (isa.level("x86-64-v3").features, isa.level("armv8.2-a").features)
     epilogues = EPILOGUES  # the tile16 builder's output stage
     residual_add = True
     norms = NORMS  # the tile16 builder's prologue
@@ -141,7 +163,7 @@ class VnniTemplate(CpuTemplate):
         """Row blocks up to the bucket's rows (at most 4) and tiles that fit the registers and the body bound,
         the task's words within half of L2, every prefetch depth; row chunks of 32 to 128 rows beyond 16."""
         small = bucket[1] <= SMALL_M
-        budget = REGISTERS if device.vector_bytes >= 64 else REGISTERS_256
+        budget = REGISTERS if device.vector_bytes >= 64 else REGISTERS_NARROW
         found = []
         for rows in doublings(1, min(4, bucket[1])):
             for n_tiles in range(1, 9):

@@ -1,6 +1,6 @@
 """aarch64: host detection from real /proc/cpuinfo and macOS sysctl samples, the named parts to cross-compile for, the
-x86 templates refused for aarch64 levels with their reason, and the generic template compiled for every aarch64
-level (its inner loop NEON `fmla` on v registers) but never run on this x86-64 machine."""
+x86 templates refused for aarch64 levels with their reason, and the templates serving aarch64 compiled for every
+aarch64 level (inner loops of NEON `fmla`, `tbl`, `sdot` on v registers) but never run on this x86-64 machine."""
 
 import platform
 import re
@@ -12,6 +12,7 @@ import pytest
 from bitkern.codegen import build_kernel, pack
 from bitkern.codegen.cpu import TEMPLATES, isa
 from bitkern.codegen.cpu.runtime import library_arch
+from bitkern.codegen.cpu.vnni import VnniConfig
 from bitkern.ops import Matmul
 from bitkern.tuner import device_for, host_cpu
 from bitkern.tuner.device import (CPU_TARGETS, cpuinfo_features, cpuinfo_model, named_cpu, parse_sysctl,
@@ -66,6 +67,7 @@ hw.optional.arm.FEAT_SME2: 1
 hw.optional.arm64: 1""", "armv8.6-a", 16 << 20),
 }
 ARM_LEVELS = [level.name for level in isa.ARM_LEVELS]
+DOTPROD_LEVELS = [level.name for level in isa.ARM_LEVELS if "asimddp" in level.features]
 N, K = 64, 256
 
 
@@ -150,34 +152,41 @@ def test_every_aarch64_level_is_a_tvm_target():
 @pytest.mark.parametrize("level", ARM_LEVELS)
 def test_templates_of_x86_only_are_refused_for_aarch64_levels(level):
     """The FMA templates (dense and grouped) and the lookup template serve aarch64 (their few level-specific
-    instructions have NEON forms); the others are x86 code, refused naming it."""
+    instructions have NEON forms), the VNNI template the levels with the dot-product extension (sdot); the others are
+    x86 code, refused naming it."""
     device = host_cpu().at_level(level)
     spec = Matmul("int4", "bfloat16", group_size=64)
     usable, unused = usable_templates(spec, N, K, (1, 16), "tile16", device)
     assert [template.name for template in usable] == ["fma", "generic"]
     assert "lookup template serves at most" in unused["lut"]
     for template in TEMPLATES:
-        assert template.runs_at(isa.level(level)) == (template.name in ("generic", "fma", "lut", "grouped_fma"))
-        if not template.runs_at(isa.level(level)):
+        serves = template.name in ("generic", "fma", "lut", "grouped_fma") or \
+            (template.name == "vnni" and level in DOTPROD_LEVELS)
+        assert template.runs_at(isa.level(level)) == serves
+        if not serves and template.name != "vnni":
             assert unused[template.name] == (f"the {level} level (aarch64; the {template.title} template is x86_64 "
                                              f"code)")
             with pytest.raises(ValueError, match=f"cannot build for the {level} level"):
                 build_kernel(spec, N, K, template.name, template.config_type(), "tile16", (1, 16), device)
 
 
-def _assembly(spec: Matmul, device, name: str = "generic", bucket: tuple[int, int] = (1, 16)) -> str:
-    """The code of template `name`'s first candidate for `device`, as TVM's LLVM writes it (no cross tools
-    needed; benchmarks/arm_model.py's `assembly`, the build's pass settings)."""
-    _, candidates = enumerate_candidates(spec, N, K, bucket, "tile16", device)
-    config = next(c.config for c in candidates if c.template == name)
+def _assembly(spec: Matmul, device, name: str = "generic", bucket: tuple[int, int] = (1, 16), config=None) -> str:
+    """The code of template `name`'s `config` (default: its first candidate) for `device`, as TVM's LLVM writes it (no
+    cross tools needed; benchmarks/arm_model.py's `assembly`, the build's pass settings)."""
+    if config is None:
+        _, candidates = enumerate_candidates(spec, N, K, bucket, "tile16", device)
+        config = next(c.config for c in candidates if c.template == name)
     return benchmark("arm_model").assembly(spec, N, K, name, config, bucket, device)
 
 
 def _neon_only(code: str) -> bool:
     """No SVE arithmetic (the templates' fixed-width vectors map to NEON; at the SVE levels LLVM may set a constant
-    with SVE's mov of an immediate, which writes the same register) and no x86 registers."""
+    with SVE's mov of an immediate or index of a start and step, which write the same register) and no x86
+    registers."""
     sve = [line for line in code.splitlines() if re.search(r"\bz\d+\.[bhsd]\b", line)]
-    return all(re.fullmatch(r"\s*mov\s+z\d+\.[bhsd], #-?(0x[0-9a-f]+|\d+)", line) for line in sve) and \
+    immediate = r"#-?(0x[0-9a-f]+|\d+)"
+    return all(re.fullmatch(rf"\s*(mov\s+z\d+\.[bhsd], {immediate}|index\s+z\d+\.[bhsd], {immediate}, {immediate})",
+                            line) for line in sve) and \
         "xmm" not in code and "ymm" not in code
 
 
@@ -204,6 +213,59 @@ def test_the_fma_and_lookup_templates_compile_to_fmla_and_tbl_at_every_aarch64_l
     lookup = _assembly(Matmul("int4", "float32", group_size=64), device, "lut", (1, 4))
     assert len(re.findall(r"\btbl\s+v\d+\.16b, \{ v\d+\.16b, v\d+\.16b, v\d+\.16b, v\d+\.16b \}",
                           lookup)) >= 8 and _neon_only(lookup)
+
+
+def _inner_loop(code: str, instruction: str) -> list[str]:
+    """The lines of the innermost loop (a label to a backward branch to it, holding no other such loop) with the most
+    `instruction`s: the body of the most rows, where a kernel has one per row count."""
+    lines = code.splitlines()
+    labels = {line.rstrip(":"): i for i, line in enumerate(lines) if re.fullmatch(r"\.?L\w+:", line)}
+    spans = []
+    for i, line in enumerate(lines):
+        branch = re.fullmatch(r"\s+(?:b(?:\.\w+)?|cbn?z\s+\w+,|tbn?z\s+\w+,\s*#\d+,)\s+(\.?L\w+)", line)
+        if branch and labels.get(branch.group(1), i) < i:
+            spans.append((labels[branch.group(1)], i))
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return max((lines[a:b + 1] for a, b in innermost),
+               key=lambda loop: sum(bool(re.search(rf"\b{instruction}\b", line)) for line in loop))
+
+
+# what a scalar fallback of byte products would show: byte loads, lanes moved to general registers, integer multiplies
+_SCALAR = re.compile(r"\b(ldrs?b|umov|smov|sxtb|uxtb|mul|madd|msub|smull|umull|smaddl|umaddl)\b")
+VNNI_TYPES = {"int4": 64, "int8": 64, "nf4": 64, "int2": 64, "mxfp4": 32}  # and their group sizes
+
+
+@pytest.mark.parametrize("level", DOTPROD_LEVELS)
+@pytest.mark.parametrize("name", VNNI_TYPES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_vnni_template_compiles_to_sdot_at_every_aarch64_level_with_dotprod(level, name, rows):
+    """int8 activations: the inner loop (an activation block of 32 k's) holds one sdot per 4 columns, row and 4 k's
+    (8 per 16-column tile and row, times 4 registers), of broadcast activation quads (ld1r), the codes masked per byte
+    position; code books and floats looked up first, a single-register tbl per 4 columns and 4 k's (mxfp4's loop, its
+    group, also decodes the group's scales); no scalar byte products and no x86 registers.  M=1 takes the first
+    candidate; M=4 a block of 4 rows (the codes looked up once, multiplied per row)."""
+    spec = Matmul(name, "bfloat16", group_size=VNNI_TYPES[name], activation_quant="int8")
+    device = host_cpu().at_level(level)
+    assert "vnni" not in usable_templates(spec, N, K, (1, rows), "tile16", device)[1]
+    config = VnniConfig(1, True, 16, 4, 32) if rows == 4 else None
+    code = _assembly(spec, device, "vnni", (1, rows), config)
+    loop = "\n".join(_inner_loop(code, "sdot"))
+    sdot = re.findall(r"\bsdot\s+v\d+\.4s, v\d+\.16b, v\d+\.(16b|4b\[\d\])", loop)
+    assert len(sdot) == 32 * rows and len(re.findall(r"\bld1r\s+\{ v\d+\.4s \}", loop)) >= 8 * rows
+    tables = re.findall(r"\btbl\s+v\d+\.16b, \{ v\d+\.16b \}, v\d+\.16b", loop)
+    assert len(tables) >= 32 * (name in ("nf4", "mxfp4")) and (tables == []) == (name not in ("nf4", "mxfp4"))
+    assert not _SCALAR.search(loop) and _neon_only(code), loop
+
+
+def test_the_vnni_template_is_refused_at_aarch64_levels_without_dotprod():
+    """armv8-a (Cortex-A72) has no sdot: the VNNI template, the only one of int8 activations, is refused naming the
+    feature it lacks."""
+    device = host_cpu().at_level("armv8-a")
+    spec = Matmul("int4", "bfloat16", group_size=64, activation_quant="int8")
+    usable, unused = usable_templates(spec, N, K, (1, 16), "tile16", device)
+    assert usable == [] and unused["vnni"] == "the armv8-a level (it needs asimddp)"
+    with pytest.raises(ValueError, match=r"cannot build for the armv8-a level \(it needs asimddp\)"):
+        build_kernel(spec, N, K, "vnni", VnniConfig(), "tile16", (1, 16), device)
 
 
 _LINKER = shutil.which("aarch64-linux-gnu-ld") or shutil.which("ld.lld")

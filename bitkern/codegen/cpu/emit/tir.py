@@ -165,11 +165,20 @@ def _tbl4_lookup16(table, index):
     return tirx.reinterpret("float32x16", tirx.Shuffle(picked, list(range(64))))
 
 
-def lookup_bytes(table, index, vector_bytes: int):
+def lookup_bytes(table, index, level):
     """Per byte, the byte of `table` at the low 4 bits of `index`'s byte (both 16 int32 lanes, bytes of index below
-    16): vpshufb, which looks up within each 128-bit lane, so `table` holds its 16 bytes once per lane.  One
-    512-bit vpshufb with AVX-512, one per 8 lanes with AVX2."""
-    if vector_bytes >= 64:
+    16), with the instruction-set `level`'s instructions: vpshufb, which looks up within each 128-bit lane, so `table`
+    holds its 16 bytes once per lane.  One 512-bit vpshufb with AVX-512, one per 8 lanes with AVX2; aarch64: one
+    single-register `tbl` of the table's first 16 bytes per 4 lanes."""
+    if level.arch == "aarch64":
+        table_bytes = tirx.reinterpret("int8x16", tirx.Shuffle([table], list(range(4))))
+        quarters = []
+        for start in range(0, LANES, 4):
+            quarter_index = tirx.reinterpret("int8x16", tirx.Shuffle([index], list(range(start, start + 4))))
+            picked = tirx.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1", table_bytes, quarter_index)
+            quarters.append(tirx.reinterpret("uint32x4", picked))
+        return tirx.Shuffle(quarters, list(range(LANES)))
+    if level.vector_bytes >= 64:
         picked = tirx.call_llvm_pure_intrin("int8x64", "llvm.x86.avx512.pshuf.b.512",
                                             tirx.reinterpret("int8x64", table), tirx.reinterpret("int8x64", index))
         return tirx.reinterpret("uint32x16", picked)

@@ -1,5 +1,6 @@
 """The VNNI kernel of activation_quant="int8" (W4A8, W8A8 as llama.cpp's Q4_0 x Q8_0): integer weight codes times
-int8 activations by vpdpbusd, exact in int32 per activation block.
+int8 activations by vpdpbusd (or the level's byte dot product, `vnni.dot_instruction`: sdot on aarch64), exact in
+int32 per activation block.
 
 Per parallel task (16·n_tiles output columns, a chunk of rows):
   prologue  each row's 32-k blocks of x̂ -> int8 codes q and a float32 scale d, as `ops.matmul.activation_blocks`
@@ -9,7 +10,7 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
   main      per block of `rows` rows (all of K with y in registers where one block holds the call's rows, else
             per group, every block in turn, so a group's words come from DRAM once): each tile16 word (16 columns)
             is masked per byte position (its codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1); code
-            books and floats looked up by vpshufb in their int8 code book, `vnni.byte_table`), and vpdpbusd adds
+            books and floats looked up by vpshufb or tbl in their int8 code book, `vnni.byte_table`), and vpdpbusd adds
             u·q of 4 k's per lane into int32 sums C; per activation block y += (scale·alpha·d)·C, per
             group y += scale·beta·XS, where v = alpha·u + offset and beta = offset - zero point;
   output    the tile16 builder's (non-finite terms, bias, epilogue, residual).
@@ -28,16 +29,17 @@ from ....ttype import get
 from ....ttype.types import INT
 from ..isa import IsaLevel
 from ..layout import padded_k, tile16_shift
-from ..vnni import byte_bias, byte_bits, looks_up_bytes, reads_signed_bytes
+from ..vnni import byte_bias, byte_bits, dot_instruction, looks_up_bytes, reads_signed_bytes
 from . import nonfinite
 from .tile16 import SMALL_M_ROWS, Tile16Builder, _Decode
 from .tir import LANES, horizontal_max, load, lookup_bytes, prefetch_ahead, ramp, registers, splat, u32
 
 QUADS = ACTIVATION_BLOCK // 4  # int32 words of int8 codes per activation block
-# Independent vpdpbusd chains a row block keeps in flight (its latency, 5 cycles on Sapphire Rapids, at one per cycle,
-# rounded up to a power of two); cells with fewer split their sums by product.  AVX2's vpmaddubsw and vpmaddwd end in
-# a one-cycle add: one chain.
-CHAINS = 8
+# Independent 16-lane chains a row block keeps in flight, per byte dot product (`vnni.dot_instruction`): vpdpbusd's
+# latency, 5 cycles on Sapphire Rapids, at one per cycle, rounded up to a power of two; sdot's 4 cycles at two per
+# cycle (Cortex-A76, Neoverse N1; from Arm's guides, not measured), four sdot per 16 lanes; vpmaddubsw and vpmaddwd
+# end in a one-cycle add.  Cells with fewer split their sums by product.
+CHAINS = {"vpdpbusd": 8, "sdot": 2, "vpmaddubsw": 1}
 
 
 class _Codes:
@@ -99,7 +101,7 @@ class VnniBuilder(Tile16Builder):
         self.level = level  # before the tile16 builder's set-up, which picks the decode (`_set_decode`)
         self.max_rows = max_rows  # the most rows a call brings (the bucket's): one row block or several
         super().__init__(spec, n, k, config)
-        self.chains = CHAINS if "avx512_vnni" in level.features or "avx_vnni" in level.features else 1
+        self.chains = CHAINS[dot_instruction(level)]
         self.codes = _Codes(self.ttype.bits)
         self.blocks = padded_k(k, self.ttype.bits) // ACTIVATION_BLOCK
         self.group_blocks = self.s.kgroup // ACTIVATION_BLOCK
@@ -269,7 +271,7 @@ class VnniBuilder(Tile16Builder):
                     shifted = word if s == 0 else tirx.shift_right(word, u32(codes.bits * s))
                     unsigned = shifted if codes.bits == 8 else tirx.bitwise_and(shifted, u32(codes.mask))
                     if self.table is not None:
-                        unsigned = lookup_bytes(load(self.table, 0, ramp(0)), unsigned, self.level.vector_bytes)
+                        unsigned = lookup_bytes(load(self.table, 0, ramp(0)), unsigned, self.level)
                     for r, quad in enumerate(quads):
                         cell = [product % splits, r, c, ramp(0)]
                         if pairs:
@@ -293,8 +295,7 @@ def sums_pairs(level: IsaLevel, bits: int, signed_codes: bool) -> bool:
     """Whether a block's byte products add up as vpmaddubsw's int16 pairs, widened to int32 once per block by a
     vpmaddwd (`add_byte_pairs`, `widen_pairs`): without VNNI, for unsigned codes of at most 4 bits, whose pairs
     (at most 2·15·127) summed over a block's 8 products stay below 2^15."""
-    has_vnni = "avx512_vnni" in level.features if level.vector_bytes >= 64 else "avx_vnni" in level.features
-    return not has_vnni and bits <= 4 and not signed_codes
+    return dot_instruction(level) == "vpmaddubsw" and bits <= 4 and not signed_codes
 
 
 def add_byte_pairs(pairs, unsigned, signed, level: IsaLevel):
@@ -328,10 +329,13 @@ def widen_pairs(pairs, level: IsaLevel):
 def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int, signed_codes: bool = False):
     """acc + Σ of the 4 byte products per int32 lane (16 lanes): bytes of `unsigned` (codes of `bits` bits; signed
     bytes where `signed_codes`, see `reads_signed_bytes`) times signed bytes of `signed` (activation codes within
-    ±127), exact.  AVX512-VNNI: one vpdpbusd; AVX-VNNI: one per 8 lanes; without VNNI, vpmaddubsw (pairs into int16)
+    ±127), exact.  AVX512-VNNI: one vpdpbusd; AVX-VNNI: one per 8 lanes; aarch64: one sdot per 4 lanes (signed
+    times signed: codes of fewer than 8 bits are below 16 either way); without VNNI, vpmaddubsw (pairs into int16)
     and vpmaddwd (the pairs into int32), on 16 lanes with AVX-512, per 8 with AVX2.  vpmaddubsw's pairs would saturate
     for unsigned 8-bit codes: AVX2 multiplies signed codes s as |s| times q with the sign of s (vpsignb; 2·128·127 fits
     int16), AVX-512 (no vpsignb) 8-bit codes as two nibbles, the high ones times 16."""
+    if dot_instruction(level) == "sdot":
+        return _signed_dot_bytes(acc, unsigned, signed)
     if level.vector_bytes >= 64:
         if "avx512_vnni" in level.features:
             return tirx.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc,
@@ -356,6 +360,19 @@ def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int, signed_codes: b
 # (vpmaddubsw, vpmaddwd) intrinsics and the int32 lanes they work on
 _AVX512_MADD = ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512", 16)
 _AVX2_MADD = ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", 8)
+
+
+def _signed_dot_bytes(acc, codes, activations):
+    """acc + Σ of the 4 byte products per lane of signed codes and activations: one NEON sdot per 4 lanes."""
+    quarters = []
+    for start in range(0, LANES, 4):
+        lanes = list(range(start, start + 4))
+        part, quarter_codes, quarter_activations = (tirx.Shuffle([vector], lanes) for vector in (acc, codes,
+                                                                                                 activations))
+        quarters.append(tirx.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot", part,
+                                                   tirx.reinterpret("int8x16", quarter_codes),
+                                                   tirx.reinterpret("int8x16", quarter_activations)))
+    return tirx.Shuffle(quarters, list(range(LANES)))
 
 
 def _multiply_add_signed_bytes(acc, codes, activations):
