@@ -1,6 +1,7 @@
 """The aarch64 lane, run by tools/aarch64/test inside an emulated arm64 root (skipped elsewhere): bitkern imports with
 nothing set, detects emulated CPU models as their /proc/cpuinfo says, every
-template that serves aarch64 computes the references, and a quantized tiny Llama generates, saves and loads."""
+template that serves aarch64 computes the references (int8 activations by sdot too), and a quantized tiny Llama
+generates, saves and loads."""
 
 import json
 import os
@@ -16,6 +17,8 @@ import bitkern
 from bitkern import ttype
 from bitkern.codegen import build_kernel, pack
 from bitkern.codegen.cpu import isa
+from bitkern.codegen.cpu.vnni import VnniConfig
+from bitkern.ops import Matmul
 from bitkern.tuner import host_cpu
 from bitkern.tuner.space import enumerate_candidates
 from tests.codegen.cpu.test_arm_levels import CPUINFO
@@ -78,6 +81,24 @@ def test_every_template_serving_aarch64_computes_the_reference(name, activation)
     for template, (config, bucket) in first.items():
         kernel = build_kernel(spec, N, K, template, config, packed.layout, bucket, host_cpu())
         assert_matches_reference(spec, qweight, x, None, kernel(x, packed))
+
+
+@pytest.mark.parametrize("name", ["int4", "nf4"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_int8_activations_by_sdot_compute_the_reference(name, m):
+    """activation_quant="int8" on the emulated CPU (qemu 'max': sve2, with sdot): the VNNI template's first candidate
+    for the bucket of M rows, and at M=4 a block of 4 rows, against the definition (its own rounding of x, then the
+    exact product)."""
+    _, qweight, x, _ = matmul_case(name, N, K, m, "bfloat16", group=64, seed=m)
+    spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
+    bucket = (1, m)
+    _, candidates = enumerate_candidates(spec, N, K, bucket, "tile16", host_cpu())
+    configs = [next(c.config for c in candidates if c.template == "vnni")]
+    if m == 4:
+        configs.append(VnniConfig(1, True, 16, 4, 32))
+    for config in configs:
+        kernel = build_kernel(spec, N, K, "vnni", config, "tile16", bucket, host_cpu())
+        torch.testing.assert_close(kernel(x, pack(qweight)), spec.reference(x, qweight), rtol=1e-4, atol=1e-3)
 
 
 def test_a_quantized_tiny_llama_generates_and_round_trips_through_save_and_load(tmp_path):
