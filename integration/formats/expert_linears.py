@@ -49,28 +49,36 @@ def gather_experts(modules: dict, first_tensor: str, checkpoint_names: Checkpoin
     in errors; `checkpoint_names`: how the checkpoint names the layers."""
     gathered = dict(modules)
     for module, layers in experts_of(modules, checkpoint_names).items():
-        experts = 1 + max(expert for expert, _ in layers)
-        stored = {layer: name.rpartition(".")[2] for (_, layer), name in layers.items()}
-        for expert in range(experts):
-            for projection in STACKED["gate_up"] + STACKED["down"]:
-                if (expert, projection) not in layers:
-                    tensor = f"{module}.{expert}.{stored.get(projection, projection)}.{first_tensor}"
-                    raise FormatError(f"tensor {tensor!r} is missing from the checkpoint: experts module {module!r} "
-                                      f"holds {experts} experts quantized, each needs "
-                                      f"{', '.join(stored.get(layer, layer) for layer in STACKED['gate_up'])} and "
-                                      f"{stored.get('down_proj', 'down_proj')}")
-        weights, biases = {}, {}
-        for name, projections in STACKED.items():
-            stacked = [_stack([(layers[expert, p], gathered.pop(layers[expert, p])) for p in projections], first_tensor)
-                       for expert in range(experts)]
-            for expert, (weight, _) in enumerate(stacked):
-                _check_like(weight, stacked[0][0], f"{layers[expert, projections[0]]}.{first_tensor}",
-                            layers[0, projections[0]])
-            weights[name] = [weight for weight, _ in stacked]
-            biases[name] = _stacked_bias([(layers[expert, projections[0]], bias)
-                                          for expert, (_, bias) in enumerate(stacked)])
-        gathered[module] = ImportedExperts(weights, biases)
+        gathered[module] = stack_experts(module, {key: (name, gathered.pop(name)) for key, name in layers.items()},
+                                         first_tensor)
     return gathered
+
+
+def stack_experts(module: str, layers: dict, first_tensor: str) -> ImportedExperts:
+    """The ImportedExperts of experts module `module` from its expert linear layers ({(expert, gate_proj / up_proj /
+    down_proj): (the checkpoint's name of the layer, its ImportedLinear)}): each expert's gate and up rows stacked,
+    every expert of one format (what bitkern.load_pretrained and the vLLM plugin both run); FormatError naming the
+    tensor at fault (a missing layer, act-order, formats that differ)."""
+    experts = 1 + max(expert for expert, _ in layers)
+    stored = {layer: name.rpartition(".")[2] for (_, layer), (name, _) in layers.items()}
+    for expert in range(experts):
+        for projection in STACKED["gate_up"] + STACKED["down"]:
+            if (expert, projection) not in layers:
+                tensor = f"{module}.{expert}.{stored.get(projection, projection)}.{first_tensor}"
+                raise FormatError(f"tensor {tensor!r} is missing from the checkpoint: experts module {module!r} "
+                                  f"holds {experts} experts quantized, each needs "
+                                  f"{', '.join(stored.get(layer, layer) for layer in STACKED['gate_up'])} and "
+                                  f"{stored.get('down_proj', 'down_proj')}")
+    weights, biases = {}, {}
+    for name, projections in STACKED.items():
+        stacked = [_stack([layers[expert, p] for p in projections], first_tensor) for expert in range(experts)]
+        first_name = layers[0, projections[0]][0]
+        for expert, (weight, _) in enumerate(stacked):
+            _check_like(weight, stacked[0][0], f"{layers[expert, projections[0]][0]}.{first_tensor}", first_name)
+        weights[name] = [weight for weight, _ in stacked]
+        biases[name] = _stacked_bias([(layers[expert, projections[0]][0], bias)
+                                      for expert, (_, bias) in enumerate(stacked)])
+    return ImportedExperts(weights, biases)
 
 
 def _stack(layers: list[tuple[str, ImportedLinear]], first_tensor: str) -> tuple[QuantizedWeight, torch.Tensor | None]:

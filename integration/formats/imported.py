@@ -44,10 +44,10 @@ class ImportedExperts:
     weights: dict[str, list[QuantizedWeight]]
     biases: dict[str, torch.Tensor | None]
 
-    def to_module(self, float_module, dtype: torch.dtype | None = None, compute_dtype=None):
-        """A `bitkern.Experts` holding these experts with the gate of the model's float experts module
-        `float_module` (its geometry must match); the biases in `dtype` (None: as stored)."""
-        from bitkern.nn.experts import Experts, ExpertWeights
+    def projections(self, dtype: torch.dtype | None = None, compute_dtype=None) -> dict:
+        """{"gate_up" / "down": bitkern's ExpertWeights} holding these experts as they are (what the model's experts
+        module and the vLLM plugin's experts layer take); the biases in `dtype` (None: as stored)."""
+        from bitkern.nn.experts import ExpertWeights
 
         projections = {}
         for name, weights in self.weights.items():
@@ -55,7 +55,14 @@ class ImportedExperts:
             if bias is not None and dtype is not None:
                 bias = bias.to(dtype)
             projections[name] = ExpertWeights.from_quantized(weights, bias, compute_dtype)
-        return Experts.from_projections(float_module, projections)
+        return projections
+
+    def to_module(self, float_module, dtype: torch.dtype | None = None, compute_dtype=None):
+        """A `bitkern.Experts` holding these experts with the gate of the model's float experts module
+        `float_module` (its geometry must match); the biases in `dtype` (None: as stored)."""
+        from bitkern.nn.experts import Experts
+
+        return Experts.from_projections(float_module, self.projections(dtype, compute_dtype))
 
     def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Projection `name`'s [E, N, K] weight, computed in float32 and returned in `dtype`."""

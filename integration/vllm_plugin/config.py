@@ -25,11 +25,12 @@ from vllm.transformers_utils.config import get_safetensors_params_metadata
 from bitkern.nn.experts import FLOAT_PARAMETERS
 from bitkern.nn.library import FLOAT_DTYPES
 
+from ..formats import gptq
 from . import fusion
 from .checkpoint_method import CheckpointLinearMethod
 from .fusion import logger
 from .linear_method import BitkernLinearMethod
-from .moe_method import PROJECTIONS, CheckpointMoEMethod, QuantizedMoEMethod, check_experts_layer
+from .moe_method import PROJECTIONS, CheckpointMoEMethod, ImportedMoEMethod, QuantizedMoEMethod, check_experts_layer
 from .settings import Settings
 from .sources import BitkernSource, QuantizedSource, checkpoint_modules, checkpoint_source
 
@@ -147,9 +148,9 @@ class BitkernVllmConfig(QuantizationConfig):
         return CheckpointLinearMethod(self.source, shards, swiglu=self._swiglu(layer))
 
     def _experts_method(self, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase | None:
-        """The method of a mixture-of-experts layer: bitkern's experts quantized on load, or loaded from a bitkern
-        checkpoint that holds them quantized; None (vLLM's float experts, logged) where modules_to_not_convert
-        names the layer or the checkpoint holds its experts float."""
+        """The method of a mixture-of-experts layer: bitkern's experts quantized on load, loaded from a bitkern
+        checkpoint that holds them quantized, or converted from a GPTQ checkpoint's expert layers; None (vLLM's float
+        experts, logged) where modules_to_not_convert names the layer or the checkpoint holds its experts float."""
         if self.source is None:
             if is_layer_skipped(prefix, list(self.settings.modules_to_not_convert), self.packed_modules_mapping,
                                 match_mode="suffix"):
@@ -161,9 +162,7 @@ class BitkernVllmConfig(QuantizationConfig):
         held = [module for module in projections.values() if module in self.source.quantized]
         if self.source.method != BitkernSource.method:
             if any(module.startswith(f"{prefix}.") for module in self.source.quantized):
-                raise ValueError(f"{prefix}: the checkpoint holds these experts quantized with "
-                                 f"{self.source.method!r}; bitkern's vLLM plugin serves bitkern checkpoints' experts "
-                                 f"(and quantizes float ones on load)")
+                return self._imported_experts_method(layer, prefix)
             held = []
         if not held:
             logger.info("bitkern: %s stays float: the checkpoint holds these experts float", prefix)
@@ -175,6 +174,21 @@ class BitkernVllmConfig(QuantizationConfig):
         settings = {name: self.source.config.layer_settings(f"{prefix}.{FLOAT_PARAMETERS[name]}")
                     for name in projections}
         return CheckpointMoEMethod(layer.moe_config, settings, prefix)
+
+    def _imported_experts_method(self, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase:
+        """The method of experts an imported checkpoint holds quantized, one linear layer per expert and projection:
+        GPTQ's (not act-order, as bitkern.load_pretrained); ValueError naming the layer for the others."""
+        if self.source.method != gptq.QUANT_METHOD:
+            raise ValueError(f"{prefix}: the checkpoint holds these experts quantized with {self.source.method!r}; "
+                             f"bitkern's vLLM plugin serves GPTQ checkpoints' experts (one linear layer per expert, "
+                             f"as GPTQModel writes them), bitkern checkpoints' experts, and quantizes float ones on "
+                             f"load")
+        if self.source.config.get("desc_act"):
+            raise ValueError(f"{prefix}: the checkpoint's experts are act-order GPTQ layers (desc_act=True), every "
+                             f"expert's inputs in an order of its own, which bitkern's grouped experts kernels do not "
+                             f"take; quantize the experts with desc_act=False")
+        check_experts_layer(layer, prefix)
+        return ImportedMoEMethod(layer.moe_config, self.source, prefix)
 
     @staticmethod
     def _swiglu(layer: torch.nn.Module) -> bool:

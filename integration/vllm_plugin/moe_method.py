@@ -1,8 +1,9 @@
 """bitkern's fused-MoE methods for vLLM's mixture-of-experts layers (`RoutedExperts`, through vLLM's
 `FusedMoEMethodBase`): every expert's gate/up (vLLM's w13, [gate; up] rows) and down (w2) weights become one
 `bitkern.Experts`, quantized on load from a float checkpoint (`QuantizedMoEMethod`, the float weights on the meta
-device until vLLM's layerwise loading materializes the layer, as vLLM's own online MoE methods do) or loaded as a
-bitkern checkpoint stores them (`CheckpointMoEMethod`).
+device until vLLM's layerwise loading materializes the layer, as vLLM's own online MoE methods do), loaded as a
+bitkern checkpoint stores them (`CheckpointMoEMethod`), or converted from a GPTQ checkpoint that stores one linear layer
+per expert and projection (GPTQModel's) by bitkern.load_pretrained's own conversion (`ImportedMoEMethod`).
 
 While the engine starts, each layer's kernels are made ready (`Experts.kernel_calls`) for every token count the engine
 runs, as the linear layers' are (linear_method.py), so that no request waits for tuning.
@@ -29,6 +30,8 @@ from bitkern import Experts
 from bitkern.nn.experts import ExpertWeights
 from bitkern.nn.prepare import prepare_calls
 
+from ..formats.checkpoint_names import STACKED
+from ..formats.expert_linears import stack_experts
 from ..hf.format import TENSOR_NAMES, LayerSettings, expected_experts_tensors, experts_from_checkpoint
 from .fusion import logger
 from .linear_method import engine_tokens
@@ -39,6 +42,10 @@ QUANTIZED_EXPERTS = "bitkern_experts"  # the layer's attribute holding its bitke
 PROJECTIONS = {"w13": "gate_up", "w2": "down"}
 # vLLM's fused-checkpoint names of those projections (RoutedExperts.load_weights routes tensors named so to w13_/w2_)
 FUSED_NAMES = {"gate_up": "gate_up_proj", "down": "down_proj"}
+# the shards vLLM's per-expert loader hands each parameter ("w13": the gate's then the up's), and the expert linear
+# layer each shard is, as the importers name them
+SHARDS = {"w13": ("w1", "w3"), "w2": ("w2",)}
+EXPERT_LAYERS = dict(zip(("w1", "w3", "w2"), STACKED["gate_up"] + STACKED["down"]))
 
 
 @torch.library.custom_op("bitkern::vllm_experts", mutates_args=())
@@ -201,6 +208,107 @@ class CheckpointMoEMethod(BitkernMoEMethod):
         for name in PROJECTIONS:
             for tensor in self.names[name]:
                 delattr(layer, f"{name}_weight_{tensor}")
+
+
+class ImportedMoEMethod(BitkernMoEMethod):
+    """The experts of a GPTQ checkpoint that stores one linear layer per expert and projection (GPTQModel's
+    Qwen3-MoE; tested on it): vLLM's per-expert loader hands each layer's tensors (its expert_id; shard w1: the gate,
+    w3: the up, w2: the down layer) to this method's parameters, which hold them as the checkpoint stores them under
+    a leading [expert, shard] pair; once the layer is loaded, each expert's layers are converted and the gate/up rows
+    stacked by bitkern.load_pretrained's own code (the importer's `convert_module`, `stack_experts`), so the experts
+    dequantize bit for bit as the tool's.  Served with tensor_parallel_size=1, without biases."""
+
+    def __init__(self, moe, source, prefix: str):
+        if moe.moe_parallel_config.tp_size > 1:
+            raise ValueError(f"{prefix}: a {source.method} checkpoint's experts are served with tensor_parallel_size=1")
+        if moe.has_bias:
+            raise ValueError(f"{prefix}: a {source.method} checkpoint's experts with biases are not served by vLLM yet")
+        super().__init__(moe)
+        self.source = source
+        self.prefix = prefix
+        self.layers: dict[str, str] = {}  # shard id -> the checkpoint's name of an expert's linear layer
+        self.stored: dict[str, list] = {}  # "w13" / "w2" -> the StoredTensors of one expert's layer
+        self.sizes: dict[str, tuple[int, int]] = {}  # "w13" / "w2" -> (inputs, outputs) of one expert's layer
+        self.num_experts = 0
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        """One parameter per projection and tensor, [experts, shards, *the tensor as stored], after checking that the
+        checkpoint holds every expert's three layers."""
+        self.layers = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
+        missing = [f"{self.prefix}.{expert}.{name}" for expert in range(num_experts) for name in self.layers.values()
+                   if f"{self.prefix}.{expert}.{name}" not in self.source.quantized]
+        if missing:
+            raise ValueError(f"{self.prefix}: the checkpoint holds {num_experts} experts here, but not {missing[:3]} "
+                             f"quantized ({len(missing)} expert layers missing)")
+        self.plan(params_dtype)
+        self.num_experts = num_experts
+        sizes = {"w13": ("w1", hidden_size, intermediate_size_per_partition),
+                 "w2": ("w2", intermediate_size_per_partition, hidden_size)}
+        for name, (shard, inputs, outputs) in sizes.items():
+            self.sizes[name] = inputs, outputs
+            self.stored[name] = self.source.expert_tensors(f"{self.prefix}.*.{self.layers[shard]}", inputs, outputs)
+            for tensor in self.stored[name]:
+                shape = (num_experts, len(SHARDS[name]), *_layer_shape(tensor))
+                parameter = nn.Parameter(torch.full(shape, tensor.fill, dtype=tensor.dtype), requires_grad=False)
+                layer.register_parameter(f"{name}_{tensor.name}", parameter)
+                set_weight_attrs(parameter, {"weight_loader": self._loader(name, tensor.name)})
+
+    def _loader(self, name: str, tensor: str):
+        """vLLM's MoE weight loader of parameter `name`_`tensor`: one expert's layer's tensor, copied as stored."""
+        def load(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int,
+                 return_success: bool = False) -> bool:
+            stored = f"{self.prefix}.{expert_id}.{self.layers[shard_id]}.{tensor}"
+            target = param.data[expert_id, SHARDS[name].index(shard_id)]
+            if tuple(loaded_weight.shape) != tuple(target.shape) or not _loadable(loaded_weight.dtype, target.dtype,
+                                                                                  tensor):
+                raise ValueError(f"{stored}: the checkpoint holds {loaded_weight.dtype} {list(loaded_weight.shape)}, "
+                                 f"the layer expects {target.dtype} {list(target.shape)}")
+            target.copy_(loaded_weight)  # (float scales into float32: exact)
+            return True
+
+        return load
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Convert every expert's loaded layers and stack them into the layer's bitkern.Experts (once)."""
+        if hasattr(layer, QUANTIZED_EXPERTS):
+            return
+        layers = {}
+        for name, shards in SHARDS.items():
+            for index, shard in enumerate(shards):
+                for expert in range(self.num_experts):
+                    checkpoint_name = f"{self.prefix}.{expert}.{self.layers[shard]}"
+                    tensors = {tensor.name: _as_stored(tensor, getattr(layer, f"{name}_{tensor.name}").data[expert,
+                                                                                                          index])
+                               for tensor in self.stored[name]}
+                    part = self.source.expert_partition(checkpoint_name, *self.sizes[name])
+                    layers[expert, EXPERT_LAYERS[shard]] = (checkpoint_name, self.source.imported(part, tensors))
+        experts = stack_experts(self.prefix, layers, self.stored["w13"][0].name)
+        first = experts.weights["gate_up"][0]
+        self.set_experts(layer, **experts.projections(), settings={
+            "dtype": first.ttype.name, "group_size": self.source.settings["group_size"], "zero_mode": first.zero_mode})
+        for name in SHARDS:
+            for tensor in self.stored[name]:
+                delattr(layer, f"{name}_{tensor.name}")
+
+
+def _loadable(stored: torch.dtype, held: torch.dtype, tensor: str) -> bool:
+    """Whether a checkpoint tensor of dtype `stored` loads exactly into a parameter of dtype `held`: the same dtype,
+    float scales into float32, an integer g_idx (int32 or int64 group numbers) into int32."""
+    if stored == held:
+        return True
+    return stored.is_floating_point and held.is_floating_point or (tensor == "g_idx" and not stored.is_floating_point)
+
+
+def _layer_shape(tensor) -> tuple[int, ...]:
+    """The shape of one expert layer's tensor `tensor` (a StoredTensor) in the experts' parameter: a tensor stored
+    one row per merged shard (g_idx) is this layer's row."""
+    return tensor.shape[1:] if tensor.output_dim is None else tensor.shape
+
+
+def _as_stored(tensor, value: torch.Tensor) -> torch.Tensor:
+    """One expert layer's loaded `value` of `tensor` (a StoredTensor) as the source's converter takes it."""
+    return value.unsqueeze(0) if tensor.output_dim is None else value
 
 
 def load_expert(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int,

@@ -195,8 +195,23 @@ class ImportedSource(QuantizedSource):
         partition does not hold whole packed words or whole groups)."""
         return (_gptq_tensors if self.method == gptq.QUANT_METHOD else _awq_tensors)(part, self.config, self.settings)
 
+    def expert_tensors(self, name: str, inputs: int, outputs: int) -> list[StoredTensor]:
+        """The tensors of one expert's linear layer `name` (GPTQModel stores each expert's gate, up and down as one),
+        as the checkpoint stores them; ValueError naming the layer where they do not hold whole words or groups."""
+        return self.stored_tensors(self.expert_partition(name, inputs, outputs))
+
+    @staticmethod
+    def expert_partition(name: str, inputs: int, outputs: int) -> Partition:
+        """One expert's linear layer as a partition of its own (experts are served with tensor_parallel_size=1)."""
+        return Partition(name, (name,), (outputs,), inputs, inputs)
+
     def linear(self, part: Partition, tensors: dict[str, torch.Tensor]) -> bitkern.Linear:
         """The bitkern.Linear of this partition's loaded tensors (no bias: vLLM adds it)."""
+        return self.imported(part, tensors).to_module()
+
+    def imported(self, part: Partition, tensors: dict[str, torch.Tensor]) -> ImportedLinear:
+        """This partition's loaded tensors converted by the importer (`convert_module`, bitkern.load_pretrained's),
+        its merged shards stacked."""
         tensors = dict(tensors, scales=narrowest_exact(tensors["scales"]))
         group_index = tensors.pop("g_idx", None)
         imported, offset = [], 0
@@ -210,8 +225,7 @@ class ImportedSource(QuantizedSource):
             imported.append(convert_module({f"{name}.{key}": value for key, value in columns.items()}, f"{name}.",
                                            self.config))
             offset += outputs
-        stacked = stack_outputs(part, imported)
-        return stacked.to_module()
+        return stack_outputs(part, imported)
 
 
 class BnbSource(QuantizedSource):

@@ -2,19 +2,27 @@
 random Qwen3-MoE (8 experts of 64, top-2, hidden 256, 2 layers; its attention the tiny Llama's shapes, so the
 engines share those kernels) served quantized on load (`quantization="bitkern"`, int4 g64) and from the checkpoint
 transformers saves of it quantized with `bitkern.BitkernConfig` (int4 g64), each eager and compiled (torch.compile),
-and a fifth engine that keeps layer 0's experts float (modules_to_not_convert), all five in one vLLM process.
+a fifth engine that keeps layer 0's experts float (modules_to_not_convert), and a sixth serving GPTQModel's Qwen3-MoE
+GPTQ checkpoint (tests/fixtures/formats_moe: 4 experts of 64, top-2, hidden 64, 4 bits in groups of 32, one linear
+layer per expert and projection) on bitkern's kernels (`quantization="bitkern"`, eager), all six in one vLLM process.
 
 Compared with the reference, the float checkpoint loaded by transformers and quantized by `bitkern.quantize_model`
 with the same settings (and, for the checkpoint, the transformers model that saved it): the greedy tokens, identical
 in float32, and every expert's gate/up and down weight, bit for bit; the routers stay float, as quantize_model
-keeps transformers' routers, and say so in the log.
+keeps transformers' routers, and say so in the log.  The GPTQ engine's experts dequantize bit for bit to GPTQModel's own
+dequantization, and its greedy tokens are those of `bitkern.load_pretrained` of the same checkpoint in transformers.
+vLLM's CPU attention has no head size 16, the fixture's (4 heads of 16): the served checkpoint is the fixture's tensors
+as GPTQModel wrote them, its attention read as 2 heads of 32 with one key/value head by vLLM and the reference alike
+(Qwen3's per-head q/k norm weights repeated to the new head size).
 """
 
 import json
+import os
 import re
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import bitkern
 
@@ -29,6 +37,11 @@ MODES = {"eager": True, "compiled": False}
 # what vLLM serves on bitkern per layer: its merged attention projections and the experts' two projections
 SERVED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.gate_up", "mlp.experts.down")
 SKIP_EXPERTS = dict(INT4, modules_to_not_convert=["layers.0.mlp.experts"])
+GPTQ_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "formats_moe",
+                            "gptq_qwen3_moe_4bit_sym")
+GPTQ_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+GPTQ_PROMPTS = [[3, 17, 100, 33, 95, 4, 120, 61], [64, 12, 99], [77]]  # (the fixture's vocabulary: 128)
+GPTQ_EXPERTS = 4
 
 
 def reference_of(model):
@@ -80,8 +93,25 @@ def engine(model, eager, settings=None):
 
 
 @pytest.fixture(scope="module")
-def served(run_vllm, tiny_moe, references, tmp_path_factory):
-    """{(source, mode): (greedy tokens, the served weights of rank 0)} of the five engines, and the process's log."""
+def gptq_moe(tmp_path_factory):
+    """(GPTQModel's Qwen3-MoE checkpoint with its attention as GPTQ_HEADS, the greedy tokens of bitkern.load_pretrained
+    of it in transformers, float32)."""
+    folder = tmp_path_factory.mktemp("gptq-qwen3-moe")
+    with open(os.path.join(GPTQ_FIXTURE, "config.json")) as file:
+        config = json.load(file)
+    repeat = GPTQ_HEADS["head_dim"] // config["head_dim"]
+    (folder / "config.json").write_text(json.dumps(dict(config, **GPTQ_HEADS)))
+    tensors = load_file(os.path.join(GPTQ_FIXTURE, "model.safetensors"))
+    tensors = {key: value.repeat(repeat) if key.endswith(("q_norm.weight", "k_norm.weight")) else value
+               for key, value in tensors.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    tokens, _ = greedy_tokens(bitkern.load_pretrained(str(folder), dtype=torch.float32), GPTQ_PROMPTS, MAX_TOKENS)
+    return folder, tokens
+
+
+@pytest.fixture(scope="module")
+def served(run_vllm, tiny_moe, references, gptq_moe, tmp_path_factory):
+    """{(source, mode): (greedy tokens, the served weights of rank 0)} of the six engines, and the process's log."""
     _, checkpoint = references
     runs, keys = [], []
     for source, model, settings in (("on-load", tiny_moe, INT4), ("checkpoint", checkpoint, None)):
@@ -94,6 +124,10 @@ def served(run_vllm, tiny_moe, references, tmp_path_factory):
     runs.append({"engine": engine(tiny_moe, True, SKIP_EXPERTS), "prompts": PROMPTS[:1], "max_tokens": 1,
                  "weights": str(folder)})
     keys.append(("on-load", "skip-experts", folder))
+    folder = tmp_path_factory.mktemp("served-gptq")
+    runs.append({"engine": dict(engine(gptq_moe[0], True), quantization="bitkern"), "prompts": GPTQ_PROMPTS,
+                 "max_tokens": MAX_TOKENS, "weights": str(folder), "no_tuning_after_start": True})
+    keys.append(("gptq", "eager", folder))
     result, output = run_vllm({"runs": runs})
     return {(source, mode): (run["tokens"], torch.load(folder / "rank0.pt"))
             for (source, mode, folder), run in zip(keys, result["runs"])}, output
@@ -144,3 +178,24 @@ def test_routers_stay_float_and_say_so(served):
     _, output = served
     for layer in range(LAYERS):
         assert f"bitkern: model.layers.{layer}.mlp.gate stays float: a mixture-of-experts router" in output
+
+
+def test_gptq_experts_served_on_bitkern_dequantize_as_gptqmodel_and_match_load_pretrained(served, gptq_moe):
+    """Every expert of GPTQModel's checkpoint, loaded through vLLM's per-expert loader into bitkern.Experts,
+    dequantizes bit for bit to GPTQModel's own weights; the greedy tokens are bitkern.load_pretrained's."""
+    served_tokens, served_weights = served[0][("gptq", "eager")]
+    reference = {key.removesuffix(".weight"): value for key, value in
+                 load_file(os.path.join(GPTQ_FIXTURE, "reference.safetensors")).items()}
+    assert served_names(served_weights) == {f"model.layers.{layer}.{module}" for layer in range(LAYERS)
+                                            for module in SERVED}
+    for layer in range(LAYERS):
+        name = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = (served_weights[f"{name}.routed_experts.bitkern_experts.{projection}"].half()
+                         for projection in ("gate_up", "down"))
+        intermediate = down.shape[2]
+        for expert in range(GPTQ_EXPERTS):
+            for weight, key in ((gate_up[expert, :intermediate], "gate_proj"),
+                                (gate_up[expert, intermediate:], "up_proj"), (down[expert], "down_proj")):
+                expected = reference[f"{name}.{expert}.{key}"]
+                assert torch.equal(weight.view(torch.int16), expected.view(torch.int16)), (name, expert, key)
+    assert served_tokens == gptq_moe[1]
