@@ -8,6 +8,7 @@ same weights as 2 heads of 32 with one key/value head (`HEADS`, vLLM's hf_overri
 """
 
 import json
+import os
 import re
 import shutil
 
@@ -26,14 +27,18 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors")  # (the fixture's refere
 MERGED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+# GPTQModel's act-order Qwen3-MoE (tests/fixtures/formats_moe): its experts are refused as load_pretrained refuses them
+MOE_ACT_ORDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "formats_moe",
+                             "gptq_qwen3_moe_4bit_actorder")
 
 
-def checkpoint(tmp_path, name):
-    """A copy of the fixture's checkpoint files (config and quantized weights only)."""
+def checkpoint(tmp_path, name, directory=None):
+    """A copy of the fixture's checkpoint files (config and quantized weights only); `directory`: the fixture's folder
+    (default: tests/fixtures/formats/`name`)."""
     folder = tmp_path / name
     folder.mkdir()
     for file in CHECKPOINT_FILES:
-        shutil.copy(f"{path(name)}/{file}", folder)
+        shutil.copy(f"{directory or path(name)}/{file}", folder)
     return folder
 
 
@@ -114,7 +119,7 @@ def _edited(tmp_path, name, folder, quantization_config=None, drop=()):
 
 
 def test_bad_checkpoints_fail_at_engine_start(run_vllm, tmp_path):
-    """What bitkern cannot serve exactly is refused while the engine starts, naming the problem."""
+    """What bitkern cannot serve exactly is refused while the engine starts, naming the problem (and the layer)."""
     cases = [
         (engine(_edited(tmp_path, "gptq_4bit_sym", "bits", {"bits": 5})),
          "quantization_config bits=5 is not supported"),
@@ -124,6 +129,8 @@ def test_bad_checkpoints_fail_at_engine_start(run_vllm, tmp_path):
          "tensor 'model.layers.1.mlp.up_proj.qzeros' is missing"),
         (engine(checkpoint(tmp_path, "gptq_4bit_asym_actorder"), tensor_parallel_size=2),
          "cannot be cut along its inputs"),
+        (engine(checkpoint(tmp_path, "moe_actorder", MOE_ACT_ORDER)),
+         "model.layers.0.mlp.experts: the checkpoint's experts are act-order GPTQ layers (desc_act=True)"),
     ]
     result, output = run_vllm({"cases": [case for case, _ in cases]}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     for (_, message), outcome in zip(cases, result["outcomes"]):
