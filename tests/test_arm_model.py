@@ -44,7 +44,7 @@ def test_the_model_gives_the_documented_fraction_for_int4_on_neoverse_v1():
     model = benchmark("arm_model")
     prediction = model.predict("neoverse-v1", "int4", 1, "fma")
     results = (ROOT / "benchmarks" / "results" / "arm_model.md").read_text()
-    row = re.search(r"^\| neoverse-v1 \| int4 \| 4096x4096 \| (\w+) \| ([\d.]+) \| (\w+) \| ([\d.]+) \|", results,
+    row = re.search(r"^\| neoverse-v1 \| int4 \| none \| 4096x4096 \| (\w+) \| ([\d.]+) \| (\w+) \| ([\d.]+) \|", results,
                     re.MULTILINE)
     assert row[1] == prediction.template == "fma" and row[3] == prediction.limit
     assert f"{prediction.cycles_per_byte:.2f}" == row[2]

@@ -87,7 +87,13 @@ CPU_CYCLES = {
 # tbl, an index multiply and shift) is priced as three conversions, and the lookup template's per-row work (per word:
 # 32 tbl of four registers, 32 index multiplies, 32 fadd, ~64 moves and masks, ~32 shifts, stack traffic) is spread
 # over that factor.  Generic: per 4 lanes decoded (shifts, convert, scale multiply, the tile's store) and per 4 lanes
-# and row of products (an fmla, its loads, x's broadcast).
+# and row of products (an fmla, its loads, x's broadcast).  VNNI (int8 activations, sdot; the work counts keep x86's
+# name "vpdpbusd" for the byte dot product, `codegen.cpu.vnni.dot_cost`, which counts on aarch64 one unit per two sdot,
+# a looked-up code book's 1-register tbl counted as one more sdot): per unit two dot-class instructions; per 16-byte
+# vector of codes unpacked (`vnni_unpack`) a mask (and), a sign flip (eor), half a shift (ushr) and a quarter of its
+# load; per activation broadcast an ld1r; per row, tile and 32-k block four int-to-float converts and four fmla; per
+# group and row two (estimated).  Read from the int4 M=1 loop (tests/codegen/cpu/test_arm_levels.py: per activation
+# block and tile 32 sdot, 32 and, 32 eor, 16 ushr, 8 ld1r).
 ARM_MIXES = {
     "convert_code_vector": {"logic": 2, "convert": 1, "shift": 0.125, "load": 0.25},
     "fma_code_row": {"fp": 1},
@@ -98,6 +104,11 @@ ARM_MIXES = {
     "lookup_table_entry": {"fp": 1, "logic": 0.5, "store": 0.25},
     "generic_decode_vector": {"shift": 3, "convert": 1, "fp": 1, "store": 1, "load": 1, "scalar": 2.5},
     "generic_fma_vector": {"fp": 1, "load": 1.25, "scalar": 0.5, "dup_gpr": 0.25},
+    "vpdpbusd": {"dot": 2},
+    "vnni_unpack": {"logic": 2, "shift": 0.5, "load": 0.25},
+    "vnni_broadcast": {"load_broadcast": 1},
+    "vnni_block_row": {"convert": 4, "fp": 4},
+    "vnni_group_row": {"fp": 2},
 }
 L1_PRESSURE = 0.25  # slowdown per L1 capacity of footprint beyond its share of L1 (activations and codes stream
 #                     through the rest; measured on the AMX template's stage depth)

@@ -5,10 +5,11 @@ import pytest
 
 from bitkern.codegen import template
 from bitkern.codegen.cpu.fma import FmaConfig
+from bitkern.codegen.cpu.vnni import VnniConfig
 from bitkern.ops import Matmul
 from bitkern.tuner import device_for
 from bitkern.tuner.arm_cores import ARM_CORES, CLASSES, arm_core
-from bitkern.tuner.cost import ARM_MIXES, CPU_CYCLES, estimate
+from bitkern.tuner.cost import ARM_MIXES, CPU_CYCLES, estimate, operation_cycles
 from bitkern.tuner.device import CPU_TARGETS
 
 N, K = 4096, 4096
@@ -54,3 +55,21 @@ def test_cores_differ_where_their_pipes_do():
     cost = {part: arm_core(part).cycles(ARM_MIXES["convert_code_vector"]) for part in ("neoverse-n1", "neoverse-v1",
                                                                                        "apple-m1")}
     assert cost["neoverse-n1"] > cost["neoverse-v1"] > cost["apple-m1"]
+
+
+@pytest.mark.parametrize("part", ["neoverse-n1", "neoverse-v1", "apple-m1"])
+def test_the_cost_model_prices_the_vnni_templates_sdot_work_with_the_cores_numbers(part):
+    """The int8-activation (sdot) kernel's byte products, the bound the work counts give, and its unpacking are priced
+    by the core's dot and vector pipes, not x86's vpdpbusd figures."""
+    device = device_for(f"cpu:{part}")
+    core = ARM_CORES[part]
+    spec = Matmul("int4", "bfloat16", group_size=128, activation_quant="int8")
+    config = VnniConfig(n_tiles=1, rows=1)
+    work = template("vnni").work(spec, N, K, 1, config, device)
+    parts = estimate("vnni", config, spec, N, K, 1, device).parts
+    for op in ("vnni_block_row", "vnni_broadcast"):
+        assert parts[op] == pytest.approx(work.operations[op] * core.cycles(ARM_MIXES[op]))
+    [bound] = work.bounds
+    cycles = operation_cycles(device)
+    assert all(cycles[op] == core.cycles(ARM_MIXES[op]) for op in bound)
+    assert cycles["vpdpbusd"] == core.cycles({"dot": 2})
