@@ -3,11 +3,12 @@ their generated assembly: measured only where run on such a machine (--native).
 
 Each kernel is cross-compiled here for the core's target (TVM's LLVM, the build's pass settings) and its
 hot inner loops are read from the assembly: the innermost loops holding the products (`fmla` for the FMA and generic
-templates, the four-register `tbl` for the lookup template) and, for the generic template, the one decoding a weight
-tile into memory.  Each loop's instructions are sorted into classes (`bitkern.tuner.arm_cores.CLASSES`) and priced by
-the core's per-class throughputs (`ArmCore.cycles`: the busiest pipe group, or the issue width); each loop covers a
-known number of weights per iteration (4 per `fmla` of 4 float32 lanes and row, 16/bits per `tbl` lane of the lookup,
-4 per 16-byte store of decoded floats), and runs once per weight (decode) or once per row or block of rows (products).
+templates, the four-register `tbl` for the lookup template, `sdot` for the VNNI template serving int8 activations) and,
+for the generic template, the one decoding a weight tile into memory.  Each loop's instructions are sorted into
+classes (`bitkern.tuner.arm_cores.CLASSES`) and priced by the core's per-class throughputs (`ArmCore.cycles`: the
+busiest pipe group, or the issue width); each loop covers a known number of weights per iteration (4 per `fmla` of 4
+float32 lanes and row, 16/bits per `tbl` lane of the lookup, 4 per 16-byte store of decoded floats, 16 per `sdot` of
+4 int32 lanes and row), and runs once per weight (decode) or once per row or block of rows (products).
 Cycles per weight byte at M=1, at the core's clock, give one core's decode rate; with every core streaming, each gets
 its share of the machine's DRAM peak, so the predicted M=1 fraction of DRAM is min(1, decode rate / share).  At M=16
 and M=512 the predicted time is the larger of the compute time (cycles over all cores) and the weights' DRAM time.
