@@ -1,7 +1,10 @@
 """benchmarks/arm_model.py: its instruction counter on a known aarch64 loop, and its model giving the figure the
-committed results file documents for one case (Neoverse V1, int4, FMA template, M=1)."""
+committed results file documents for two cases (Neoverse V1, int4, FMA template; Apple M1, nf4, int8 activations,
+VNNI template; M=1)."""
 
 import re
+
+import pytest
 
 from tests.docs_pages import ROOT
 from tests.helpers import benchmark
@@ -38,14 +41,17 @@ def test_the_counter_finds_the_innermost_loop_and_sorts_its_instructions_into_cl
                                   "scalar": 1, "branch": 1}
 
 
-def test_the_model_gives_the_documented_fraction_for_int4_on_neoverse_v1():
-    """The FMA template's int4 kernel compiled for Neoverse V1 here: its cycles per weight byte and M=1 fraction of
-    DRAM are those of benchmarks/results/arm_model.md."""
+@pytest.mark.parametrize("core, dtype, activation, template", [("neoverse-v1", "int4", "none", "fma"),
+                                                               ("apple-m1", "nf4", "int8", "vnni")])
+def test_the_model_gives_the_documented_fraction(core, dtype, activation, template):
+    """A float-activation kernel (the FMA template's int4) and an int8-activation one (the VNNI template's nf4, by
+    sdot and a one-register tbl) compiled here: their cycles per weight byte and M=1 fraction of DRAM are those of
+    benchmarks/results/arm_model.md."""
     model = benchmark("arm_model")
-    prediction = model.predict("neoverse-v1", "int4", 1, "fma")
+    prediction = model.predict(core, dtype, 1, template, activation)
     results = (ROOT / "benchmarks" / "results" / "arm_model.md").read_text()
-    row = re.search(r"^\| neoverse-v1 \| int4 \| none \| 4096x4096 \| (\w+) \| ([\d.]+) \| (\w+) \| ([\d.]+) \|", results,
-                    re.MULTILINE)
-    assert row[1] == prediction.template == "fma" and row[3] == prediction.limit
+    row = re.search(rf"^\| {core} \| {dtype} \| {activation} \| 4096x4096 \| (\w+) \| ([\d.]+) \| (\w+) \| ([\d.]+) \|",
+                    results, re.MULTILINE)
+    assert row[1] == prediction.template == template and row[3] == prediction.limit
     assert f"{prediction.cycles_per_byte:.2f}" == row[2]
-    assert f"{model.fraction_of_dram(prediction, 'neoverse-v1'):.2f}" == row[4]
+    assert f"{model.fraction_of_dram(prediction, core):.2f}" == row[4]
