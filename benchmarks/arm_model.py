@@ -358,7 +358,7 @@ def native(core_name: str, rounds: int, rows: list[int]) -> list[str]:
 
 
 def main() -> None:
-    from provenance import header
+    from provenance import header, publish
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cores", nargs="+", default=list(ARM_CORES), choices=list(ARM_CORES))
@@ -389,11 +389,7 @@ def main() -> None:
         lines += [f"## Measured here ({host_cpu().name}, {host_cpu().cores} threads) beside the model of {core_name}",
                   "", "M=1: fraction of DRAM (measured: of the probe; modelled: of the peak); M > 1: GFLOP/s.", "",
                   *native(core_name, args.rounds, args.native_rows), ""]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(text)
+    publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from bitkern.ops import Matmul  # noqa: E402
 from bitkern.codegen.cpu import isa  # noqa: E402
 from bitkern.tuner import host_cpu  # noqa: E402
 from conftest import interleaved, read_probes, rotation, round_ratio  # noqa: E402
-from provenance import header  # noqa: E402
+from provenance import header, publish  # noqa: E402
 
 GROUPS = {"mxfp4": 32}  # block-scaled types have their own block; the others use --group
 # bitkern type -> the ggml type llama.cpp users pick for it (block 32 int4 with scale, 4-bit non-linear code book,
@@ -165,11 +165,7 @@ def main() -> None:
                   f"weights in cache`: the same kernel on one weight copy, which stays in the last-level cache where it "
                   f"fits ({host_cpu().llc_bytes >> 20} MiB): the speed its instructions allow; a kernel whose time "
                   f"from DRAM is no longer than that is bound by instruction throughput, not memory."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(text)
+    publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -54,3 +54,11 @@ def header(command: str | None = None) -> str:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"Machine: {machine()}; date: {date}; command: `{command or script_command()}`; "
             f"commit: {commit()}")
+
+
+def publish(text: str, out: str | None) -> None:
+    """Print a script's results and, where `out` names a file (its --out), write them there too."""
+    print(text)
+    if out:
+        with open(out, "w") as file:
+            file.write(text)
