@@ -13,11 +13,18 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def machine() -> str:
-    """The CPU's model name (lscpu), and the GPU's name where torch sees one."""
+    """The CPU's model name, family and model and core count (lscpu: a VM's "AMD EPYC" alone does not tell Zen 4 from
+    Zen 5), and the GPU's name where torch sees one."""
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.SubprocessError, StopIteration):
+        fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+        fields = {name.strip(): value.strip() for name, value in fields.items()}
+        cpu = fields["Model name"]
+        if "CPU family" in fields and "Model" in fields:
+            cpu += f" (family {fields['CPU family']} model {fields['Model']})"
+        if "CPU(s)" in fields:
+            cpu += f", {fields['CPU(s)']} CPUs"
+    except (OSError, subprocess.SubprocessError, KeyError):
         import platform
 
         cpu = platform.processor() or platform.machine()
