@@ -54,6 +54,16 @@ def ramp(start, lanes: int = LANES):
     return tirx.Ramp(start, 1, lanes)
 
 
+def by_parts(width: int, op, *vectors):
+    """op applied to each `width` lanes of the 16-lane `vectors` (one Shuffle of those lanes each), the parts joined
+    back into 16 lanes: how a 16-lane value meets an instruction of a narrower vector (AVX2's 8 lanes, NEON's 4)."""
+    if width == LANES:
+        return op(*vectors)
+    parts = [op(*(tirx.Shuffle([vector], list(range(start, start + width))) for vector in vectors))
+             for start in range(0, LANES, width)]
+    return tirx.Shuffle(parts, list(range(LANES)))
+
+
 def splat(value, dtype: str, count: int = LANES):
     """`count` lanes of a Python number (as `dtype`) or of a scalar expression."""
     return tirx.Broadcast(tirx.const(value, dtype) if isinstance(value, (bool, int, float)) else value, count)
@@ -172,24 +182,15 @@ def lookup_bytes(table, index, level):
     single-register `tbl` of the table's first 16 bytes per 4 lanes."""
     if level.arch == "aarch64":
         table_bytes = tirx.reinterpret("int8x16", tirx.Shuffle([table], list(range(4))))
-        quarters = []
-        for start in range(0, LANES, 4):
-            quarter_index = tirx.reinterpret("int8x16", tirx.Shuffle([index], list(range(start, start + 4))))
-            picked = tirx.call_llvm_pure_intrin("int8x16", "llvm.aarch64.neon.tbl1", table_bytes, quarter_index)
-            quarters.append(tirx.reinterpret("uint32x4", picked))
-        return tirx.Shuffle(quarters, list(range(LANES)))
+        return by_parts(4, lambda part: tirx.reinterpret("uint32x4", tirx.call_llvm_pure_intrin(
+            "int8x16", "llvm.aarch64.neon.tbl1", table_bytes, tirx.reinterpret("int8x16", part))), index)
     if level.vector_bytes >= 64:
         picked = tirx.call_llvm_pure_intrin("int8x64", "llvm.x86.avx512.pshuf.b.512",
                                             tirx.reinterpret("int8x64", table), tirx.reinterpret("int8x64", index))
         return tirx.reinterpret("uint32x16", picked)
-    halves = []
-    for start in (0, 8):
-        lanes_of = list(range(start, start + 8))
-        part_table, part_index = (tirx.reinterpret("int8x32", tirx.Shuffle([vector], lanes_of))
-                                  for vector in (table, index))
-        halves.append(tirx.reinterpret("uint32x8", tirx.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.pshuf.b",
-                                                                              part_table, part_index)))
-    return tirx.Shuffle(halves, list(range(LANES)))
+    return by_parts(8, lambda part_table, part_index: tirx.reinterpret("uint32x8", tirx.call_llvm_pure_intrin(
+        "int8x32", "llvm.x86.avx2.pshuf.b", tirx.reinterpret("int8x32", part_table),
+        tirx.reinterpret("int8x32", part_index))), table, index)
 
 
 def prefetch_ahead(buffer, tile_index, index, distance: int, tiles_per_task: int) -> None:

@@ -32,7 +32,7 @@ from ..layout import padded_k, tile16_shift
 from ..vnni import byte_bias, byte_bits, dot_instruction, looks_up_bytes, reads_signed_bytes
 from . import nonfinite
 from .tile16 import SMALL_M_ROWS, Tile16Builder, _Decode
-from .tir import LANES, horizontal_max, load, lookup_bytes, prefetch_ahead, ramp, registers, splat, u32
+from .tir import LANES, by_parts, horizontal_max, load, lookup_bytes, prefetch_ahead, ramp, registers, splat, u32
 
 QUADS = ACTIVATION_BLOCK // 4  # int32 words of int8 codes per activation block
 # Independent 16-lane chains a row block keeps in flight, per byte dot product (`vnni.dot_instruction`): vpdpbusd's
@@ -302,14 +302,9 @@ def add_byte_pairs(pairs, unsigned, signed, level: IsaLevel):
     """pairs + vpmaddubsw(unsigned, signed): int16 sums of adjacent byte products (held as 16 int32 lanes), on 16
     lanes with AVX-512, per 8 with AVX2."""
     pairs_name, _, lanes = _AVX512_MADD if level.vector_bytes >= 64 else _AVX2_MADD
-    parts = []
-    for start in range(0, LANES, lanes):
-        picked = [tirx.Shuffle([vector], list(range(start, start + lanes))) if lanes < LANES else vector
-                  for vector in (unsigned, signed)]
-        product = tirx.call_llvm_pure_intrin(f"int16x{2 * lanes}", pairs_name,
-                                             *(tirx.reinterpret(f"int8x{4 * lanes}", part) for part in picked))
-        parts.append(tirx.reinterpret(f"int32x{lanes}", product))
-    product = parts[0] if len(parts) == 1 else tirx.Shuffle(parts, list(range(LANES)))
+    product = by_parts(lanes, lambda *parts: tirx.reinterpret(f"int32x{lanes}", tirx.call_llvm_pure_intrin(
+        f"int16x{2 * lanes}", pairs_name, *(tirx.reinterpret(f"int8x{4 * lanes}", part) for part in parts))),
+        unsigned, signed)
     total = tirx.reinterpret("int16x32", pairs) + tirx.reinterpret("int16x32", product)
     return tirx.reinterpret("int32x16", total)
 
@@ -317,13 +312,9 @@ def add_byte_pairs(pairs, unsigned, signed, level: IsaLevel):
 def widen_pairs(pairs, level: IsaLevel):
     """The int32 lanes of `add_byte_pairs`'s int16 pair sums: vpmaddwd by ones."""
     _, words_name, lanes = _AVX512_MADD if level.vector_bytes >= 64 else _AVX2_MADD
-    parts = []
-    for start in range(0, LANES, lanes):
-        part = tirx.Shuffle([pairs], list(range(start, start + lanes))) if lanes < LANES else pairs
-        parts.append(tirx.call_llvm_pure_intrin(f"int32x{lanes}", words_name, tirx.reinterpret(f"int16x{2 * lanes}",
-                                                                                                 part),
-                                                splat(1, "int16", 2 * lanes)))
-    return parts[0] if len(parts) == 1 else tirx.Shuffle(parts, list(range(LANES)))
+    return by_parts(lanes, lambda part: tirx.call_llvm_pure_intrin(
+        f"int32x{lanes}", words_name, tirx.reinterpret(f"int16x{2 * lanes}", part), splat(1, "int16", 2 * lanes)),
+        pairs)
 
 
 def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int, signed_codes: bool = False):
@@ -342,19 +333,16 @@ def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int, signed_codes: b
                                               tirx.reinterpret("int8x64", unsigned),
                                               tirx.reinterpret("int8x64", signed))
         return _multiply_add_bytes(acc, unsigned, signed, bits, _AVX512_MADD)
-    halves = []
-    for start in (0, 8):
-        lanes = list(range(start, start + 8))
-        part, codes, activations = (tirx.Shuffle([vector], lanes) for vector in (acc, unsigned, signed))
-        if "avx_vnni" in level.features:
-            halves.append(tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", part,
-                                                     tirx.reinterpret("int8x32", codes),
-                                                     tirx.reinterpret("int8x32", activations)))
-        elif signed_codes:
-            halves.append(_multiply_add_signed_bytes(part, codes, activations))
-        else:
-            halves.append(_multiply_add_bytes(part, codes, activations, bits, _AVX2_MADD))
-    return tirx.Shuffle(halves, list(range(LANES)))
+    if "avx_vnni" in level.features:
+        def half(part, codes, activations):
+            return tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", part,
+                                              tirx.reinterpret("int8x32", codes), tirx.reinterpret("int8x32", activations))
+    elif signed_codes:
+        half = _multiply_add_signed_bytes
+    else:
+        def half(part, codes, activations):
+            return _multiply_add_bytes(part, codes, activations, bits, _AVX2_MADD)
+    return by_parts(8, half, acc, unsigned, signed)
 
 
 # (vpmaddubsw, vpmaddwd) intrinsics and the int32 lanes they work on
@@ -364,15 +352,9 @@ _AVX2_MADD = ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd", 8)
 
 def _signed_dot_bytes(acc, codes, activations):
     """acc + Σ of the 4 byte products per lane of signed codes and activations: one NEON sdot per 4 lanes."""
-    quarters = []
-    for start in range(0, LANES, 4):
-        lanes = list(range(start, start + 4))
-        part, quarter_codes, quarter_activations = (tirx.Shuffle([vector], lanes) for vector in (acc, codes,
-                                                                                                 activations))
-        quarters.append(tirx.call_llvm_pure_intrin("int32x4", "llvm.aarch64.neon.sdot", part,
-                                                   tirx.reinterpret("int8x16", quarter_codes),
-                                                   tirx.reinterpret("int8x16", quarter_activations)))
-    return tirx.Shuffle(quarters, list(range(LANES)))
+    return by_parts(4, lambda part, quarter_codes, quarter_activations: tirx.call_llvm_pure_intrin(
+        "int32x4", "llvm.aarch64.neon.sdot", part, tirx.reinterpret("int8x16", quarter_codes),
+        tirx.reinterpret("int8x16", quarter_activations)), acc, codes, activations)
 
 
 def _multiply_add_signed_bytes(acc, codes, activations):
