@@ -14,6 +14,7 @@ from torch import Tensor
 from ..cache.attention import attention_kernel
 from ..ops.attention import ATTENTION_DTYPES, LANES, DecodeAttention
 from ..ttype.dtypes import torch_dtype
+from .dispatcher import op
 
 _DTYPES = {torch_dtype(name): name for name in ATTENTION_DTYPES}
 KERNEL_DTYPES = tuple(_DTYPES)  # the torch dtypes the kernel takes
@@ -40,7 +41,7 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
     return out
 
 
-@torch.library.custom_op("bitkern::decode_attention", mutates_args=())
+@op("decode_attention")
 def decode_attention_op(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
     """`decode_attention` as a torch custom op (torch.compile calls it as one opaque node)."""
     return decode_attention(query, key, value, mask, scale)

@@ -16,9 +16,10 @@ tensors in `StoredWeight.TENSORS` order (qweight, scales, zeros, tensor_scale; N
 float metadata as raw bits, same-width integers, so module-wide casts never round it), and `weight_format`, its
 `WeightFormat` as a string.  `op_arguments` and `weight_of` are the one place that converts between the two.
 
-A module called for inference in eager mode skips the dispatcher (`eager`): it runs `run_linear`, the op's own
-body, on the weight object it keeps, as the op would have done minus ~10-20 µs of dispatch and argument
-conversion per call (measured at M=1 on Zen 4), which a decode step pays for every layer.
+The ops are defined by `bitkern.nn.dispatcher.op`, whose plain calls run the body at once: a call from a compiled
+graph costs ~8 µs more than its body (`torch.library.custom_op`: ~17; M=1, Zen 4).  A module called for inference
+in eager mode skips even that (`eager`): it runs `run_linear`, the op's own body, on the weight object it keeps,
+without the dispatcher's argument conversion, which a decode step would pay for every layer.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from ..cache.dispatch import run_grouped
 from ..codegen import PackedWeight, packed_class
+from .dispatcher import op
 from ..ops import Conv2d, ConvGeometry, GroupedMatmul, Matmul
 from ..ops.conv import conv_weight, out_size
 from ..ops.matmul import epilogue_reference, norm_reference
@@ -111,7 +113,7 @@ def run_linear(x: Tensor, weight: PackedWeight, weight_format: str, bias: Option
         x, weight, bias)
 
 
-@torch.library.custom_op("bitkern::linear", mutates_args=())
+@op("linear")
 def linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
            output_dtype: torch.dtype, activation_quant: str = "none") -> Tensor:
     """y[..., N] = x[..., K] · dequant(W)ᵀ (+ bias), computed in x's dtype (quantized by `activation_quant`, a
@@ -125,7 +127,7 @@ def _linear_fake(x, weight, weight_format, bias, output_dtype, activation_quant=
     return x.new_empty((*x.shape[:-1], out_features), dtype=output_dtype)
 
 
-@torch.library.custom_op("bitkern::linear_epilogue", mutates_args=())
+@op("linear_epilogue")
 def linear_epilogue(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
                     output_dtype: torch.dtype, epilogue: str, residual: Optional[Tensor], norm: str = "none",
                     norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
@@ -175,7 +177,7 @@ def run_grouped_linear(x: Tensor, weight: PackedWeight, weight_format: str, indi
     return run_grouped(spec, x, weight, indices, bias, checked)
 
 
-@torch.library.custom_op("bitkern::grouped_linear", mutates_args=())
+@op("grouped_linear")
 def grouped_linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, indices: Tensor,
                    bias: Optional[Tensor], output_dtype: torch.dtype, experts: int) -> Tensor:
     """y[m, j] = x[m] · dequant(W[indices[m, j]])ᵀ (+ bias[indices[m, j]]): y [M, top_k, N] of x [M, K], the
@@ -191,7 +193,7 @@ def _grouped_linear_fake(x, weight, weight_format, indices, bias, output_dtype, 
     return x.new_empty((x.shape[0], indices.shape[-1], out_features), dtype=output_dtype)
 
 
-@torch.library.custom_op("bitkern::dequantize", mutates_args=())
+@op("dequantize")
 def dequantize(weight: list[Optional[Tensor]], weight_format: str, dtype: torch.dtype) -> Tensor:
     """The float [N, K] weight, in `dtype`."""
     return _weight(weight, weight_format).to_portable().dequantize(dtype)
@@ -202,7 +204,7 @@ def _dequantize_fake(weight, weight_format, dtype):
     return weight[0].new_empty(WeightFormat.decode(weight_format).shape, dtype=dtype)
 
 
-@torch.library.custom_op("bitkern::conv2d", mutates_args=())
+@op("conv2d")
 def conv2d(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, bias: Optional[Tensor],
            output_dtype: torch.dtype, kernel_size: list[int], stride: list[int], dilation: list[int],
            padding: list[int]) -> Tensor:
