@@ -134,7 +134,10 @@ def _considered(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: s
     record = _record(spec, n, k, bucket, device)
     _, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
     if not candidates:
-        raise ValueError(f"no kernel configuration builds {spec} for a [{n}, {k}] weight on {device.key}")
+        _, unused = usable_templates(spec, n, k, bucket, layout, device)
+        reasons = "; ".join(f"{name}: {why}" for name, why in unused.items())
+        raise ValueError(f"no kernel configuration builds {spec} for a [{n}, {k}] weight on {device.key} "
+                         f"(templates not used: {reasons})")
     record.trials = [Trial(c.template, c.config, estimate(c.template, c.config, spec, n, k, record.tuned_m,
                                                           device).seconds) for c in candidates]
     record.notes += [f"{name} template not used: {reason}"

@@ -17,6 +17,7 @@ from bitkern.ops import Matmul
 from bitkern.tuner import device_for, host_cpu
 from bitkern.tuner.device import (CPU_TARGETS, cpuinfo_features, cpuinfo_model, named_cpu, parse_sysctl,
                                   sysctl_caches, sysctl_features, unrunnable)
+from bitkern.tuner.select import shortlist
 from bitkern.tuner.space import enumerate_candidates, usable_templates
 from tests.helpers import benchmark, matmul_case
 
@@ -266,6 +267,9 @@ def test_the_vnni_template_is_refused_at_aarch64_levels_without_dotprod():
     assert usable == [] and unused["vnni"] == "the armv8-a level (it needs asimddp)"
     with pytest.raises(ValueError, match=r"cannot build for the armv8-a level \(it needs asimddp\)"):
         build_kernel(spec, N, K, "vnni", VnniConfig(), "tile16", (1, 16), device)
+    with pytest.raises(ValueError, match=r"no kernel configuration builds .* vnni: the armv8-a level \(it needs "
+                                         r"asimddp\)"):
+        shortlist(spec, N, K, (1, 16), "tile16", device)  # what the tuner tells the caller
 
 
 _LINKER = shutil.which("aarch64-linux-gnu-ld") or shutil.which("ld.lld")
