@@ -1,6 +1,7 @@
 """The aarch64 lane, run by tools/aarch64/test inside an emulated arm64 root (skipped elsewhere): bitkern imports with
 nothing set, detects emulated CPU models as their /proc/cpuinfo says, every
-template that serves aarch64 computes the references (int8 activations by sdot too), and a quantized tiny Llama
+template that serves aarch64 computes the references (int8 activations by sdot, experts' rows by the grouped
+template too), and a quantized tiny Llama
 generates, saves and loads."""
 
 import json
@@ -22,6 +23,9 @@ from bitkern.ops import Matmul
 from bitkern.tuner import host_cpu
 from bitkern.tuner.space import enumerate_candidates
 from tests.codegen.cpu.test_arm_levels import CPUINFO
+from tests.codegen.cpu.test_grouped import E as grouped_experts, K as grouped_k
+from tests.codegen.cpu.test_grouped import _build as grouped_build, _case as grouped_case
+from tests.codegen.cpu.test_grouped import _check as grouped_check, _distinct as grouped_routing
 from tests.helpers import assert_matches_reference, matmul_case
 from tests.nn.test_generation import _greedy, _llama
 
@@ -99,6 +103,17 @@ def test_int8_activations_by_sdot_compute_the_reference(name, m):
     for config in configs:
         kernel = build_kernel(spec, N, K, "vnni", config, "tile16", bucket, host_cpu())
         torch.testing.assert_close(kernel(x, pack(qweight)), spec.reference(x, qweight), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype, zero_mode, group", [("int4", None, 64), ("nf4", None, 64), ("uint4", "gptq", 64)])
+def test_experts_rows_by_the_grouped_template_compute_the_reference(dtype, zero_mode, group):
+    """The grouped FMA template (mixture-of-experts decode) at the emulated CPU's level: rows routed to their top 2
+    of 6 experts, 1 to 7 rows, against the float64 reference pair by pair (tests/codegen/cpu/test_grouped's check)."""
+    spec, weight, bias = grouped_case(dtype, zero_mode, group, top_k=2, activation="bfloat16")
+    kernel = grouped_build(spec, host_cpu().level.name)
+    for tokens in (1, 2, 7):
+        x = torch.randn(tokens, grouped_k, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+        grouped_check(spec, weight, bias, kernel, x, grouped_routing(tokens, 2, grouped_experts, tokens))
 
 
 def test_a_quantized_tiny_llama_generates_and_round_trips_through_save_and_load(tmp_path):

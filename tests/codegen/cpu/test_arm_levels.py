@@ -13,7 +13,7 @@ from bitkern.codegen import build_kernel, pack
 from bitkern.codegen.cpu import TEMPLATES, isa
 from bitkern.codegen.cpu.runtime import library_arch
 from bitkern.codegen.cpu.vnni import VnniConfig
-from bitkern.ops import Matmul
+from bitkern.ops import GroupedMatmul, Matmul
 from bitkern.tuner import device_for, host_cpu
 from bitkern.tuner.device import (CPU_TARGETS, cpuinfo_features, cpuinfo_model, named_cpu, parse_sysctl,
                                   sysctl_caches, sysctl_features, unrunnable)
@@ -311,3 +311,15 @@ def test_a_prebuilt_cache_for_an_aarch64_part_is_kept_but_never_run_here(tmp_pat
     with caplog.at_level("WARNING", logger="bitkern"):
         assert DiskStore(tmp_path / "here").import_(tmp_path / "pi5.tar.gz") == 1
     assert f"the {key} kernels of" in caplog.text and "never run here: they are aarch64 code" in caplog.text
+
+
+@pytest.mark.parametrize("level", ARM_LEVELS)
+@pytest.mark.parametrize("name", ["int4", "nf4"])
+def test_the_grouped_template_compiles_to_neon_at_every_aarch64_level(level, name):
+    """Experts' rows (`GroupedMatmul`, the grouped FMA template) on aarch64: NEON fmla, and nf4's code book looked up
+    by tbl; no x86 or SVE arithmetic (computed under emulation: tests/aarch64)."""
+    spec = GroupedMatmul(name, "bfloat16", group_size=64, experts=4, top_k=2)
+    code = _assembly(spec, host_cpu().at_level(level), "grouped_fma", (1, 1))
+    tables = re.findall(r"\btbl\s+v\d+\.16b", code)
+    assert len(re.findall(r"\bfmla\s+v\d+\.4s", code)) >= 16 and (len(tables) >= 8) == (name == "nf4")
+    assert _neon_only(code)
