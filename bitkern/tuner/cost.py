@@ -67,10 +67,12 @@ CPU_CYCLES = {
     # multiply-add, and a broadcast of x per row and task (shared by its n_tiles tiles: on Zen 5 the grouped int4
     # projections took 0.8x the time with 2 tiles a task as with 1, measured)
     "convert_code_vector": 1.0, "fma_code_row": 0.5, "fma_broadcast_row": 0.25,
-    # VNNI (activation_quant="int8"): vpdpbusd one per cycle; beside them, per byte position of a word and row block,
-    # its shift, mask and the word's load; per row, tile and 32-k block, the int32 sums converted, scaled and added;
-    # per group the offset term; per activation broadcast a load; per x element quantized in the prologue (estimated)
-    "vpdpbusd": 1, "vnni_unpack": 1.5, "vnni_block_row": 4, "vnni_group_row": 2, "vnni_broadcast": 0.5,
+    # VNNI (activation_quant="int8"): byte dot products in units of one 512-bit vpdpbusd, one per cycle (`byte_dot`;
+    # `codegen.cpu.vnni.dot_cost` converts each level's instructions to it); beside them, per byte position of a word
+    # and row block, its shift, mask and the word's load; per row, tile and 32-k block, the int32 sums converted,
+    # scaled and added; per group the offset term; per activation broadcast a load; per x element quantized in the
+    # prologue (estimated)
+    "byte_dot": 1, "vnni_unpack": 1.5, "vnni_block_row": 4, "vnni_group_row": 2, "vnni_broadcast": 0.5,
     "vnni_quantize_element": 0.5,
     # norm prologue, per element of x normalized: its statistics pass and x̂ (fitted on Zen 4, 3072x2048 int4 with a
     # bf16 RMSNorm against none: +15 µs at M=16, serial; +46 µs at M=128 over two cores)
@@ -87,8 +89,8 @@ CPU_CYCLES = {
 # tbl, an index multiply and shift) is priced as three conversions, and the lookup template's per-row work (per word:
 # 32 tbl of four registers, 32 index multiplies, 32 fadd, ~64 moves and masks, ~32 shifts, stack traffic) is spread
 # over that factor.  Generic: per 4 lanes decoded (shifts, convert, scale multiply, the tile's store) and per 4 lanes
-# and row of products (an fmla, its loads, x's broadcast).  VNNI (int8 activations, sdot; the work counts keep x86's
-# name "vpdpbusd" for the byte dot product, `codegen.cpu.vnni.dot_cost`, which counts on aarch64 one unit per two sdot,
+# and row of products (an fmla, its loads, x's broadcast).  VNNI (int8 activations, sdot; the work counts' byte
+# dot product `byte_dot`, `codegen.cpu.vnni.dot_cost`, which counts on aarch64 one unit per two sdot,
 # a looked-up code book's 1-register tbl counted as one more sdot): per unit two dot-class instructions; per 16-byte
 # vector of codes unpacked (`vnni_unpack`) a mask (and), a sign flip (eor), half a shift (ushr) and a quarter of its
 # load; per activation broadcast an ld1r; per row, tile and 32-k block four int-to-float converts and four fmla; per
@@ -104,7 +106,7 @@ ARM_MIXES = {
     "lookup_table_entry": {"fp": 1, "logic": 0.5, "store": 0.25},
     "generic_decode_vector": {"shift": 3, "convert": 1, "fp": 1, "store": 1, "load": 1, "scalar": 2.5},
     "generic_fma_vector": {"fp": 1, "load": 1.25, "scalar": 0.5, "dup_gpr": 0.25},
-    "vpdpbusd": {"dot": 2},
+    "byte_dot": {"dot": 2},
     "vnni_unpack": {"logic": 2, "shift": 0.5, "load": 0.25},
     "vnni_broadcast": {"load_broadcast": 1},
     "vnni_block_row": {"convert": 4, "fp": 4},

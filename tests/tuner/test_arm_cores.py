@@ -72,4 +72,4 @@ def test_the_cost_model_prices_the_vnni_templates_sdot_work_with_the_cores_numbe
     [bound] = work.bounds
     cycles = operation_cycles(device)
     assert all(cycles[op] == core.cycles(ARM_MIXES[op]) for op in bound)
-    assert cycles["vpdpbusd"] == core.cycles({"dot": 2})
+    assert cycles["byte_dot"] == core.cycles({"dot": 2})

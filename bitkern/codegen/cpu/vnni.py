@@ -192,7 +192,7 @@ class VnniTemplate(CpuTemplate):
                       "vnni_broadcast": column_blocks * blocks * PRODUCTS * m,
                       "vnni_quantize_element": m * k * copies, **norm_prologue(spec, m, k, copies)}
         widths = 64 // device.vector_bytes
-        bound = {"vpdpbusd": tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, byte_bits(spec),
+        bound = {"byte_dot": tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, byte_bits(spec),
                                                                           looks_up_bytes(spec)),
                  "vnni_unpack": tiles_n * blocks * PRODUCTS * row_blocks * widths}
         return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),

@@ -297,7 +297,7 @@ def test_the_cost_model_sees_the_prologue_and_the_products():
     cpu = host_cpu()
     one = vnni.TEMPLATE.work(spec, 4096, 4096, 1, VnniConfig(4, True, 16, 1, 32), cpu)
     four = vnni.TEMPLATE.work(spec, 4096, 4096, 4, VnniConfig(2, True, 16, 4, 32), cpu)
-    assert four.bounds[0]["vpdpbusd"] == 4 * one.bounds[0]["vpdpbusd"]
+    assert four.bounds[0]["byte_dot"] == 4 * one.bounds[0]["byte_dot"]
     assert four.bounds[0]["vnni_unpack"] == one.bounds[0]["vnni_unpack"]
     assert math.isclose(one.dram_bytes, 4096 * 4096 / 2 + 4096 * 32 * 2 + 4096 * 2 + 4096 * 4)
 
