@@ -19,8 +19,8 @@ from bitkern.tuner.space import usable_templates
 from tests.helpers import assert_within_bound, summed_magnitudes
 
 E, N, K = 6, 48, 320  # 3 tiles per expert: blocks of 2 tiles leave a partial one
-LEVELS = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.runs_on(
-    host_cpu().level.features)]
+LEVELS = [level.name for level in (*isa.LEVELS, *isa.ARM_LEVELS) if TEMPLATE.runs_at(level) and level.runs_on(
+    host_cpu().level.features)]  # on an aarch64 host (the emulated lane), its levels
 ABOVE = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.arch == "x86_64"
          and level.name not in LEVELS]
 # (dtype, zero mode, group): integer codes (symmetric, zero points), 4-bit code books, bfloat16
