@@ -14,7 +14,7 @@ import inspect
 import torch
 from torch import Tensor
 
-_LIBRARY = torch.library.Library("bitkern", "FRAGMENT")  # noqa: TOR901 (the ops define their kernels below)
+_LIBRARY = torch.library.Library("bitkern", "FRAGMENT")  # the namespace's other ops are defined elsewhere too
 
 
 class Op:
@@ -56,6 +56,7 @@ class Op:
         raise RuntimeError(f"torch.ops.bitkern.{self.name} has no gradient (it is for inference only)")
 
     def _autograd_kernel(self, keyset, *args):
+        """The op at the Autograd key: the body itself for plain calls, else autograd's record or the keys below."""
         if _plain(args, torch.is_grad_enabled()):
             return self.body(*args)
         if torch.is_grad_enabled() and _requires_grad(args):
