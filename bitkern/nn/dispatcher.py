@@ -57,9 +57,10 @@ class Op:
 
     def _autograd_kernel(self, keyset, *args):
         """The op at the Autograd key: the body itself for plain calls, else autograd's record or the keys below."""
-        if _plain(args, torch.is_grad_enabled()):
+        grad_enabled = torch.is_grad_enabled()
+        if _plain(args, grad_enabled):
             return self.body(*args)
-        if torch.is_grad_enabled() and _requires_grad(args):
+        if grad_enabled and _requires_grad(args):
             return self.function.apply(*args, *self.defaults[len(args):])  # the dispatcher leaves out defaults
         with torch._C._AutoDispatchBelowAutograd():
             return self.overload.redispatch(keyset & torch._C._after_autograd_keyset, *args)

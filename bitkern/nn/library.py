@@ -32,11 +32,11 @@ from torch import Tensor
 
 from ..cache.dispatch import run_grouped
 from ..codegen import PackedWeight, packed_class
-from .dispatcher import op
 from ..ops import Conv2d, ConvGeometry, GroupedMatmul, Matmul
 from ..ops.conv import conv_weight, out_size
 from ..ops.matmul import epilogue_reference, norm_reference
 from ..ttype import StoredWeight, WeightFormat, get, torch_dtype
+from .dispatcher import op
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _RAW_BITS = {2: torch.int16, 4: torch.int32}  # integer dtype of each float width

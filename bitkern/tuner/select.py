@@ -133,15 +133,14 @@ def _considered(spec: Matmul, n: int, k: int, bucket: tuple[int, int], layout: s
         raise ValueError(f"top_k={top_k} is out of range; accepted: 1..8")
     record = _record(spec, n, k, bucket, device)
     _, candidates = enumerate_candidates(spec, n, k, bucket, layout, device)
+    _, unused = usable_templates(spec, n, k, bucket, layout, device)
     if not candidates:
-        _, unused = usable_templates(spec, n, k, bucket, layout, device)
         reasons = "; ".join(f"{name}: {why}" for name, why in unused.items())
         raise ValueError(f"no kernel configuration builds {spec} for a [{n}, {k}] weight on {device.key} "
                          f"(templates not used: {reasons})")
     record.trials = [Trial(c.template, c.config, estimate(c.template, c.config, spec, n, k, record.tuned_m,
                                                           device).seconds) for c in candidates]
-    record.notes += [f"{name} template not used: {reason}"
-                     for name, reason in usable_templates(spec, n, k, bucket, layout, device)[1].items()]
+    record.notes += [f"{name} template not used: {reason}" for name, reason in unused.items()]
     return record, candidates, _ranked(record.trials)
 
 
