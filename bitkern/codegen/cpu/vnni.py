@@ -7,6 +7,7 @@ vpmaddubsw and vpmaddwd with AVX2, and sdot with aarch64's dot product: Neoverse
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -107,13 +108,16 @@ def registers(rows: int, n_tiles: int) -> int:
 class VnniConfig:
     """Tile configuration of the VNNI template (chosen by the tuner): n_tiles 16-column tiles per task, rows per
     register block (each row block decodes the task's words again), small_m: one task per column block for all M
-    <= 16 rows, m_chunk: rows per task otherwise, prefetch: words ahead (0: none)."""
+    <= 16 rows, m_chunk: rows per task otherwise, prefetch: words ahead (0: none), in_turn: the task's tiles one
+    after another over all of K, for calls of one row block (one weight stream at a time and one tile's registers:
+    n_tiles then sets only the task's width, as SwiGLU's gate and up pairs need)."""
 
     n_tiles: int = 4
     small_m: bool = True
     m_chunk: int = SMALL_M
     rows: int = 1
     prefetch: int = 32
+    in_turn: bool = False
     # the tile16 builder's options this template keeps fixed: one prologue pass over all rows, nothing staged
     chunk_prologue = False
     stage_steps = 1
@@ -124,7 +128,9 @@ class VnniConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if registers(self.rows, self.n_tiles) > REGISTERS:
+        if not isinstance(self.in_turn, bool):
+            raise ValueError(f"in_turn={self.in_turn!r} must be a bool")
+        if registers(self.rows, 1 if self.in_turn else self.n_tiles) > REGISTERS:
             raise ValueError(f"rows={self.rows} x n_tiles={self.n_tiles} needs more than {REGISTERS} vector registers")
         if self.m_chunk % self.rows or (self.small_m and self.m_chunk != SMALL_M):
             raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of rows={self.rows} ({SMALL_M} for small_m)")
@@ -134,7 +140,7 @@ class VnniTemplate(CpuTemplate):
     name = "vnni"
     title = "VNNI"
     config_type = VnniConfig
-    shape_fields = ("n_tiles", "rows", "prefetch")
+    shape_fields = ("n_tiles", "rows", "prefetch", "in_turn")
     # vpmaddubsw at least, or sdot (`dot_instruction`)
     requires = (isa.level("x86-64-v3").features, isa.level("armv8.2-a").features)
     epilogues = EPILOGUES  # the tile16 builder's output stage
@@ -161,19 +167,24 @@ class VnniTemplate(CpuTemplate):
 
     def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[VnniConfig]:
         """Row blocks up to the bucket's rows (at most 4) and tiles that fit the registers and the body bound,
-        the task's words within half of L2, every prefetch depth; row chunks of 32 to 128 rows beyond 16."""
+        the task's words within half of L2, every prefetch depth; row chunks of 32 to 128 rows beyond 16; where one
+        row block holds the bucket's rows, 2 and 4 tiles also in turn."""
         small = bucket[1] <= SMALL_M
         budget = REGISTERS if device.vector_bytes >= 64 else REGISTERS_NARROW
         found = []
         for rows in doublings(1, min(4, bucket[1])):
+            shapes = []
             for n_tiles in range(1, 9):
                 if registers(rows, n_tiles) > budget or rows * (rows + 1) // 2 * n_tiles * PRODUCTS > BODY:
                     break
-                chunks = [SMALL_M] if small else [c for c in doublings(32, 128)]
-                for chunk, prefetch in ((c, p) for c in chunks for p in PREFETCH_WORDS):
-                    config = VnniConfig(n_tiles, small, chunk, rows, prefetch)
-                    if self.resources(spec, k, config).l2_bytes <= device.l2_bytes // 2:
-                        found.append(config)
+                shapes.append((n_tiles, False))
+            if bucket[1] <= rows and registers(rows, 1) <= budget:
+                shapes += [(n_tiles, True) for n_tiles in (2, 4)]
+            chunks = [SMALL_M] if small else [c for c in doublings(32, 128)]
+            for (n_tiles, in_turn), chunk, prefetch in itertools.product(shapes, chunks, PREFETCH_WORDS):
+                config = VnniConfig(n_tiles, small, chunk, rows, prefetch, in_turn)
+                if self.resources(spec, k, config).l2_bytes <= device.l2_bytes // 2:
+                    found.append(config)
         return MatrixTemplate.for_epilogue(spec, found)
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: VnniConfig, device) -> Work:
@@ -187,16 +198,17 @@ class VnniTemplate(CpuTemplate):
         row_blocks = -(-m // config.rows)
         chunks = 1 if config.small_m else -(-m // config.m_chunk)
         column_blocks = -(-tiles_n // config.n_tiles)
+        streams = 1 if config.in_turn else config.n_tiles  # tiles whose words a task reads at once
         copies = device.cores if config.small_m else 1
         operations = {"vnni_block_row": tiles_n * blocks * m, "vnni_group_row": tiles_n * groups * m,
-                      "vnni_broadcast": column_blocks * blocks * PRODUCTS * m,
+                      "vnni_broadcast": column_blocks * config.n_tiles // streams * blocks * PRODUCTS * m,
                       "vnni_quantize_element": m * k * copies, **norm_prologue(spec, m, k, copies)}
         widths = 64 // device.vector_bytes
         bound = {"byte_dot": tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, byte_bits(spec),
                                                                           looks_up_bytes(spec)),
                  "vnni_unpack": tiles_n * blocks * PRODUCTS * row_blocks * widths}
         return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),
-                    streams=config.n_tiles, prefetch=config.prefetch)
+                    streams=streams, prefetch=config.prefetch)
 
     def program(self, spec: Matmul, n: int, k: int, config: VnniConfig, layout, bucket, device):
         """The PrimFunc for rows M in `bucket` (at most 16 with small_m); arguments as the tile16 templates', the
@@ -209,6 +221,9 @@ class VnniTemplate(CpuTemplate):
             raise ValueError(f"the VNNI template does not support {reason}")
         if config.small_m != (bucket[1] <= SMALL_M):
             raise ValueError(f"small_m={config.small_m} does not fit rows {bucket}")
+        if config.in_turn and bucket[1] > config.rows:
+            raise ValueError(f"in_turn=True needs one row block for every call: rows={config.rows} is fewer than "
+                             f"the bucket's {bucket}")
         if not MatrixTemplate.for_epilogue(spec, [config]):
             raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
                              f"in pairs)")

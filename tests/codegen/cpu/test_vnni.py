@@ -187,12 +187,14 @@ def test_every_level_looks_up_the_same_code_book(level, name, config, m):
                                                (VnniConfig(2, False, 32, 4, 32), 70, (17, 256)),
                                                (VnniConfig(3, False, 64, 2, 64), 130, (17, 256)),
                                                (VnniConfig(2, True, 16, 1, 32), 1, (1, 1)),
-                                               (VnniConfig(2, True, 16, 4, 32), 3, (2, 4))])
+                                               (VnniConfig(2, True, 16, 4, 32), 3, (2, 4)),
+                                               (VnniConfig(3, True, 16, 1, 16, in_turn=True), 1, (1, 1)),
+                                               (VnniConfig(2, True, 16, 4, 32, in_turn=True), 3, (2, 4))])
 @pytest.mark.parametrize("group", [32, 128, -1])
 def test_register_blocks_row_chunks_and_groups(config, m, bucket, group):
     """Tiles that do not divide N (the last block repeats a tile), row counts that do not fill a block or a chunk,
-    K not a multiple of 32 where per-channel; buckets of one row block (y in registers over all of K) and of
-    several (groups outside the blocks)."""
+    K not a multiple of 32 where per-channel; buckets of one row block (y in registers over all of K, the task's
+    tiles at once or in turn) and of several (groups outside the blocks)."""
     generator = torch.Generator().manual_seed(m)
     n, k = 72, 256 if group != -1 else 232
     qweight = bitkern.quantize(torch.randn(n, k, generator=generator), "int4", group_size=group)
@@ -226,6 +228,38 @@ def test_norm_prologue_and_epilogues(norm, epilogue, residual, m):
         _check(spec, qweight, x, y, bias, residual_tensor, norm_args)
     else:
         assert torch.allclose(y.double(), reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_swiglu_pairs_computed_in_turn(level):
+    """in_turn: a task's gate and up tiles one after the other over all of K, then silu(gate)·up of the pair, as
+    computed with both tiles at once (the same int32 sums and float32 steps: equal bitwise), and near the reference."""
+    generator = torch.Generator().manual_seed(3)
+    n, k = 96, 384
+    qweight = bitkern.quantize(torch.randn(n, k, generator=generator), "int4", group_size=128)
+    spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", epilogue="swiglu", activation_quant="int8")
+    device = host_cpu().at_level(level)
+    x = torch.randn(1, k, generator=generator).bfloat16()
+    at_once, in_turn = (vnni.TEMPLATE.build(spec, n, k, VnniConfig(4, True, 16, 1, 32, in_turn=turn), "tile16",
+                                            (1, 1), device)(x, pack(qweight)) for turn in (False, True))
+    assert torch.equal(at_once, in_turn)
+    reference = spec.exact(x, qweight)
+    assert torch.allclose(in_turn.double(), reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
+
+
+def test_tiles_in_turn_only_where_one_row_block_serves_every_call():
+    """The tuner offers in_turn for buckets a row block holds, with streams of one tile in the cost model; a build
+    for a bucket of more rows than the block is refused, naming the field."""
+    spec = Matmul("int4", "bfloat16", activation_quant="int8", epilogue="swiglu")
+    cpu = host_cpu().at_level("x86-64-v3")
+    one = vnni.TEMPLATE.configs(spec, 4096, 4096, (1, 1), cpu, None)
+    assert any(c.in_turn and c.n_tiles == 2 for c in one) and all(c.n_tiles % 2 == 0 for c in one)
+    assert not any(c.in_turn for c in vnni.TEMPLATE.configs(spec, 4096, 4096, (2, 16), cpu, None))
+    config = VnniConfig(4, True, 16, 1, 32, in_turn=True)
+    assert vnni.TEMPLATE.work(spec, 4096, 4096, 1, config, cpu).streams == 1
+    assert vnni.TEMPLATE.work(spec, 4096, 4096, 1, dataclasses.replace(config, in_turn=False), cpu).streams == 4
+    with pytest.raises(ValueError, match="in_turn=True needs one row block"):
+        vnni.TEMPLATE.build(spec, 64, 256, config, "tile16", (1, 4), cpu)
 
 
 def test_nonfinite_activations_give_torch_infinities_and_nans():

@@ -459,11 +459,12 @@ class Tile16Builder(abc.ABC):
         """The scale group of quantization group `group` (padded groups read the last: their C = XS = 0)."""
         return 0 if self.s.per_channel else tirx.min(group, self.s.scale_groups - 1)
 
-    def _group_factors(self, tile_index, scale_group):
-        """(scale, beta) lanes of one tile and group, prefetching the scales of groups ahead; beta folds the
-        decode offset and the zero point (None when there is neither)."""
+    def _group_factors(self, tile_index, scale_group, streams: int | None = None):
+        """(scale, beta) lanes of one tile and group, prefetching the scales of groups ahead (past the tile's end,
+        those of the tile `streams` on: the task's tiles read at once, default all); beta folds the decode offset and
+        the zero point (None when there is neither)."""
         if not self.s.per_channel:
-            self.group_args.prefetch(tile_index, scale_group, self.cfg.n_tiles)
+            self.group_args.prefetch(tile_index, scale_group, streams or self.cfg.n_tiles)
         scale = self.group_args.scale(tile_index, scale_group)
         if self.dec.offset == 0.0 and self.group_args.zeros is None:
             return scale, None

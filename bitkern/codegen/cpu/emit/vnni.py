@@ -169,9 +169,10 @@ class VnniBuilder(Tile16Builder):
         chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
         here = self.m if cfg.small_m else tirx.min(chunk_rows, self.m - row0)
         yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        block_registers = (registers((cfg.rows, cfg.n_tiles), "float32"),
-                           registers((self._splits(1), cfg.rows, cfg.n_tiles), "int32"),
-                           registers((2, cfg.n_tiles), "float32"))
+        width = 1 if cfg.in_turn else cfg.n_tiles  # tiles in registers at once
+        block_registers = (registers((cfg.rows, width), "float32"),
+                           registers((self._splits(1, width), cfg.rows, width), "int32"),
+                           registers((2, width), "float32"))
         self.table = None
         if self.lut is not None:  # the code book, read once per task
             self.table = registers((1,), "int32")
@@ -185,7 +186,11 @@ class VnniBuilder(Tile16Builder):
                         with T.Then():
                             emit(rb * cfg.rows, count)
 
-        if self.max_rows <= cfg.rows:
+        if cfg.in_turn:
+            for c, tile in enumerate(tiles):
+                each_block(lambda local_row, count, c=c, tile=tile: self._rows(yacc, block_registers, [tile], row0,
+                                                                            local_row, count, c))
+        elif self.max_rows <= cfg.rows:
             each_block(lambda local_row, count: self._rows(yacc, block_registers, tiles, row0, local_row, count))
         else:
             with T.serial(0, here) as r:
@@ -196,29 +201,31 @@ class VnniBuilder(Tile16Builder):
                                                                      count, group))
         self._store_output(yacc, tiles, owned, row0, chunk_rows)
 
-    def _splits(self, count: int) -> int:
-        """int32 sums per C cell of a block of `count` rows: CHAINS in flight, at most the products of a block."""
+    def _splits(self, count: int, width: int) -> int:
+        """int32 sums per C cell of a block of `count` rows and `width` tiles: CHAINS in flight, at most the products
+        of a block."""
         splits = 1
-        while count * self.cfg.n_tiles * splits < self.chains and splits < QUADS:
+        while count * width * splits < self.chains and splits < QUADS:
             splits *= 2
         return splits
 
-    def _rows(self, yacc, block_registers, tiles, row0, local_row, count: int) -> None:
-        """yacc[local_row + r] for the `count` rows of a block: all of K, y in registers (`block_registers`: y, the
-        int32 sums and the group's factors scale·alpha, scale·beta per tile)."""
+    def _rows(self, yacc, block_registers, tiles, row0, local_row, count: int, column: int = 0) -> None:
+        """yacc[local_row + r, column..] for the `count` rows of a block and `tiles` (the task's from `column` on): all
+        of K, y in registers (`block_registers`: y, the int32 sums and the group's factors scale·alpha, scale·beta per
+        tile)."""
         y = block_registers[0]
-        cells = [(r, c) for r in range(count) for c in range(self.cfg.n_tiles)]
+        cells = [(r, c) for r in range(count) for c in range(len(tiles))]
         for r, c in cells:
             T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
         with T.serial(0, self.s.groups) as group:
             self._group(block_registers, tiles, row0 + local_row, count, group)
         for r, c in cells:
-            T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, c, ramp(0)])
+            T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, column + c, ramp(0)])
 
     def _group_rows(self, yacc, block_registers, tiles, row0, local_row, count: int, group) -> None:
         """yacc[local_row + r] += one group's terms for the `count` rows of a block (y through registers)."""
         y = block_registers[0]
-        cells = [(r, c) for r in range(count) for c in range(self.cfg.n_tiles)]
+        cells = [(r, c) for r in range(count) for c in range(len(tiles))]
         for r, c in cells:
             T.buffer_store(y, load(yacc, local_row + r, c, ramp(0)), [r, c, ramp(0)])
         self._group(block_registers, tiles, row0 + local_row, count, group)
@@ -228,14 +235,13 @@ class VnniBuilder(Tile16Builder):
     def _group(self, block_registers, tiles, first_row, count: int, group) -> None:
         """y += quantization group `group`'s terms for rows first_row.. of a block: its activation blocks' products
         scaled by scale·alpha·d, then the offset and zero point term scale·beta·XS."""
-        cfg = self.cfg
-        splits = self._splits(count)
-        cells = [(r, c) for r in range(count) for c in range(cfg.n_tiles)]
+        splits = self._splits(count, len(tiles))
+        cells = [(r, c) for r in range(count) for c in range(len(tiles))]
         y, acc, factors = block_registers
         rows = [first_row + r for r in range(count)]
         scale_group = self._scale_group(group)
-        for c in range(cfg.n_tiles):
-            scale, beta = self._group_factors(tiles[c], scale_group)
+        for c in range(len(tiles)):
+            scale, beta = self._group_factors(tiles[c], scale_group, len(tiles))
             alpha = self.dec.alpha[0]
             T.buffer_store(factors, scale if alpha == 1.0 else scale * splat(alpha, "float32"), [0, c, ramp(0)])
             if beta is not None:
@@ -250,18 +256,18 @@ class VnniBuilder(Tile16Builder):
     def _block(self, y, acc, factors, tiles, rows, block, splits: int) -> None:
         """One activation block: C = Σ u·q per cell in int32 (product t of the block into split t mod splits; or
         as int16 pairs widened once, `sums_pairs`), then y += (scale·alpha·d)·C."""
-        cfg, codes = self.cfg, self.codes
+        codes, width = self.codes, len(tiles)
         pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
         count = len(rows)
         for split in range(splits):
             for r in range(count):
-                for c in range(cfg.n_tiles):
+                for c in range(width):
                     T.buffer_store(acc, splat(0, "int32"), [split, r, c, ramp(0)])
         for w in range(codes.words):
             word_index = block * codes.words + w
             words = []
-            for c in range(cfg.n_tiles):
-                prefetch_ahead(self.qweight, tiles[c], word_index, cfg.prefetch, cfg.n_tiles)
+            for c in range(width):
+                prefetch_ahead(self.qweight, tiles[c], word_index, self.cfg.prefetch, width)
                 word = tirx.reinterpret("uint32x16", load(self.qweight, tiles[c], word_index, ramp(0)))
                 words.append(tirx.bitwise_xor(word, u32(self.dec.xor[0])) if self.dec.xor[0] else word)
             for s in range(codes.positions):
@@ -282,7 +288,7 @@ class VnniBuilder(Tile16Builder):
                         T.buffer_store(acc, total, cell)
         for r, row in enumerate(rows):
             d = tirx.Broadcast(load(self.xscale, row, block), LANES)
-            for c in range(cfg.n_tiles):
+            for c in range(width):
                 sums = [load(acc, split, r, c, ramp(0)) for split in range(splits)]
                 total = None
                 for value in (widen_pairs(v, self.level) for v in sums) if pairs else sums:
