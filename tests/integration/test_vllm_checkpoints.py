@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.integration.conftest import TWO_WORKERS
 from tests.integration.formats_fixtures import path, reference, reference_model
 from tests.integration.greedy import assert_greedy_agrees, greedy_tokens
 
@@ -115,7 +116,7 @@ def test_gptq_tensor_parallel_2(run_vllm, tmp_path):
     name = "gptq_4bit_sym"
     result, _ = run_vllm({"engine": engine(checkpoint(tmp_path, name), tensor_parallel_size=2), "prompts": PROMPTS,
                           "max_tokens": NEW_TOKENS, "ignore_eos": True, "weights": str(tmp_path)},
-                         {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+                         TWO_WORKERS)
     check_weights(tmp_path, name, ranks=2)
     check_tokens(result["tokens"], name)
 
@@ -146,7 +147,7 @@ def test_bad_checkpoints_fail_at_engine_start(run_vllm, tmp_path):
         (engine(checkpoint(tmp_path, "moe_actorder", MOE_ACT_ORDER)),
          "model.layers.0.mlp.experts: the checkpoint's experts are act-order GPTQ layers (desc_act=True)"),
     ]
-    result, output = run_vllm({"cases": [case for case, _ in cases]}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    result, output = run_vllm({"cases": [case for case, _ in cases]}, TWO_WORKERS)
     for (_, message), outcome in zip(cases, result["outcomes"]):
         assert outcome["error"] is not None, (message, outcome)
         assert message in outcome["message"] or message in output, (message, outcome)

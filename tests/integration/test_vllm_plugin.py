@@ -20,6 +20,7 @@ import torch
 
 import bitkern
 
+from tests.integration.conftest import TWO_WORKERS, USER_TOPOLOGY
 from tests.integration.greedy import assert_greedy_agrees, greedy_tokens
 
 PROMPTS = [[1, 5, 9, 200], [17, 300, 42, 7, 99, 512, 3, 8, 640, 11], [900], [64, 128, 256, 33, 21]]
@@ -31,7 +32,8 @@ MERGED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # each rank takes a slice of the input
 NEAR_TIE = 0.03  # logits; bfloat16 rounds logits of this model (|logit| < 1) to 0.002-0.004
-# the engine that tunes its kernels by timing them, as a user's does (the others pick by the cost model, conftest.py)
+# the engine that tunes its kernels by timing them and runs in vLLM's processes, as a user's does (the others pick
+# by the cost model and run in one process, conftest.py)
 USER_ENGINE = ("float32", json.dumps(INT4, sort_keys=True), True)
 
 
@@ -95,10 +97,10 @@ def quantized_on_load(run_vllm, tiny_llama, tmp_path_factory):
         key = (dtype, json.dumps(settings, sort_keys=True), eager)
         if key not in runs:
             folder = tmp_path_factory.mktemp("served-weights")
-            profiled = {"BITKERN_TUNING": "profile"} if key == USER_ENGINE else None
+            as_users = dict(USER_TOPOLOGY, BITKERN_TUNING="profile") if key == USER_ENGINE else None
             result, output = run_vllm({"engine": engine(tiny_llama, dtype, settings, eager), "prompts": PROMPTS,
                                        "max_tokens": MAX_TOKENS, "weights": str(folder),
-                                       "no_tuning_after_start": True}, profiled)
+                                       "no_tuning_after_start": True}, as_users)
             runs[key] = result, output, folder
         return runs[key]
 
@@ -181,7 +183,7 @@ def test_bitkern_checkpoint_tensor_parallel_2(run_vllm, bitkern_checkpoint, tmp_
     words and groups of its inputs)."""
     path, (tokens, _, weights) = bitkern_checkpoint
     result, _ = run_vllm({"engine": checkpoint_engine(path, True, tensor_parallel_size=2), "prompts": PROMPTS,
-                          "max_tokens": MAX_TOKENS, "weights": str(tmp_path)}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+                          "max_tokens": MAX_TOKENS, "weights": str(tmp_path)}, TWO_WORKERS)
     check_weights(tmp_path, weights, ranks=2)
     assert result["tokens"] == tokens
 
@@ -193,7 +195,7 @@ def test_tensor_parallel_2(run_vllm, tiny_llama, reference, tmp_path):
     tokens, _, weights = reference("float32", INT4)
     result, _ = run_vllm({"engine": engine(tiny_llama, "float32", INT4, tensor_parallel_size=2),
                           "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "weights": str(tmp_path)},
-                         {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+                         TWO_WORKERS)
     check_weights(tmp_path, weights, ranks=2)
     assert result["tokens"] == tokens
 
@@ -236,8 +238,9 @@ def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
 
 
 def test_group_size_not_dividing_a_layer_fails_at_engine_start(run_vllm, tiny_llama):
-    """The group size is checked per layer partition when the engine builds the model: engine start fails, and
-    the worker's error names the layer."""
-    result, output = run_vllm({"cases": [engine(tiny_llama, "float32", {"dtype": "int4", "group_size": 96})]})
-    assert result["outcomes"][0]["error"] is not None
-    assert "model.layers.0.self_attn.qkv_proj: input size 256: group_size=96 does not divide" in output
+    """The group size is checked per layer partition when the engine builds the model: engine start fails with
+    the worker's error, which names the layer."""
+    result, _ = run_vllm({"cases": [engine(tiny_llama, "float32", {"dtype": "int4", "group_size": 96})]})
+    outcome = result["outcomes"][0]
+    assert outcome["error"] is not None
+    assert "model.layers.0.self_attn.qkv_proj: input size 256: group_size=96 does not divide" in outcome["message"]

@@ -43,12 +43,21 @@ def save_weights(directory, model):
 
 def forbid_tuning(when, model):
     """(run by vLLM in each worker) From now on, tuning a bitkern kernel raises, saying `when` it happened."""
-    import bitkern.cache.lookup
+    from bitkern.cache import lookup
 
     def tuned(key, *args):
         raise AssertionError(f"bitkern tuned a kernel {when}: {key.describe()}")
 
-    bitkern.cache.lookup._tuned = tuned
+    tuned.allowed = lookup._tuned
+    lookup._tuned = tuned
+
+
+def allow_tuning(model):
+    """(run by vLLM in each worker) Undo forbid_tuning: a worker in this process (the next engine of a "runs"
+    request, when vLLM runs its worker in the engine's process) tunes again."""
+    from bitkern.cache import lookup
+
+    lookup._tuned = getattr(lookup._tuned, "allowed", lookup._tuned)
 
 
 def bitkern_calls(folder):
@@ -82,6 +91,8 @@ def generate(request):
         result["bitkern_calls"] = bitkern_calls(request["profile"])
     if request.get("weights"):
         llm.apply_model(functools.partial(save_weights, request["weights"]))
+    if request.get("no_tuning_after_start"):
+        llm.apply_model(allow_tuning)
     llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
     return result
 
