@@ -131,7 +131,8 @@ class VnniConfig:
         if not isinstance(self.in_turn, bool):
             raise ValueError(f"in_turn={self.in_turn!r} must be a bool")
         if registers(self.rows, 1 if self.in_turn else self.n_tiles) > REGISTERS:
-            raise ValueError(f"rows={self.rows} x n_tiles={self.n_tiles} needs more than {REGISTERS} vector registers")
+            held = f"rows={self.rows}" + (", one tile at a time," if self.in_turn else f" x n_tiles={self.n_tiles}")
+            raise ValueError(f"{held} needs more than {REGISTERS} vector registers")
         if self.m_chunk % self.rows or (self.small_m and self.m_chunk != SMALL_M):
             raise ValueError(f"m_chunk={self.m_chunk} must be a multiple of rows={self.rows} ({SMALL_M} for small_m)")
 

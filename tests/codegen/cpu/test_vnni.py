@@ -304,6 +304,15 @@ def test_a_cpu_without_avx2_has_no_kernel_for_quantized_activations():
         vnni.TEMPLATE.build(spec, 64, 256, VnniConfig(), "tile16", (1, 16), baseline)
 
 
+def test_register_blocks_that_do_not_fit_are_refused_naming_what_is_held():
+    """Rows times tiles at once, or rows of one tile when the tiles take turns (n_tiles then is only the width)."""
+    with pytest.raises(ValueError, match=r"rows=4 x n_tiles=4 needs more than 30 vector registers"):
+        VnniConfig(n_tiles=4, rows=4)
+    VnniConfig(n_tiles=4, rows=4, m_chunk=16, in_turn=True)
+    with pytest.raises(ValueError, match=r"rows=14, one tile at a time, needs more than 30 vector registers"):
+        VnniConfig(n_tiles=2, rows=14, small_m=False, m_chunk=14, in_turn=True)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(weight_dtype="float8_e4m3"), "4-bit code books and floats"),
     (dict(weight_dtype="mxfp8"), "is a 8-bit float type"),
