@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from tests.integration.conftest import USER_TOPOLOGY
 from tests.docs_pages import PAGES, ROOT, blocks, build_tiny_llama, placeholders, substitute
+from tests.integration.conftest import USER_TOPOLOGY
 
 VLLM_BLOCKS = [block for page in PAGES for block in blocks(page) if block.runs and block.needs_vllm]
 RUN_TIMEOUT_S = 15 * 60
@@ -19,7 +19,8 @@ def test_a_vllm_example_runs(block, vllm_env, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(substitute(block.code, placeholders(llama, tmp_path)))
     result = subprocess.run([str(python), str(script)], cwd=tmp_path, capture_output=True, text=True,
-                            env=dict(env, TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1", **USER_TOPOLOGY),
+                            env=dict(env, TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1",
+                                     **USER_TOPOLOGY),
                             timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, f"{block.where}\n{result.stdout[-3000:]}{result.stderr[-6000:]}"
     assert result.stdout.strip(), "the example prints the generated text"
