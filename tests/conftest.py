@@ -59,6 +59,8 @@ HARDWARE = {
 def pytest_configure(config):
     for name, (needs, _) in HARDWARE.items():
         config.addinivalue_line("markers", f"{name}: runs only on a machine with {needs} (skipped elsewhere)")
+    config.addinivalue_line("markers", "lane_ci: the part of the emulated aarch64 lane (tests/aarch64) that the CI suite "
+                                       "runs; tools/aarch64/test alone runs all of it")
 
 
 def pytest_runtest_setup(item):
