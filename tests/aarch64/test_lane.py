@@ -1,7 +1,7 @@
 """The aarch64 lane in the CI suite: tools/aarch64/test (an emulated arm64 root, built on first use and cached) runs
-the lane's CI share (tests/aarch64/test_emulated.py's lane_ci tests, ~5 min with a cold root on the 2-core CI VM)
-and every one of them passes; the script refuses arguments.  This file comes first in collection order, so that
-pytest-xdist starts the lane first instead of leaving it for the end of the run."""
+the lane's CI share (tests/aarch64/test_emulated.py's lane_ci tests) and every one of them passes; the script refuses
+arguments.  Where xdist runs it matters little: qemu keeps about two cores busy, so the lane costs the suite about
+its own time whether it overlaps other files or runs last (xdist's loadfile starts files with fewer tests later)."""
 
 import os
 import platform
@@ -23,7 +23,7 @@ def test_the_lanes_ci_share_passes():
                                env=dict(os.environ, PYTEST_ADDOPTS="-m lane_ci"))
     lines = completed.stdout.strip().splitlines()
     summary = re.fullmatch(r"(\d+) passed, (\d+) deselected in .*", lines[-1]) if lines else None
-    assert completed.returncode == 0 and summary and int(summary[1]) >= 6, \
+    assert completed.returncode == 0 and summary and int(summary[1]) >= 5, \
         completed.stdout[-6000:] + completed.stderr[-6000:]
 
 
