@@ -3,12 +3,14 @@ their generated assembly: measured only where run on such a machine (--native).
 
 Each kernel is cross-compiled here for the core's target (TVM's LLVM, the build's pass settings) and its
 hot inner loops are read from the assembly: the innermost loops holding the products (`fmla` for the FMA and generic
-templates, the four-register `tbl` for the lookup template, `sdot` for the VNNI template serving int8 activations) and,
+templates, the four-register `tbl` for the lookup template, `sdot` for the VNNI template serving int8 activations,
+`smmla` for its row pairs) and,
 for the generic template, the one decoding a weight tile into memory.  Each loop's instructions are sorted into
 classes (`bitkern.tuner.arm_cores.CLASSES`) and priced by the core's per-class throughputs (`ArmCore.cycles`: the
 busiest pipe group, or the issue width); each loop covers a known number of weights per iteration (4 per `fmla` of 4
 float32 lanes and row, 16/bits per `tbl` lane of the lookup, 4 per 16-byte store of decoded floats, 16 per `sdot` of
-4 int32 lanes and row), and runs once per weight (decode) or once per row or block of rows (products).
+4 int32 lanes and row, 16 per `smmla` of 2 columns' 8 k's and a row pair), and runs once per weight (decode) or once per
+row or block of rows (products).
 Cycles per weight byte at M=1, at the core's clock, give one core's decode rate; with every core streaming, each gets
 its share of the machine's DRAM peak, so the predicted M=1 fraction of DRAM is min(1, decode rate / share).  At M=16
 and M=512 the predicted time is the larger of the compute time (cycles over all cores) and the weights' DRAM time.
@@ -36,7 +38,7 @@ TYPES = ("int4", "nf4", "int8", "mxfp4", "int2")
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))
 TEMPLATES = ("fma", "lut", "generic")  # the dense templates serving aarch64 with float activations
 # the activations each template set serves: float (activation_quant="none") and int8 per 32-k block (the VNNI
-# template's sdot, activation_quant="int8")
+# template's sdot, or smmla for row pairs, activation_quant="int8")
 ACTIVATIONS = {"none": TEMPLATES, "int8": ("vnni",)}
 ROWS = (1, 16, 512)
 GROUP = 128
@@ -128,14 +130,17 @@ class Loop:
         return core.cycles(self.mix) / self.weights * self.passes(m)
 
 
-def hot_loops(assembly: str, template: str, bits: int, block_rows: int) -> list[Loop]:
+def hot_loops(assembly: str, template: str, bits: int, block_rows: int, pairs: bool = False) -> list[Loop]:
     """The loops a weight passes through, read from the assembly of `template`'s kernel (see the module's model):
-    the product loop with the most `fmla` (or, for the lookup template, `tbl`), and for the generic template its
-    decode loop (the most stores of decoded floats among the others)."""
+    the product loop with the most `fmla` (or, for the lookup template, `tbl`; for the VNNI template `sdot`, or
+    `smmla` where its rows go in `pairs`), and for the generic template its decode loop (the most stores of decoded
+    floats among the others)."""
     loops = [(body, counts(body)) for body in innermost_loops(assembly)]
-    if template == "vnni":  # one sdot: 4 lanes x 4 k's of one row; a row block decodes its words once
-        body, mix = max(loops, key=lambda loop: loop[1].get("dot", 0))
-        return [Loop(mix, 16 * mix.get("dot", 0) / block_rows, lambda m: -(-m // block_rows))]
+    if template == "vnni":  # one sdot: 4 lanes x 4 k's of one row; one smmla: 2 columns x 8 k's of a row pair; a row
+        # block decodes its words once
+        products, rows_each = ("mmla", 2) if pairs else ("dot", 1)
+        body, mix = max(loops, key=lambda loop: loop[1].get(products, 0))
+        return [Loop(mix, 16 * rows_each * mix.get(products, 0) / block_rows, lambda m: -(-m // block_rows))]
     if template == "lut":
         body, mix = max(loops, key=lambda loop: loop[1].get("tbl4", 0))
         return [Loop(mix, mix.get("tbl4", 0) * 4 * 4 / bits, lambda m: 1)]
@@ -207,6 +212,11 @@ class Prediction:
     def decode_bytes_per_s(self, clock_hz: float) -> float:
         return clock_hz / self.cycles_per_byte
 
+    @property
+    def label(self) -> str:
+        """The template, and "smmla" where its rows go in pairs by i8mm's smmla."""
+        return self.template + (" smmla" if getattr(self.config, "pairs", False) else "")
+
 
 def predict(core_name: str, dtype: str, m: int, template: str, activation: str = "none") -> Prediction | None:
     """The model's cycles per weight byte of `template` for `dtype` at M rows on the core with `activation`
@@ -224,7 +234,7 @@ def predict(core_name: str, dtype: str, m: int, template: str, activation: str =
     found = []
     for config in configs(spec, n, k, template, bucket, device):
         loops = hot_loops(assembly(spec, n, k, template, config, bucket, device), template, bits,
-                          getattr(config, "rows", 0) or 1)
+                          getattr(config, "rows", 0) or 1, getattr(config, "pairs", False))
         cycles = sum(loop.cycles_per_weight(core, m) for loop in loops) * 8 / bits
         mix = Counter()
         for loop in loops:
@@ -295,8 +305,8 @@ def tables(core_names: list[str]) -> tuple[list[str], list[str]]:
                     ms = size / (fraction * ARM_CORES[core_name].dram_bytes_per_s) * 1e3
                     table.append(f"| {core_name} | {dtype} | {activation} | {n}x{k} | {one.template} | "
                                  f"{one.cycles_per_byte:.2f} | {one.limit} | {fraction:.2f} | {ms:.3f} | "
-                                 f"{best[16].template} | {rate_gflops(best[16], core_name, n, k, 16, size):.0f} | "
-                                 f"{best[512].template} | {rate_gflops(best[512], core_name, n, k, 512, size):.0f} |")
+                                 f"{best[16].label} | {rate_gflops(best[16], core_name, n, k, 16, size):.0f} | "
+                                 f"{best[512].label} | {rate_gflops(best[512], core_name, n, k, 512, size):.0f} |")
                     print(table[-1], flush=True)
     return table, count_lines
 
@@ -374,7 +384,8 @@ def main() -> None:
     table, count_lines = tables(args.cores)
     lines += ["## Predicted fraction of DRAM at M=1, rates at M=16 and M=512 (best template per row)", "",
               "activation: none = float activations (FMA, lookup, generic templates); int8 = activations quantized "
-              "per 32-k block (activation_quant=\"int8\", the VNNI template's sdot).", "", *table, "",
+              "per 32-k block (activation_quant=\"int8\", the VNNI template's sdot, or smmla for rows in pairs: "
+              "\"vnni smmla\").", "", *table, "",
               f"## The bar: M=1 fraction of DRAM >= {TARGET_FRACTION} per core and type, on the best activation "
               "(largest fraction; the first listed on ties)", "", *verdict(table), "",
               "## Instructions per weight byte in the inner loops, by class (M=1)", "", *count_lines, ""]

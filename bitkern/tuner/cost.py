@@ -95,7 +95,8 @@ CPU_CYCLES = {
 # vector of codes unpacked (`vnni_unpack`) a mask (and), a sign flip (eor), half a shift (ushr) and a quarter of its
 # load; per activation broadcast an ld1r; per row, tile and 32-k block four int-to-float converts and four fmla; per
 # group and row two (estimated).  Read from the int4 M=1 loop (tests/codegen/cpu/test_arm_levels.py: per activation
-# block and tile 32 sdot, 32 and, 32 eor, 16 ushr, 8 ld1r).
+# block and tile 32 sdot, 32 and, 32 eor, 16 ushr, 8 ld1r).  Rows in pairs (i8mm): one smmla each (`pair_dot`), and
+# per 16-byte vector of codes and row block a zip of two products' codes into column pairs, and a code book's tbl.
 ARM_MIXES = {
     "convert_code_vector": {"logic": 2, "convert": 1, "shift": 0.125, "load": 0.25},
     "fma_code_row": {"fp": 1},
@@ -107,6 +108,9 @@ ARM_MIXES = {
     "generic_decode_vector": {"shift": 3, "convert": 1, "fp": 1, "store": 1, "load": 1, "scalar": 2.5},
     "generic_fma_vector": {"fp": 1, "load": 1.25, "scalar": 0.5, "dup_gpr": 0.25},
     "byte_dot": {"dot": 2},
+    "pair_dot": {"mmla": 1},
+    "vnni_zip": {"logic": 1},
+    "vnni_table": {"tbl1": 1},
     "vnni_unpack": {"logic": 2, "shift": 0.5, "load": 0.25},
     "vnni_broadcast": {"load_broadcast": 1},
     "vnni_block_row": {"convert": 4, "fp": 4},

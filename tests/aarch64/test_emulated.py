@@ -1,7 +1,7 @@
 """The aarch64 lane, run by tools/aarch64/test inside an emulated arm64 root (skipped elsewhere): bitkern imports with
 nothing set, detects emulated CPU models as their /proc/cpuinfo says, every
-template that serves aarch64 computes the references (int8 activations by sdot, experts' rows by the grouped
-template too), and a quantized tiny Llama
+template that serves aarch64 computes the references (int8 activations by sdot and smmla, experts' rows by the
+grouped template too), and a quantized tiny Llama
 generates, saves and loads."""
 
 import json
@@ -39,7 +39,8 @@ TYPES = ["int4", "nf4", "int8", "mxfp4", "int2"]
 ACTIVATIONS = [(name, activation) for name in TYPES for activation in ("bfloat16", "float32")] + \
               [(name, "int8") for name in TYPES if "int8" in ttype.get(name).compute_types]
 # the CI suite's share of the lane (marked lane_ci): import with nothing set, every template on int4 codes with bf16
-# and int8 activations, sdot at M=1, the tiny Llama (each test finds the emulated CPU's level: qemu's max, sve2)
+# and int8 activations, sdot at M=1 and smmla at M=3, the tiny Llama (each test finds the emulated CPU's level: qemu's
+# max, sve2)
 CI = pytest.mark.lane_ci
 CI_ACTIVATIONS = {("int4", "bfloat16"), ("int4", "int8")}
 # qemu's -cpu model (QEMU_CPU): (the real core's /proc/cpuinfo sample in test_arm_levels, or None; the level expected)
@@ -94,18 +95,22 @@ def test_every_template_serving_aarch64_computes_the_reference(name, activation)
         assert_matches_reference(spec, qweight, x, None, kernel(x, packed))
 
 
-@pytest.mark.parametrize("name, m", [pytest.param("int4", 1, marks=CI), ("nf4", 1), ("int4", 4), ("nf4", 4)])
-def test_int8_activations_by_sdot_compute_the_reference(name, m):
-    """activation_quant="int8" on the emulated CPU (qemu 'max': sve2, with sdot): the VNNI template's first candidate
-    for the bucket of M rows, and at M=4 a block of 4 rows, against the definition (its own rounding of x, then the
-    exact product)."""
-    _, qweight, x, _ = matmul_case(name, N, K, m, "bfloat16", group=64, seed=m)
+@pytest.mark.parametrize("name, m", [pytest.param("int4", 1, marks=CI), ("nf4", 1), pytest.param("int4", 3, marks=CI),
+                                     ("nf4", 4), ("int8", 3), ("int2", 4), ("mxfp4", 3)])
+def test_int8_activations_by_sdot_and_smmla_compute_the_reference(name, m):
+    """activation_quant="int8" on the emulated CPU (qemu 'max': sve2, with sdot and i8mm's smmla): the VNNI template's
+    first candidate for the bucket of M rows, and at M >= 2 a block of 4 rows by sdot and blocks of 2 and 4 rows in
+    pairs by smmla (3 rows: a block's odd last row paired with itself), against the definition (its own rounding of x,
+    then the exact product).  The types cover every byte position count of a word (8-bit codes pair two words)."""
+    _, qweight, x, _ = matmul_case(name, N, K, m, "bfloat16", group=None if ttype.get(name).block_size > 1 else 64,
+                                   seed=m)
     spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
-    bucket = (1, m)
+    bucket = (1, 4 if m > 1 else 1)
     _, candidates = enumerate_candidates(spec, N, K, bucket, "tile16", host_cpu())
     configs = [next(c.config for c in candidates if c.template == "vnni")]
-    if m == 4:
-        configs.append(VnniConfig(1, True, 16, 4, 32))
+    if m > 1:
+        configs += [VnniConfig(1, True, 16, 4, 32), VnniConfig(1, True, 16, 2, 32, pairs=True),
+                    VnniConfig(2, True, 16, 4, 32, pairs=True)]
     for config in configs:
         kernel = build_kernel(spec, N, K, "vnni", config, "tile16", bucket, host_cpu())
         torch.testing.assert_close(kernel(x, pack(qweight)), spec.reference(x, qweight), rtol=1e-4, atol=1e-3)

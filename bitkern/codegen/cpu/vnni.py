@@ -3,7 +3,9 @@ books and floats, their int8 code book looked up by vpshufb or NEON's tbl, `TTyp
 in exact int32 byte dot products, for any number of rows, with each level's byte dot product (`dot_instruction`):
 vpdpbusd with AVX512-VNNI (Intel since Cascade Lake, AMD Zen 4 and later) and AVX-VNNI (Alder Lake and later, Zen 5),
 vpmaddubsw and vpmaddwd with AVX2, and sdot with aarch64's dot product: Neoverse N1 and later, Cortex-A76, Apple M1
-(`emit.vnni.dot_bytes`); its code comes from `emit.vnni` (see there for the kernel's structure)."""
+(`emit.vnni.dot_bytes`); blocks of rows in pairs by the level's byte matrix product where it has one (`pair_instruction`:
+i8mm's smmla, Neoverse V1 and later, Apple M2 and later).  Its code comes from `emit.vnni` (see there for the kernel's
+structure)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,13 @@ def dot_instruction(level) -> str:
     return "vpdpbusd" if vnni in level.features else "vpmaddubsw"
 
 
+def pair_instruction(level) -> str | None:
+    """The byte matrix product of a level's kernels, which multiplies two rows at once, or None: "smmla" (aarch64's
+    i8mm, signed bytes: a 2x8 block of two rows' activations by an 8x2 block of two columns' codes into their 2x2
+    int32 sums, twice sdot's products per instruction)."""
+    return "smmla" if level.arch == "aarch64" and "i8mm" in level.features else None
+
+
 def reads_signed_bytes(level, bits: int) -> bool:
     """Whether the kernel reads `bits`-bit codes as signed bytes: 8-bit codes with sdot, and with AVX2's vpmaddubsw
     by the sign trick (|s| times q with the sign of s: pairs of products stay within int16, `dot_bytes`); else as
@@ -110,7 +119,9 @@ class VnniConfig:
     register block (each row block decodes the task's words again), small_m: one task per column block for all M
     <= 16 rows, m_chunk: rows per task otherwise, prefetch: words ahead (0: none), in_turn: the task's tiles one
     after another over all of K, for calls of one row block (one weight stream at a time and one tile's registers:
-    n_tiles then sets only the task's width, as SwiGLU's gate and up pairs need)."""
+    n_tiles then sets only the task's width, as SwiGLU's gate and up pairs need), pairs: a block's rows multiplied two
+    at a time by the level's byte matrix product (`pair_instruction`; an even number of rows, a block's odd last row
+    paired with itself)."""
 
     n_tiles: int = 4
     small_m: bool = True
@@ -118,6 +129,7 @@ class VnniConfig:
     rows: int = 1
     prefetch: int = 32
     in_turn: bool = False
+    pairs: bool = False
     # the tile16 builder's options this template keeps fixed: one prologue pass over all rows, nothing staged
     chunk_prologue = False
     stage_steps = 1
@@ -128,8 +140,11 @@ class VnniConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if not isinstance(self.in_turn, bool):
-            raise ValueError(f"in_turn={self.in_turn!r} must be a bool")
+        for name in ("in_turn", "pairs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.pairs and self.rows % 2:
+            raise ValueError(f"pairs=True multiplies rows two at a time: rows={self.rows} must be even")
         if registers(self.rows, 1 if self.in_turn else self.n_tiles) > REGISTERS:
             held = f"rows={self.rows}" + (", one tile at a time," if self.in_turn else f" x n_tiles={self.n_tiles}")
             raise ValueError(f"{held} needs more than {REGISTERS} vector registers")
@@ -141,7 +156,7 @@ class VnniTemplate(CpuTemplate):
     name = "vnni"
     title = "VNNI"
     config_type = VnniConfig
-    shape_fields = ("n_tiles", "rows", "prefetch", "in_turn")
+    shape_fields = ("n_tiles", "rows", "prefetch", "in_turn", "pairs")
     # vpmaddubsw at least, or sdot (`dot_instruction`)
     requires = (isa.level("x86-64-v3").features, isa.level("armv8.2-a").features)
     epilogues = EPILOGUES  # the tile16 builder's output stage
@@ -169,7 +184,8 @@ class VnniTemplate(CpuTemplate):
     def configs(self, spec: Matmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[VnniConfig]:
         """Row blocks up to the bucket's rows (at most 4) and tiles that fit the registers and the body bound,
         the task's words within half of L2, every prefetch depth; row chunks of 32 to 128 rows beyond 16; where one
-        row block holds the bucket's rows, 2 and 4 tiles also in turn."""
+        row block holds the bucket's rows, 2 and 4 tiles also in turn; blocks of 2 and 4 rows also in pairs where the
+        level has a byte matrix product (`pair_instruction`)."""
         small = bucket[1] <= SMALL_M
         budget = REGISTERS if device.vector_bytes >= 64 else REGISTERS_NARROW
         found = []
@@ -182,16 +198,20 @@ class VnniTemplate(CpuTemplate):
             if bucket[1] <= rows and registers(rows, 1) <= budget:
                 shapes += [(n_tiles, True) for n_tiles in (2, 4)]
             chunks = [SMALL_M] if small else [c for c in doublings(32, 128)]
-            for (n_tiles, in_turn), chunk, prefetch in itertools.product(shapes, chunks, PREFETCH_WORDS):
-                config = VnniConfig(n_tiles, small, chunk, rows, prefetch, in_turn)
+            pairs = (False, True) if rows >= 2 and pair_instruction(device.level) else (False,)
+            for (n_tiles, in_turn), chunk, prefetch, paired in itertools.product(shapes, chunks, PREFETCH_WORDS,
+                                                                                 pairs):
+                config = VnniConfig(n_tiles, small, chunk, rows, prefetch, in_turn, paired)
                 if self.resources(spec, k, config).l2_bytes <= device.l2_bytes // 2:
                     found.append(config)
         return MatrixTemplate.for_epilogue(spec, found)
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: VnniConfig, device) -> Work:
-        """Per call: byte dot products per row, tile and product (`dot_cost` per level); each row block's word
-        decodes (a mask and a shift per byte position) beside them; per row, tile and activation block the conversion
-        and scaling of C; per group the offset term; the serial prologue of few rows (the other cores wait for it)."""
+        """Per call: byte dot products per row, tile and product (`dot_cost` per level; in pairs smmla, eight per row
+        pair, tile and two products, an odd block's last row counted as a pair, and per 16 bytes of codes and row block
+        a zip, and a tbl for a code book, both once per block, not per row); each row block's word decodes (a mask and a
+        shift per byte position) beside them; per row, tile and activation block the conversion and scaling of C; per
+        group the offset term; the serial prologue of few rows (the other cores wait for it)."""
         bits = get(spec.weight_dtype).bits
         tiles_n = -(-n // AMX_TILE_ROWS)
         blocks = padded_k(k, bits) // ACTIVATION_BLOCK
@@ -205,9 +225,17 @@ class VnniTemplate(CpuTemplate):
                       "vnni_broadcast": column_blocks * config.n_tiles // streams * blocks * PRODUCTS * m,
                       "vnni_quantize_element": m * k * copies, **norm_prologue(spec, m, k, copies)}
         widths = 64 // device.vector_bytes
-        bound = {"byte_dot": tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, byte_bits(spec),
-                                                                          looks_up_bytes(spec)),
-                 "vnni_unpack": tiles_n * blocks * PRODUCTS * row_blocks * widths}
+        unpacked = tiles_n * blocks * PRODUCTS * row_blocks * widths  # 16-byte vectors of codes decoded
+        bound = {"vnni_unpack": unpacked}
+        if config.pairs:
+            paired_rows = m // config.rows * config.rows + -(-(m % config.rows) // 2) * 2
+            bound["pair_dot"] = tiles_n * blocks * PRODUCTS * paired_rows * 2
+            operations["vnni_zip"] = unpacked
+            if looks_up_bytes(spec):
+                operations["vnni_table"] = unpacked
+        else:
+            bound["byte_dot"] = tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, byte_bits(spec),
+                                                                           looks_up_bytes(spec))
         return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),
                     streams=streams, prefetch=config.prefetch)
 
@@ -222,6 +250,9 @@ class VnniTemplate(CpuTemplate):
             raise ValueError(f"the VNNI template does not support {reason}")
         if config.small_m != (bucket[1] <= SMALL_M):
             raise ValueError(f"small_m={config.small_m} does not fit rows {bucket}")
+        if config.pairs and not pair_instruction(device.level):
+            raise ValueError(f"pairs=True needs a byte matrix product (aarch64's i8mm, smmla); the "
+                             f"{device.level.name} level has none")
         if config.in_turn and bucket[1] > config.rows:
             raise ValueError(f"in_turn=True needs one row block for every call: rows={config.rows} is fewer than "
                              f"the bucket's {bucket}")

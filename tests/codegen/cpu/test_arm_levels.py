@@ -12,7 +12,7 @@ import pytest
 from bitkern.codegen import build_kernel, pack
 from bitkern.codegen.cpu import TEMPLATES, isa
 from bitkern.codegen.cpu.runtime import library_arch
-from bitkern.codegen.cpu.vnni import VnniConfig
+from bitkern.codegen.cpu.vnni import TEMPLATE as VNNI, VnniConfig
 from bitkern.ops import GroupedMatmul, Matmul
 from bitkern.tuner import device_for, host_cpu
 from bitkern.tuner.device import (CPU_TARGETS, cpuinfo_features, cpuinfo_model, named_cpu, parse_sysctl,
@@ -69,6 +69,7 @@ hw.optional.arm64: 1""", "armv8.6-a", 16 << 20),
 }
 ARM_LEVELS = [level.name for level in isa.ARM_LEVELS]
 DOTPROD_LEVELS = [level.name for level in isa.ARM_LEVELS if "asimddp" in level.features]
+I8MM_LEVELS = [level.name for level in isa.ARM_LEVELS if "i8mm" in level.features]
 N, K = 64, 256
 
 
@@ -256,6 +257,47 @@ def test_the_vnni_template_compiles_to_sdot_at_every_aarch64_level_with_dotprod(
     tables = re.findall(r"\btbl\s+v\d+\.16b, \{ v\d+\.16b \}, v\d+\.16b", loop)
     assert len(tables) >= 32 * (name in ("nf4", "mxfp4")) and (tables == []) == (name not in ("nf4", "mxfp4"))
     assert not _SCALAR.search(loop) and _neon_only(code), loop
+
+
+@pytest.mark.parametrize("level", I8MM_LEVELS)
+@pytest.mark.parametrize("name", VNNI_TYPES)
+@pytest.mark.parametrize("rows", [2, 4])
+def test_the_vnni_template_multiplies_row_pairs_by_smmla_at_every_aarch64_level_with_i8mm(level, name, rows):
+    """int8 activations in row pairs (i8mm): the tuner offers them for blocks of 2 and 4 rows, and the inner loop (an
+    activation block) holds per tile and row pair 32 smmla (2 rows x 2 columns x 8 k's each: half sdot's count per
+    row) and no sdot, their column operands zipped from two products' codes (32 zips per tile, shared by the row
+    pairs), a code book looked up once per row block (32 tbl; mxfp4's loop, its group, also decodes the group's
+    scales), no scalar byte products and no x86 registers."""
+    spec = Matmul(name, "bfloat16", group_size=VNNI_TYPES[name], activation_quant="int8")
+    device = host_cpu().at_level(level)
+    config = VnniConfig(1, True, 16, rows, 32, pairs=True)
+    assert config in VNNI.configs(spec, N, K, (1, 4), device, None)
+    loop = "\n".join(_inner_loop(_assembly(spec, device, "vnni", (1, 4), config), "smmla"))
+    smmla = len(re.findall(r"\bsmmla\s+v\d+\.4s, v\d+\.16b, v\d+\.16b", loop))
+    blocks = smmla // (16 * rows)  # activation blocks in the loop (LLVM may unroll mxfp4's one-block groups)
+    assert blocks >= 1 and smmla == 16 * rows * blocks and not re.search(r"\bsdot\b", loop)
+    assert len(re.findall(r"\bzip[12]\s+v\d+\.4s", loop)) >= 32 * blocks
+    tables = re.findall(r"\btbl\s+v\d+\.16b, \{ v\d+\.16b \}, v\d+\.16b", loop)
+    assert len(tables) >= 32 * blocks * (name in ("nf4", "mxfp4")) and (tables == []) == (name not in ("nf4", "mxfp4"))
+    assert not _SCALAR.search(loop), loop
+
+
+def test_row_pairs_are_refused_at_levels_without_i8mm():
+    """armv8.2-a (Neoverse N1, Cortex-A76) and x86 have no byte matrix product: the tuner never offers row pairs
+    there, and building them is refused naming it, before any code is made; at armv8.6-a single rows (M=1) get none
+    either (a row paired with itself does twice the work)."""
+    spec = Matmul("int4", "bfloat16", group_size=64, activation_quant="int8")
+    vnni = VNNI
+    for device in (host_cpu().at_level("armv8.2-a"), host_cpu()):
+        assert not any(config.pairs for config in vnni.configs(spec, N, K, (1, 4), device, None))
+    assert not any(config.pairs for config in vnni.configs(spec, N, K, (1, 1), host_cpu().at_level("armv8.6-a"),
+                                                           None))
+    with pytest.raises(ValueError, match=r"pairs=True needs a byte matrix product \(aarch64's i8mm, smmla\); the "
+                                         r"armv8.2-a level has none"):
+        build_kernel(spec, N, K, "vnni", VnniConfig(1, True, 16, 2, 32, pairs=True), "tile16", (1, 4),
+                     host_cpu().at_level("armv8.2-a"))
+    with pytest.raises(ValueError, match=r"pairs=True multiplies rows two at a time: rows=1 must be even"):
+        VnniConfig(rows=1, pairs=True)
 
 
 def test_the_vnni_template_is_refused_at_aarch64_levels_without_dotprod():

@@ -11,7 +11,8 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
             per group, every block in turn, so a group's words come from DRAM once): each tile16 word (16 columns)
             is masked per byte position (its codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1); code
             books and floats looked up by vpshufb or tbl in their int8 code book, `vnni.byte_table`), and vpdpbusd adds
-            u·q of 4 k's per lane into int32 sums C; per activation block y += (scale·alpha·d)·C, per
+            u·q of 4 k's per lane into int32 sums C (in pairs, `_paired_block`: smmla adds 8 k's of two rows and two
+            columns); per activation block y += (scale·alpha·d)·C, per
             group y += scale·beta·XS, where v = alpha·u + offset and beta = offset - zero point;
   output    the tile16 builder's (non-finite terms, bias, epilogue, residual).
 The decode is a mask (and a shift) per byte position, so rows re-decode it per block instead of staging it.
@@ -203,8 +204,10 @@ class VnniBuilder(Tile16Builder):
 
     def _splits(self, count: int, width: int) -> int:
         """int32 sums per C cell of a block of `count` rows and `width` tiles: CHAINS in flight, at most the products
-        of a block."""
+        of a block (one in pairs: a row pair's tile is eight independent smmla sums)."""
         splits = 1
+        if self.cfg.pairs:
+            return splits
         while count * width * splits < self.chains and splits < QUADS:
             splits *= 2
         return splits
@@ -253,9 +256,31 @@ class VnniBuilder(Tile16Builder):
                 xs = tirx.Broadcast(load(self.xs, rows[r], group), LANES)
                 T.buffer_store(y, load(y, r, c, ramp(0)) + load(factors, 1, c, ramp(0)) * xs, [r, c, ramp(0)])
 
+    def _codes_at(self, word, position: int):
+        """The bytes a dot product multiplies at a byte position of a (flipped) word: its codes shifted and masked,
+        or looked up in the code book."""
+        codes = self.codes
+        shifted = word if position == 0 else tirx.shift_right(word, u32(codes.bits * position))
+        unsigned = shifted if codes.bits == 8 else tirx.bitwise_and(shifted, u32(codes.mask))
+        if self.table is not None:
+            unsigned = lookup_bytes(load(self.table, 0, ramp(0)), unsigned, self.level)
+        return unsigned
+
+    def _words(self, tiles, word_index):
+        """Each tile's word `word_index` (prefetching ahead), its bits flipped as the decode says."""
+        words = []
+        for tile in tiles:
+            prefetch_ahead(self.qweight, tile, word_index, self.cfg.prefetch, len(tiles))
+            word = tirx.reinterpret("uint32x16", load(self.qweight, tile, word_index, ramp(0)))
+            words.append(tirx.bitwise_xor(word, u32(self.dec.xor[0])) if self.dec.xor[0] else word)
+        return words
+
     def _block(self, y, acc, factors, tiles, rows, block, splits: int) -> None:
         """One activation block: C = Σ u·q per cell in int32 (product t of the block into split t mod splits; or
-        as int16 pairs widened once, `sums_pairs`), then y += (scale·alpha·d)·C."""
+        as int16 pairs widened once, `sums_pairs`; or by row pairs, `_paired_block`), then y += (scale·alpha·d)·C."""
+        if self.cfg.pairs:
+            self._paired_block(y, acc, factors, tiles, rows, block)
+            return
         codes, width = self.codes, len(tiles)
         pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
         count = len(rows)
@@ -264,20 +289,12 @@ class VnniBuilder(Tile16Builder):
                 for c in range(width):
                     T.buffer_store(acc, splat(0, "int32"), [split, r, c, ramp(0)])
         for w in range(codes.words):
-            word_index = block * codes.words + w
-            words = []
-            for c in range(width):
-                prefetch_ahead(self.qweight, tiles[c], word_index, self.cfg.prefetch, width)
-                word = tirx.reinterpret("uint32x16", load(self.qweight, tiles[c], word_index, ramp(0)))
-                words.append(tirx.bitwise_xor(word, u32(self.dec.xor[0])) if self.dec.xor[0] else word)
+            words = self._words(tiles, block * codes.words + w)
             for s in range(codes.positions):
                 product = w * codes.positions + s
                 quads = [tirx.Broadcast(load(self.a, row, block * QUADS + product), LANES) for row in rows]
                 for c, word in enumerate(words):
-                    shifted = word if s == 0 else tirx.shift_right(word, u32(codes.bits * s))
-                    unsigned = shifted if codes.bits == 8 else tirx.bitwise_and(shifted, u32(codes.mask))
-                    if self.table is not None:
-                        unsigned = lookup_bytes(load(self.table, 0, ramp(0)), unsigned, self.level)
+                    unsigned = self._codes_at(word, s)
                     for r, quad in enumerate(quads):
                         cell = [product % splits, r, c, ramp(0)]
                         if pairs:
@@ -295,6 +312,68 @@ class VnniBuilder(Tile16Builder):
                     total = value if total is None else total + value
                 term = tirx.Cast("float32x16", total) * (load(factors, 0, c, ramp(0)) * d)
                 T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
+
+
+    def _paired_block(self, y, acc, factors, tiles, rows, block) -> None:
+        """One activation block by row pairs (`vnni.pair_instruction`): per two products (8 k's) and tile, the codes of
+        each column pair side by side (`pair_operands`), and per row pair (an odd last row paired with itself) the two
+        rows' 8 activation bytes, which smmla multiplies into the pair's 2x2 int32 sums; cells 2p and 2p+1 of `acc`
+        hold row pair p's sums for the tile's columns 0-7 and 8-15, in smmla's order (`paired_row_lanes`); then
+        y += (scale·alpha·d)·C per row as `_block`."""
+        width = len(tiles)
+        pairs = [(rows[i], rows[min(i + 1, len(rows) - 1)]) for i in range(0, len(rows), 2)]
+        for cell in range(2 * len(pairs)):
+            for c in range(width):
+                T.buffer_store(acc, splat(0, "int32"), [0, cell, c, ramp(0)])
+        products = [(w, s) for w in range(self.codes.words) for s in range(self.codes.positions)]
+        words = {}
+        for first in range(0, len(products), 2):
+            operands = []
+            for c in range(width):
+                codes = []
+                for w, s in products[first:first + 2]:
+                    if w not in words:
+                        words[w] = self._words(tiles, block * self.codes.words + w)
+                    codes.append(self._codes_at(words[w][c], s))
+                operands.append(pair_operands(*codes))
+            for p, pair in enumerate(pairs):
+                activations = tirx.Shuffle([load(self.a, row, ramp(block * QUADS + first, 2)) for row in pair],
+                                           list(range(4)))
+                for c in range(width):
+                    for half in (0, 1):
+                        cell = [0, 2 * p + half, c, ramp(0)]
+                        T.buffer_store(acc, multiply_pairs(load(acc, *cell), activations, operands[c][half]), cell)
+        for r, row in enumerate(rows):
+            d = tirx.Broadcast(load(self.xscale, row, block), LANES)
+            p = r // 2
+            for c in range(width):
+                sums = tirx.Shuffle([load(acc, 0, 2 * p, c, ramp(0)), load(acc, 0, 2 * p + 1, c, ramp(0))],
+                                    paired_row_lanes(r % 2))
+                term = tirx.Cast("float32x16", sums) * (load(factors, 0, c, ramp(0)) * d)
+                T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
+
+
+def pair_operands(first, second):
+    """smmla's column operands of a tile: per column pair (j, j+1) its 8 code bytes per column, the 4 of product
+    `first` then the 4 of `second` (int32 lanes first[j], second[j], first[j+1], second[j+1]), as two 16-lane
+    vectors (columns 0-7 and 8-15; a zip per 4 lanes)."""
+    order = [lane for j in range(0, LANES, 2) for lane in (j, LANES + j, j + 1, LANES + j + 1)]
+    return [tirx.Shuffle([first, second], order[half * LANES:(half + 1) * LANES]) for half in (0, 1)]
+
+
+def multiply_pairs(acc, activations, operands):
+    """acc + smmla per 4 lanes (a column pair): the 2x8 activation bytes of a row pair (`activations`, int32x4: two
+    quads per row) times each column pair's 8x2 code bytes (`pair_operands`), into its 2x2 int32 sums (row-major:
+    the first row's two columns, then the second's), signed bytes times signed bytes."""
+    rows = tirx.reinterpret("int8x16", activations)
+    return by_parts(4, lambda part, columns: tirx.call_llvm_pure_intrin(
+        "int32x4", "llvm.aarch64.neon.smmla", part, rows, tirx.reinterpret("int8x16", columns)), acc, operands)
+
+
+def paired_row_lanes(row: int) -> list[int]:
+    """Lanes of a row pair's sums (two 16-lane cells: columns 0-7, then 8-15, 2x2 blocks per column pair) that
+    hold row `row` (0 or 1) of the pair, by column."""
+    return [(j // 8) * LANES + 4 * (j % 8 // 2) + 2 * row + j % 2 for j in range(LANES)]
 
 
 def sums_pairs(level: IsaLevel, bits: int, signed_codes: bool) -> bool:
