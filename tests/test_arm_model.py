@@ -1,6 +1,6 @@
 """benchmarks/arm_model.py: its instruction counter on a known aarch64 loop, and its model giving the figure the
-committed results file documents for two cases (Neoverse V1, int4, FMA template; Apple M1, nf4, int8 activations,
-VNNI template; M=1)."""
+committed results file documents for three cases (Neoverse V1, int4, FMA template; Apple M1, nf4, int8 activations,
+VNNI template; M=1; Neoverse V2, int4, int8 activations, M=16: rows in pairs by smmla)."""
 
 import re
 
@@ -55,3 +55,16 @@ def test_the_model_gives_the_documented_fraction(core, dtype, activation, templa
     assert row[1] == prediction.template == template and row[3] == prediction.limit
     assert f"{prediction.cycles_per_byte:.2f}" == row[2]
     assert f"{model.fraction_of_dram(prediction, core):.2f}" == row[4]
+
+
+def test_rows_in_pairs_by_smmla_give_the_documented_m16_rate():
+    """At M=16 on Neoverse V2 with int8 activations the model's best VNNI kernel multiplies rows in pairs (i8mm's
+    smmla, one per two columns' 8 k's of a row pair): its rate is the results file's M=16 figure, labelled as such."""
+    model = benchmark("arm_model")
+    prediction = model.predict("neoverse-v2", "int4", 16, "vnni", "int8")
+    assert prediction.config.pairs and prediction.label == "vnni smmla" and prediction.mix_per_byte["mmla"] > 0
+    results = (ROOT / "benchmarks" / "results" / "arm_model.md").read_text()
+    row = re.search(r"^\| neoverse-v2 \| int4 \| int8 \| 4096x4096 \|(?: [^|]+ \|){6} ([\w ]+) \| (\d+) \|", results,
+                    re.MULTILINE)
+    rate = model.rate_gflops(prediction, "neoverse-v2", 4096, 4096, 16, model.weight_bytes("int4", 4096, 4096))
+    assert row[1] == "vnni smmla" and row[2] == f"{rate:.0f}"
