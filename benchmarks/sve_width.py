@@ -19,7 +19,6 @@ import re
 import shutil
 import subprocess
 
-from arm_model import innermost_loops
 from bitkern.ops import Matmul
 
 PART = "neoverse-v1"
@@ -65,6 +64,9 @@ def cycles_per_iteration(body: list[str], mca: str) -> float:
 
 
 def row(template: str, dtype: str, activation: str, mca: str) -> str:
+    """One table row: NEON's and SVE-256's cycles per 128-bit product and loop lengths, and their ratio."""
+    from arm_model import innermost_loops
+
     spec = Matmul(dtype, "bfloat16", group_size=32 if dtype == "mxfp4" else GROUP, activation_quant=activation)
     cells = []
     for extra in ({}, SVE_256):
