@@ -205,9 +205,9 @@ class VnniBuilder(Tile16Builder):
     def _splits(self, count: int, width: int) -> int:
         """int32 sums per C cell of a block of `count` rows and `width` tiles: CHAINS in flight, at most the products
         of a block (one in pairs: a row pair's tile is eight independent smmla sums)."""
-        splits = 1
         if self.cfg.pairs:
-            return splits
+            return 1
+        splits = 1
         while count * width * splits < self.chains and splits < QUADS:
             splits *= 2
         return splits
@@ -303,23 +303,30 @@ class VnniBuilder(Tile16Builder):
                             total = dot_bytes(load(acc, *cell), unsigned, quad, self.level, byte_bits(self.spec),
                                               self.dec.signed)
                         T.buffer_store(acc, total, cell)
+
+        def total(r, c):
+            sums = [load(acc, split, r, c, ramp(0)) for split in range(splits)]
+            found = None
+            for value in (widen_pairs(v, self.level) for v in sums) if pairs else sums:
+                found = value if found is None else found + value
+            return found
+
+        self._scale_into_y(y, factors, rows, block, width, total)
+
+    def _scale_into_y(self, y, factors, rows, block, width: int, sums) -> None:
+        """y += (scale·alpha·d)·C for each row and tile of a block, C = sums(r, c) (its int32 sums, 16 lanes)."""
         for r, row in enumerate(rows):
             d = tirx.Broadcast(load(self.xscale, row, block), LANES)
             for c in range(width):
-                sums = [load(acc, split, r, c, ramp(0)) for split in range(splits)]
-                total = None
-                for value in (widen_pairs(v, self.level) for v in sums) if pairs else sums:
-                    total = value if total is None else total + value
-                term = tirx.Cast("float32x16", total) * (load(factors, 0, c, ramp(0)) * d)
+                term = tirx.Cast("float32x16", sums(r, c)) * (load(factors, 0, c, ramp(0)) * d)
                 T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
-
 
     def _paired_block(self, y, acc, factors, tiles, rows, block) -> None:
         """One activation block by row pairs (`vnni.pair_instruction`): per two products (8 k's) and tile, the codes of
         each column pair side by side (`pair_operands`), and per row pair (an odd last row paired with itself) the two
         rows' 8 activation bytes, which smmla multiplies into the pair's 2x2 int32 sums; cells 2p and 2p+1 of `acc`
         hold row pair p's sums for the tile's columns 0-7 and 8-15, in smmla's order (`paired_row_lanes`); then
-        y += (scale·alpha·d)·C per row as `_block`."""
+        y += (scale·alpha·d)·C per row (`_scale_into_y`)."""
         width = len(tiles)
         pairs = [(rows[i], rows[min(i + 1, len(rows) - 1)]) for i in range(0, len(rows), 2)]
         for cell in range(2 * len(pairs)):
@@ -343,14 +350,8 @@ class VnniBuilder(Tile16Builder):
                     for half in (0, 1):
                         cell = [0, 2 * p + half, c, ramp(0)]
                         T.buffer_store(acc, multiply_pairs(load(acc, *cell), activations, operands[c][half]), cell)
-        for r, row in enumerate(rows):
-            d = tirx.Broadcast(load(self.xscale, row, block), LANES)
-            p = r // 2
-            for c in range(width):
-                sums = tirx.Shuffle([load(acc, 0, 2 * p, c, ramp(0)), load(acc, 0, 2 * p + 1, c, ramp(0))],
-                                    paired_row_lanes(r % 2))
-                term = tirx.Cast("float32x16", sums) * (load(factors, 0, c, ramp(0)) * d)
-                T.buffer_store(y, load(y, r, c, ramp(0)) + term, [r, c, ramp(0)])
+        self._scale_into_y(y, factors, rows, block, width, lambda r, c: tirx.Shuffle(
+            [load(acc, 0, r // 2 * 2, c, ramp(0)), load(acc, 0, r // 2 * 2 + 1, c, ramp(0))], paired_row_lanes(r % 2)))
 
 
 def pair_operands(first, second):
