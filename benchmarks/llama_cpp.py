@@ -116,14 +116,18 @@ BITKERN = {"bitkern int4 g128": ("int4", 128, "auto", "none"),
            "bitkern int8 g128 a8, output int8 g128": ("int8", 128, "int8", "int8"),
            "bitkern int4 g128 a8, compiled": ("int4", 128, "auto", "int8"),
            "bitkern int4 g128 a8, compiled, C++ wrapper": ("int4", 128, "auto", "int8"),
+           "bitkern int4 g128 a8, bitkern.compile": ("int4", 128, "auto", "int8"),
            "bitkern int4 g128 a8, output int8 g128, compiled": ("int4", 128, "int8", "int8"),
            "bitkern int8 g128 a8, output int8 g128, compiled": ("int8", 128, "int8", "int8"),
            "torch bf16": None}
 # bitkern models decode with bitkern's attention (`use_grouped_attention`: the decode-attention kernel); these also
 # run as a user compiling the model would: `model.forward = torch.compile(model.forward, dynamic=False)` (a graph
 # per shape, compiled while the worker prepares its kernels: prompts and decode steps alike go through it); with
-# ", C++ wrapper", Inductor's C++ wrapper (options={"cpp_wrapper": True}) runs the compiled graph instead of Python
+# ", C++ wrapper", Inductor's C++ wrapper (options={"cpp_wrapper": True}) runs the compiled graph instead of Python;
+# ", bitkern.compile" compiles it as bitkern recommends: `bitkern.compile(model, dynamic=False)` (the C++ wrapper, and
+# no guards on the model's modules)
 COMPILED = tuple(name for name in BITKERN if ", compiled" in name)
+BITKERN_COMPILED = tuple(name for name in BITKERN if name.endswith(", bitkern.compile"))
 COMPILE_OPTIONS = {name: {"cpp_wrapper": True} for name in COMPILED if name.endswith(", C++ wrapper")}
 # same-output-precision pairs compared round by round: (bitkern model, llama.cpp type or the bf16 model in torch);
 # llama.cpp's Q8_0 keeps its output layer in Q8_0, Q4_0 puts it in Q6_K
@@ -132,6 +136,7 @@ PAIRS = [("bitkern int4 g128", "Q4_0, output bf16"), ("bitkern int4 g128, compil
          ("bitkern int8 g128, output int8 g128", "Q8_0"),
          ("bitkern int4 g128 a8", "Q4_0, output bf16"), ("bitkern int4 g128 a8, compiled", "Q4_0, output bf16"),
          ("bitkern int4 g128 a8, compiled, C++ wrapper", "Q4_0, output bf16"),
+         ("bitkern int4 g128 a8, bitkern.compile", "Q4_0, output bf16"),
          ("bitkern int4 g128 a8, output int8 g128", "Q4_0, output Q8_0"),
          ("bitkern int4 g128 a8, output int8 g128, compiled", "Q4_0, output Q8_0"),
          ("bitkern int4 g128 a8, output int8 g128", "Q4_0 (output Q6_K)"),
@@ -389,6 +394,8 @@ def load_model(model_dir, name: str, fused: bool = True):
         use_grouped_attention(model)
         if name in COMPILED:
             model.forward = torch.compile(model.forward, dynamic=False, options=COMPILE_OPTIONS.get(name))
+        if name in BITKERN_COMPILED:
+            bitkern.compile(model, dynamic=False)
     return model
 
 

@@ -30,6 +30,17 @@ def fuse(model, *example_inputs, **options):
     return fuse_model(model, *example_inputs, **options)
 
 
+def compile(model, **compile_options):
+    """torch.compile `model`'s forward in place for inference, with the settings measured fastest for bitkern
+    models: one graph with no guards on the model's own modules (so the model must not change afterwards: compile it
+    last, and again after a change), Inductor's C++ wrapper on CPU and bitkern's Inductor pass (see
+    `bitkern.fusion.compile`); returns the model.  compile_options: torch.compile's (`dynamic`, `mode`, `options`,
+    ...)."""
+    from .fusion.compile import compile_model
+
+    return compile_model(model, **compile_options)
+
+
 def prepare(model, tokens, dtype=None, progress: bool = True, warmup: bool = True, top_k=None):
     """Make ready every kernel a forward of `model` over `tokens` tokens calls (an int or a sequence of counts:
     batch x sequence length; each count's M bucket), loading it from the kernel caches (the user's, then the
@@ -83,5 +94,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'bitkern' has no attribute {name!r}")
 
 
-__all__ = ["Conv2d", "Experts", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "dequantize_model", "fuse",
-           "load", "load_pretrained", "nn", "ops", "pack", "prepare", "quantize", "quantize_model", "save", "ttype"]
+__all__ = ["Conv2d", "Experts", "Linear", "PackedWeight", "QuantizedWeight", "__version__", "compile",
+           "dequantize_model", "fuse", "load", "load_pretrained", "nn", "ops", "pack", "prepare", "quantize",
+           "quantize_model", "save", "ttype"]
