@@ -211,40 +211,41 @@ class ExpertWeights(QuantizedModule):
 
     # -- computation ---------------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """y [S, out_features] of x [S, in_features], whose rows are sorted by expert: counts[e] rows for expert e."""
+    def forward(self, x: torch.Tensor, counts) -> torch.Tensor:
+        """y [S, out_features] of x [S, in_features], whose rows are sorted by expert: counts[e] rows for expert e
+        (a list, or an integer tensor [E], which a compiled graph keeps as data)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be a [rows, {self.in_features}] tensor, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if len(counts) != self.num_experts or sum(counts) != x.shape[0]:
+        if len(counts) != self.num_experts:
             raise ValueError(f"counts must give the rows of each of the {self.num_experts} experts, summing to "
-                             f"x's {x.shape[0]} rows; got {list(counts)}")
+                             f"x's {x.shape[0]} rows; got {len(counts)} counts")
         x, output_dtype = self._compute_input(x)
         return self.grouped(x, counts, output_dtype)
 
-    def grouped(self, x: torch.Tensor, counts: list[int], output_dtype: torch.dtype) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, counts, output_dtype: torch.dtype) -> torch.Tensor:
         """The projection over the experts' blocks of rows: one call of the dense matmul kernel per expert with rows
-        (prompts; `routed` serves a few tokens in one call)."""
-        _note_path(False)
-        out = x.new_empty((x.shape[0], self.out_features), dtype=output_dtype)
+        (prompts; `routed` serves a few tokens in one call).  Inside a compiled graph (nothing to differentiate)
+        one `expert_blocks` op makes those calls, so the rows per expert stay data; else they are made here."""
         bias = self._parameters["bias"]
-        eager = library.eager(x, bias)
-        weights = self.packed_weights() if eager else None
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = x[start:start + count]
-            expert_bias = None if bias is None else bias[expert]
-            if eager:
-                out[start:start + count] = library.run_linear(rows, weights[expert], self._format_text, expert_bias,
-                                                              output_dtype, self._activation_quant)
-            else:
-                weight, weight_format = self.op_weight(expert)
-                out[start:start + count] = torch.ops.bitkern.linear(rows, weight, weight_format, expert_bias,
-                                                                    output_dtype, self._activation_quant)
-            start += count
-        return out
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        if torch.compiler.is_compiling() and isinstance(counts, torch.Tensor) and not needs_grad:
+            weight = [self._buffers[name] for name in WEIGHT_BUFFERS]
+            return torch.ops.bitkern.expert_blocks(x, weight, self._format_text, counts, bias, output_dtype,
+                                                   self._activation_quant)
+        if not torch.compiler.is_compiling():  # (a graph break under torch.compile)
+            _note_path(False)
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+        if library.eager(x, bias):
+            weights = self.packed_weights()
+            block = (lambda rows, e: library.run_linear(rows, weights[e], self._format_text,
+                                                        None if bias is None else bias[e], output_dtype,
+                                                        self._activation_quant))
+        else:
+            block = (lambda rows, e: torch.ops.bitkern.linear(rows, *self.op_weight(e),
+                                                              None if bias is None else bias[e], output_dtype,
+                                                              self._activation_quant))
+        return library.run_expert_blocks(x, counts, self.out_features, output_dtype, block)
 
     def kernel_call(self, spec, tokens: tuple[int, int], rows_per_token: int = 1, up_to: bool = False) -> KernelCall:
         """The KernelCall of `spec` on this projection's weights (one expert's N and K) at `tokens`' counts."""
@@ -303,6 +304,7 @@ def stacked_format(format_text: str, experts: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # a compiled graph asks once, while tracing (it reads the CPU's features)
 def _grouped_kernel_serves(stacked_format_text: str, compute: torch.dtype, output: torch.dtype, bias: bool,
                            experts: int, device_type: str) -> bool:
     """Whether this machine's `device_type` ("cpu", "cuda") has a grouped kernel template for experts stacked as
@@ -417,7 +419,9 @@ class Experts(nn.Module):
             return self._decode(hidden_states, top_k_index, top_k_weights)
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)
-        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+        # rows per expert, [E] (bincount's length depends on the ids: a data-dependent shape in a compiled graph)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert_ids.device).scatter_add_(
+            0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int64))
         rows = hidden_states[order // top_k]
         first, *rest = self.projections.values()
         hidden = self.gate(first(rows, counts))

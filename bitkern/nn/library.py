@@ -8,7 +8,8 @@ fuses, and
 `bitkern.ops.Conv2d`; their fake implementations give the output's shape and dtype, and their autograd
 formulas send gradients to x and the bias only (the quantized weight is frozen).
 `torch.ops.bitkern.grouped_linear` is a mixture-of-experts projection of rows routed to their top-k experts
-through `bitkern.ops.GroupedMatmul` (inference only: no autograd formula).
+through `bitkern.ops.GroupedMatmul`, and `torch.ops.bitkern.expert_blocks` one of rows sorted by expert, counted per
+expert by a tensor (a prompt's, inside a compiled graph; both inference only: no autograd formula).
 `torch.ops.bitkern.dequantize` gives the float weight.
 
 A weight crosses an op's boundary as two arguments (torch.library ops take plain values only): `weight`, its
@@ -191,6 +192,48 @@ def grouped_linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str
 def _grouped_linear_fake(x, weight, weight_format, indices, bias, output_dtype, experts):
     out_features = WeightFormat.decode(weight_format).shape[0] // experts
     return x.new_empty((x.shape[0], indices.shape[-1], out_features), dtype=output_dtype)
+
+
+def run_expert_blocks(x: Tensor, counts: list[int], out_features: int, output_dtype: torch.dtype, block) -> Tensor:
+    """y [S, out_features] of x [S, K] whose rows are sorted by expert, counts[e] rows for expert e: each expert's
+    block of rows by `block(rows, e)` (its linear kernel call)."""
+    if sum(counts) != x.shape[0]:
+        raise ValueError(f"counts must give the rows of each expert, summing to x's {x.shape[0]} rows; got "
+                         f"{list(counts)}")
+    out = x.new_empty((x.shape[0], out_features), dtype=output_dtype)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            out[start:start + count] = block(x[start:start + count], expert)
+        start += count
+    return out
+
+
+@op("expert_blocks")
+def expert_blocks(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, counts: Tensor,
+                  bias: Optional[Tensor], output_dtype: torch.dtype, activation_quant: str = "none") -> Tensor:
+    """y [S, N] of x [S, K] whose rows are sorted by expert, counts[e] rows for expert e (counts: an integer tensor
+    [E]): each expert's block times its weight, as `linear` computes it; `weight` the experts' tensors with a leading
+    E (expert e's: each one's [e]), `weight_format` one expert's, bias [E, N] or None.  What `bitkern.Experts` runs
+    for prompts inside a compiled graph, where the rows per expert are data, not shapes.  Inference only: no
+    autograd formula."""
+    described = WeightFormat.decode(weight_format)
+    if counts.dim() != 1 or counts.dtype.is_floating_point or any(t is not None and t.shape[0] != counts.shape[0]
+                                                                   for t in weight):
+        raise ValueError(f"counts must be an integer tensor [E] with E the weight tensors' first dimension; got "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+
+    def block(rows, e):
+        weight_e = weight_of([None if t is None else t[e] for t in weight], described)
+        return run_linear(rows, weight_e, weight_format, None if bias is None else bias[e], output_dtype,
+                          activation_quant)
+
+    return run_expert_blocks(x, counts.tolist(), described.shape[0], output_dtype, block)
+
+
+@expert_blocks.register_fake
+def _expert_blocks_fake(x, weight, weight_format, counts, bias, output_dtype, activation_quant="none"):
+    return x.new_empty((x.shape[0], WeightFormat.decode(weight_format).shape[0]), dtype=output_dtype)
 
 
 @op("dequantize")

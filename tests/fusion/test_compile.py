@@ -105,3 +105,27 @@ def test_what_is_not_a_module_or_an_options_dict_is_refused():
     model.forward = lambda x: x
     with pytest.raises(TypeError, match="model.forward must be a Python method of the model"):
         bitkern.compile(model)
+
+
+def test_a_compiled_mixture_of_experts_generates_the_eager_tokens():
+    """Qwen3-MoE, top-2 of 4 experts: the prompt's 24 token-expert pairs and more run the experts' dense blocks inside
+    the graph (`expert_blocks`), the decode steps the grouped kernels."""
+    torch.manual_seed(6)
+    config = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, vocab_size=128, num_experts=4, num_experts_per_tok=2,
+                                         tie_word_embeddings=False, eos_token_id=2)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    bitkern.quantize_model(model, "int4", group_size=32, compute_dtype=torch.bfloat16)
+    prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+
+    def greedy():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=6,
+                              min_new_tokens=6, pad_token_id=2, cache_implementation="static")
+
+    with torch.inference_mode():
+        expected = greedy()
+        bitkern.compile(model, dynamic=False)
+        assert torch.equal(greedy(), expected)

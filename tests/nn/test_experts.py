@@ -81,6 +81,27 @@ def test_experts_without_tokens_and_one_expert_taking_every_token():
     assert empty.shape == (0, HIDDEN)
 
 
+@pytest.mark.parametrize("activation_quant", ["none", "int8"])
+def test_a_compiled_graph_runs_a_prompts_experts_in_one_op_with_the_eager_results(activation_quant):
+    """fullgraph: the rows per expert (an empty one, one taking most) reach `expert_blocks` as a tensor, not as
+    shapes; the graph gives the eager module's output, and the op refuses counts that do not sum to the rows."""
+    torch.manual_seed(8)
+    experts = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32, activation_quant=activation_quant)
+    x = torch.randn(40, HIDDEN)  # 80 token-expert pairs: the prompt path
+    index = torch.tensor([[0, 1]] * 30 + [[1, 3]] * 10)  # expert 2 takes none, expert 1 every token
+    weights = torch.rand(40, 2)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        expected = experts(x, index, weights)
+        assert torch.equal(compiled(x, index, weights), expected)
+        weight = [experts.down._buffers[name] for name in bitkern.nn.storage.WEIGHT_BUFFERS]
+        with pytest.raises(ValueError, match="counts must give the rows of each expert"):
+            torch.ops.bitkern.expert_blocks(x[:, :INTERMEDIATE], weight, experts.down._format_text,
+                                            torch.tensor([1, 2, 3, 4]), None, torch.float32)
+    torch._dynamo.reset()
+
+
 def test_int8_activations_quantize_each_experts_rows_in_the_kernel():
     torch.manual_seed(7)
     experts = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32, activation_quant="int8")
