@@ -20,7 +20,9 @@ GPU_PEERS = {"cublas_fp16": "cuBLAS fp16", "cublas_bf16": "cuBLAS bf16", "tinyge
              "gemlite": "gemlite A16W4"}
 # llama.cpp results file -> its panel's label (the machine and the activations bitkern ran with)
 LLAMA_CPP_PANELS = {"llama_cpp_x86-64-v3.md": "Zen 5 held to x86-64-v3 (AVX2)",
+                    "llama_cpp_x86-64-v3_zen4.md": "Zen 4 held to x86-64-v3 (AVX2, int8 activations)",
                     "llama_cpp_zen4.md": "Zen 4 (AVX-512, bf16 activations)",
+                    "llama_cpp_moe.md": "Zen 4, mixture of experts (64 of 768, top-8)",
                     "llama_cpp_decode_attention.md": "Xeon Sapphire Rapids (int8 activations)",
                     "llama_cpp_xeon_bf16_activations.md": "Xeon Sapphire Rapids (AMX, bf16 activations)"}
 LLAMA_CPP_TESTS = ("pp512 t/s", "tg64 t/s")
@@ -107,8 +109,9 @@ def llama_cpp(panels: dict[str, list[dict[str, str]]], path: Path) -> Path:
     present = list(dict.fromkeys(_family(row["system"]) for rows in panels.values() for row in rows))
     handles = [plt.Rectangle((0, 0), 1, 1, color=families[family]) for family in present]
     figure.legend(handles, present, loc="lower center", ncol=len(present), fontsize=8)
-    figure.suptitle("Random-weight Llama (hidden 2048, 8 layers), 2 threads on 2-core VMs: prompt (pp512) and "
-                    "generation (tg64) tokens/s", fontsize=9)
+    figure.suptitle("Random-weight Llama (hidden 2048, 8 layers; the mixture of experts: Mixtral-style, 64 experts "
+                    "of 768, top-8),\n2 threads on 2-core VMs: prompt (pp512) and generation (tg64) tokens/s",
+                    fontsize=9)
     figure.tight_layout(rect=(0, 0.04, 1, 1))
     return _save(figure, path)
 
