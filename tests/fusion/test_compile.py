@@ -75,16 +75,36 @@ def test_options_given_override_the_defaults_and_graph_breaks_keep_the_guards(op
     assert not any("AOTI_TORCH" in source for source in code)
 
 
-def test_a_compiled_llama_generates_the_eager_tokens():
-    torch.manual_seed(0)
+def _llama():
+    """A tiny Llama, quantized to int4 and fused."""
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return bitkern.fuse(_quantized(transformers.LlamaForCausalLM(config), 64))
+
+
+def _qwen3_moe():
+    """A tiny Qwen3-MoE, top-2 of 4 experts, quantized to int4: a 20-token prompt's 40 token-expert pairs run the
+    experts' dense blocks inside the graph (`expert_blocks`), the decode steps the grouped kernels."""
+    config = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, vocab_size=128, num_experts=4, num_experts_per_tok=2,
+                                         tie_word_embeddings=False, eos_token_id=2)
+    return _quantized(transformers.Qwen3MoeForCausalLM(config), 32)
+
+
+def _quantized(model, group_size: int):
+    model = model.to(torch.bfloat16).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # logits spread like a trained model's: greedy picks are not near-ties
-    bitkern.fuse(bitkern.quantize_model(model, "int4", group_size=64, compute_dtype=torch.bfloat16))
-    prompt = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(1))
+    return bitkern.quantize_model(model, "int4", group_size=group_size, compute_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("make, prompt_tokens", [(_llama, 6), (_qwen3_moe, 20)], ids=["llama", "qwen3-moe"])
+def test_a_compiled_model_generates_the_eager_tokens(make, prompt_tokens):
+    torch.manual_seed(0)
+    model = make()
+    prompt = torch.randint(3, 128, (1, prompt_tokens), generator=torch.Generator().manual_seed(1))
 
     def greedy():
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=8,
@@ -106,26 +126,3 @@ def test_what_is_not_a_module_or_an_options_dict_is_refused():
     with pytest.raises(TypeError, match="model.forward must be a Python method of the model"):
         bitkern.compile(model)
 
-
-def test_a_compiled_mixture_of_experts_generates_the_eager_tokens():
-    """Qwen3-MoE, top-2 of 4 experts: the prompt's 24 token-expert pairs and more run the experts' dense blocks inside
-    the graph (`expert_blocks`), the decode steps the grouped kernels."""
-    torch.manual_seed(6)
-    config = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=16, vocab_size=128, num_experts=4, num_experts_per_tok=2,
-                                         tie_word_embeddings=False, eos_token_id=2)
-    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)
-    bitkern.quantize_model(model, "int4", group_size=32, compute_dtype=torch.bfloat16)
-    prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(1))
-
-    def greedy():
-        return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=6,
-                              min_new_tokens=6, pad_token_id=2, cache_implementation="static")
-
-    with torch.inference_mode():
-        expected = greedy()
-        bitkern.compile(model, dynamic=False)
-        assert torch.equal(greedy(), expected)
