@@ -52,6 +52,10 @@ class Call:
         kernel = kernel_for(self._spec("none") if self.on_plain_kernel else spec, n, k, m, described.layout)
         return estimate(kernel.template, kernel.config, spec, n, k, m, host_cpu()).seconds
 
+    def kernel_spec(self):
+        """The Matmul spec this call runs."""
+        return self._spec(self.norm)
+
     def _spec(self, norm: str):
         return spec_of(self.weight_format, self.activation, self.output, self.bias, None, self.epilogue,
                        self.residual, norm, self.norm_eps, self.activation_quant)

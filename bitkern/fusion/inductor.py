@@ -26,7 +26,9 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.operator_schemas import normalize_function
 
+from ..nn.kernel_call import KernelCall
 from ..ops.matmul import SWIGLU_BLOCK, norm_reference
+from ..ttype import WeightFormat
 from . import cost
 from .cost import Call, Variant, decide
 
@@ -165,6 +167,19 @@ def _call(arguments: dict) -> Call:
                 arguments["bias"] is not None, arguments.get("epilogue", "none"),
                 arguments.get("residual") is not None, arguments.get("norm", "none"), arguments.get("norm_eps", 1e-6),
                 activation_quant=arguments["activation_quant"])
+
+
+def epilogue_kernel_calls(graph: torch.fx.Graph) -> list[KernelCall]:
+    """The kernels of the graph's linear_epilogue calls (what a FusionPass left there), as `bitkern.prepare` takes
+    them: an engine that runs the graph makes them ready at its token counts, as it does its layers' own."""
+    calls = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.bitkern.linear_epilogue.default:
+            arguments = _arguments(node)
+            described = WeightFormat.decode(arguments["weight_format"])
+            calls.append(KernelCall(_call(arguments).kernel_spec(), *described.shape, described.layout,
+                                    arguments["x"].meta["val"].device))
+    return list(dict.fromkeys(calls))
 
 
 def _is_pointwise(node) -> bool:

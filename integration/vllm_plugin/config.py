@@ -29,7 +29,7 @@ from ..formats import gptq
 from . import fusion
 from .checkpoint_method import CheckpointLinearMethod
 from .fusion import logger
-from .linear_method import BitkernLinearMethod
+from .linear_method import BitkernLinearMethod, engine_tokens
 from .moe_method import PROJECTIONS, CheckpointMoEMethod, ImportedMoEMethod, QuantizedMoEMethod, check_experts_layer
 from .settings import Settings
 from .sources import BitkernSource, QuantizedSource, checkpoint_modules, checkpoint_source
@@ -197,5 +197,5 @@ class BitkernVllmConfig(QuantizationConfig):
         vllm_config = get_current_vllm_config()
         if not fusion.fusion_enabled(vllm_config):
             return False
-        fusion.install(vllm_config)
+        fusion.install(vllm_config, engine_tokens(vllm_config))
         return isinstance(layer, MergedColumnParallelLinear)

@@ -26,6 +26,8 @@ from vllm.config import CompilationMode, VllmConfig
 from vllm.logger import init_logger
 
 from bitkern.fusion import FusionPass
+from bitkern.fusion.inductor import epilogue_kernel_calls
+from bitkern.nn.prepare import prepare_calls
 
 SWITCH = "BITKERN_VLLM_FUSION"
 CHOICES = ("auto", "on", "off")
@@ -34,12 +36,15 @@ logger = init_logger("vllm.plugins.bitkern")  # under vLLM's logger, so its line
 
 
 class VllmFusionPass(InductorPass):
-    """bitkern.fusion.FusionPass as vLLM takes a post-grad pass, logging each decision; a pass the user put in the
-    same place runs first.  always: the switch is on (fuse every match)."""
+    """bitkern.fusion.FusionPass as vLLM takes a post-grad pass, logging each decision and making the fused calls'
+    kernels ready at the engine's token counts `tokens` (the linear method prepares only its layer's own and the
+    SwiGLU one; a residual add or an activation folded at the margin of the cost model would otherwise be tuned by
+    the first request of another row count); a pass the user put in the same place runs first.  always: the switch
+    is on (fuse every match)."""
 
-    def __init__(self, always: bool = False, user_pass=None):
+    def __init__(self, tokens: tuple[int, ...], always: bool = False, user_pass=None):
         self.fusion = FusionPass(always)
-        self.user_pass = user_pass
+        self.tokens, self.user_pass = tokens, user_pass
 
     def __call__(self, graph) -> None:
         if self.user_pass is not None:
@@ -49,6 +54,11 @@ class VllmFusionPass(InductorPass):
         for pattern, rows, gain, fused in self.fusion.decisions[known:]:
             logger.info("bitkern fusion: %s at %s rows, modeled gain %.3fx: %s", pattern,
                         " and ".join(map(str, rows)), gain, "fused" if fused else "kept unfused")
+        calls = epilogue_kernel_calls(graph)
+        if calls:
+            report = prepare_calls(calls, self.tokens, progress=False)
+            if report.built or report.loaded:
+                logger.info("bitkern fusion: the fused calls' kernels: %s", report)
 
     def uuid(self) -> str:
         user = None
@@ -81,12 +91,13 @@ def fusion_enabled(vllm_config: VllmConfig) -> bool:
     return wanted != "off" and compiled
 
 
-def install(vllm_config: VllmConfig) -> VllmFusionPass:
+def install(vllm_config: VllmConfig, tokens: tuple[int, ...]) -> VllmFusionPass:
     """Put a VllmFusionPass in vllm_config's Inductor post-grad pass (once; a user's pass there runs first), and
-    return it.  Called while the model is built, before vLLM's compile wrapper reads the Inductor options."""
+    return it; `tokens`: the engine's token counts.  Called while the model is built, before vLLM's compile wrapper
+    reads the Inductor options."""
     options = vllm_config.compilation_config.inductor_compile_config
     current = options.get(PASS_KEY)
     if isinstance(current, VllmFusionPass):
         return current
-    options[PASS_KEY] = VllmFusionPass(choice() == "on", current)
+    options[PASS_KEY] = VllmFusionPass(tokens, choice() == "on", current)
     return options[PASS_KEY]

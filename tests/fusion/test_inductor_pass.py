@@ -13,7 +13,7 @@ import bitkern
 from bitkern.fusion import FusionPass, install
 from bitkern.fusion import cost, plan
 from bitkern.fusion.cost import Decision
-from bitkern.fusion.inductor import _arguments
+from bitkern.fusion.inductor import _arguments, epilogue_kernel_calls
 from bitkern.fusion.modules import FoldedNorm
 from bitkern.fusion.stack import swiglu_ordered, unstack_swiglu
 
@@ -61,6 +61,9 @@ def test_pass_folds_activation_and_residual_into_the_kernels(monkeypatch):
     assert ops.count("bitkern.linear_epilogue.default") == 2 and "bitkern.linear.default" not in ops
     assert [(kind, fused) for kind, _, _, fused in fusion_pass.decisions] == [("relu", True), ("residual", True)]
     assert torch.allclose(y, reference, atol=1e-4 * float(reference.abs().max()))
+    calls = epilogue_kernel_calls(seen[-1])  # what an engine running the graph makes ready (vLLM's pass)
+    assert sorted((call.spec.epilogue, call.spec.residual, call.n, call.k) for call in calls) == \
+        [("none", True, 64, 128), ("relu", False, 128, 64)]
 
 
 def test_pass_keeps_what_the_cost_model_rejects_and_user_passes_stay(monkeypatch):

@@ -20,9 +20,11 @@ DECISION = re.compile(r"bitkern fusion: (\w+) at ([\d and]+) rows, modeled gain 
 
 def serve(run_vllm, tiny_llama, folder, switch, eager=False):
     """(greedy tokens, {bitkern op: calls while generating}, [(pattern, fused)] the pass logged) of one engine,
-    with its own compile cache."""
+    with its own compile cache; no kernel is tuned once it has started (the pass makes its fused calls' kernels
+    ready at every token count, as the linear method does the layers' own)."""
     result, output = run_vllm({"engine": engine(tiny_llama, "float32", INT4, eager), "prompts": PROMPTS,
-                               "max_tokens": MAX_TOKENS, "profile": str(folder / "profile")},
+                               "max_tokens": MAX_TOKENS, "profile": str(folder / "profile"),
+                               "no_tuning_after_start": True},
                               {SWITCH: switch, "VLLM_CACHE_ROOT": str(folder / "cache")})
     decisions = [(pattern, verdict == "fused") for pattern, _, _, verdict in DECISION.findall(output)]
     return result["tokens"], result["bitkern_calls"], decisions
