@@ -46,7 +46,7 @@ class Call:
 
     def seconds(self, m: int) -> float:
         """Modeled time of the kernel the cache runs for M rows (built on first use, as the call itself would)."""
-        spec = self._spec(self.norm)
+        spec = self.kernel_spec()
         described = WeightFormat.decode(self.weight_format)
         n, k = described.shape
         kernel = kernel_for(self._spec("none") if self.on_plain_kernel else spec, n, k, m, described.layout)

@@ -237,15 +237,11 @@ class ExpertWeights(QuantizedModule):
             _note_path(False)
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
         if library.eager(x, bias):
-            weights = self.packed_weights()
-            block = (lambda rows, e: library.run_linear(rows, weights[e], self._format_text,
-                                                        None if bias is None else bias[e], output_dtype,
-                                                        self._activation_quant))
+            linear, weight_at = library.run_linear, self.packed_weights().__getitem__
         else:
-            block = (lambda rows, e: torch.ops.bitkern.linear(rows, *self.op_weight(e),
-                                                              None if bias is None else bias[e], output_dtype,
-                                                              self._activation_quant))
-        return library.run_expert_blocks(x, counts, self.out_features, output_dtype, block)
+            linear, weight_at = torch.ops.bitkern.linear, (lambda e: self.op_weight(e)[0])
+        return library.run_expert_blocks(x, counts, linear, weight_at, self._format_text, bias, output_dtype,
+                                         self._activation_quant)
 
     def kernel_call(self, spec, tokens: tuple[int, int], rows_per_token: int = 1, up_to: bool = False) -> KernelCall:
         """The KernelCall of `spec` on this projection's weights (one expert's N and K) at `tokens`' counts."""
@@ -424,6 +420,8 @@ class Experts(nn.Module):
             0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.int64))
         rows = hidden_states[order // top_k]
         first, *rest = self.projections.values()
+        if not torch.compiler.is_compiling():  # a list, once for every projection (a compiled graph keeps a tensor)
+            counts = counts.tolist()
         hidden = self.gate(first(rows, counts))
         for projection in rest:
             hidden = projection(hidden, counts)

@@ -194,17 +194,20 @@ def _grouped_linear_fake(x, weight, weight_format, indices, bias, output_dtype, 
     return x.new_empty((x.shape[0], indices.shape[-1], out_features), dtype=output_dtype)
 
 
-def run_expert_blocks(x: Tensor, counts: list[int], out_features: int, output_dtype: torch.dtype, block) -> Tensor:
-    """y [S, out_features] of x [S, K] whose rows are sorted by expert, counts[e] rows for expert e: each expert's
-    block of rows by `block(rows, e)` (its linear kernel call)."""
+def run_expert_blocks(x: Tensor, counts: list[int], linear, weight_at, weight_format: str, bias: Optional[Tensor],
+                      output_dtype: torch.dtype, activation_quant: str) -> Tensor:
+    """y [S, N] of x [S, K] whose rows are sorted by expert, counts[e] rows for expert e: each expert's block of rows
+    by `linear(rows, weight_at(e), weight_format, bias[e], output_dtype, activation_quant)` (`run_linear` on weight
+    objects, or the linear op on its arguments), `weight_format` one expert's, bias [E, N] or None."""
     if sum(counts) != x.shape[0]:
         raise ValueError(f"counts must give the rows of each expert, summing to x's {x.shape[0]} rows; got "
                          f"{list(counts)}")
-    out = x.new_empty((x.shape[0], out_features), dtype=output_dtype)
+    out = x.new_empty((x.shape[0], WeightFormat.decode(weight_format).shape[0]), dtype=output_dtype)
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            out[start:start + count] = block(x[start:start + count], expert)
+            out[start:start + count] = linear(x[start:start + count], weight_at(expert), weight_format,
+                                              None if bias is None else bias[expert], output_dtype, activation_quant)
         start += count
     return out
 
@@ -223,12 +226,9 @@ def expert_blocks(x: Tensor, weight: list[Optional[Tensor]], weight_format: str,
         raise ValueError(f"counts must be an integer tensor [E] with E the weight tensors' first dimension; got "
                          f"{counts.dtype} {tuple(counts.shape)}")
 
-    def block(rows, e):
-        weight_e = weight_of([None if t is None else t[e] for t in weight], described)
-        return run_linear(rows, weight_e, weight_format, None if bias is None else bias[e], output_dtype,
-                          activation_quant)
-
-    return run_expert_blocks(x, counts.tolist(), described.shape[0], output_dtype, block)
+    return run_expert_blocks(x, counts.tolist(), run_linear,
+                             lambda e: weight_of([None if t is None else t[e] for t in weight], described),
+                             weight_format, bias, output_dtype, activation_quant)
 
 
 @expert_blocks.register_fake
