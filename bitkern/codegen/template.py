@@ -32,7 +32,8 @@ class Work:
     of operations issued side by side, each group costing its slowest member; l1_bytes / l1_budget: the
     footprint a CPU task keeps in L1 and the part of L1 it may take before it slows the streams through the
     rest; streams / prefetch: weight streams a task reads at once and the words ahead it prefetches (None:
-    the template has no prefetch knob); per_block: what one CUDA thread block holds (occupancy).
+    the template has no prefetch knob); stream_penalty: the DRAM time added per doubling of the streams, where the
+    template measured it (more streams are faster in the FMA templates); per_block: what one CUDA thread block holds (occupancy).
     """
 
     tasks: int
@@ -43,6 +44,7 @@ class Work:
     l1_budget: float = 0.0
     streams: int = 1
     prefetch: int | None = None
+    stream_penalty: float = 0.0
     per_block: object = None
 
 

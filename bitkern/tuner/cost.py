@@ -8,8 +8,8 @@ such as AMD Zen 4: one vdpbf16ps per cycle; decode and AMX work do not overlap, 
 of the templates serving it are priced as their NEON instructions on the device's core, `ARM_MIXES`), spread over the
 cores, with the §4.1 penalties: too little parallelism (tasks that leave cores idle or unbalanced), a footprint
 over its share of L1, and — for the prefetch knob the traffic counts cannot see — the distance from the
-prefetch depth that keeps the device's memory latency covered, and the weight streams a task reads at once; memory
-and compute partly overlap.  CUDA GPUs:
+prefetch depth that keeps the device's memory latency covered, and where a template measured it, the weight streams a
+task reads at once; memory and compute partly overlap.  CUDA GPUs:
 HBM traffic at the device bandwidth, mma work at its tensor throughput, per wave of resident blocks.
 """
 
@@ -121,11 +121,6 @@ L1_PRESSURE = 0.25  # slowdown per L1 capacity of footprint beyond its share of 
 #                     through the rest; measured on the AMX template's stage depth)
 OVERLAP = 0.5  # the fraction of the smaller of memory and compute time that does not hide under the larger
 PREFETCH_PENALTY = 0.04  # per doubling away from the ideal prefetch depth
-# Weight streams a task reads at once cost DRAM time: per doubling of them, the memory time grows by this.  Measured
-# by the tuner on Zen 4 at x86-64-v3 (VNNI int4, M=1, weights rotating through DRAM, 2 threads): one stream (one tile,
-# or two in turn) against two at once took 0.347-0.359 ms against 0.416-0.473 for 11264x2048 and 0.064-0.066 against
-# 0.070-0.078 for 3072x2048; the SwiGLU gate/up 11264x2048 0.43 against 0.46-0.49 ms (interleaved, 9 rounds)
-STREAM_PENALTY = 0.08
 # No software prefetch (prefetch=0): the model cannot tell whether the hardware prefetchers keep up (measured on
 # Zen 4, in probes: 5-9% faster at M=1 int4/nf4, 7-11% slower at M=16 int4 and M=1 int2).  It ranks it below every depth
 # within a doubling of the ideal, and profiling decides (the shortlist always times the best one's twin without it)
@@ -175,7 +170,7 @@ def _cpu_estimate(work: Work, device) -> Estimate:
     tasks = work.tasks
     imbalance = math.ceil(tasks / device.cores) / (tasks / device.cores) if tasks else 1.0
     compute = cycles / device.cores * imbalance / device.clock_hz
-    memory = work.dram_bytes / device.memory_bandwidth() * (1 + STREAM_PENALTY * math.log2(max(1, work.streams)))
+    memory = work.dram_bytes / device.memory_bandwidth() * (1 + work.stream_penalty * math.log2(max(1, work.streams)))
     seconds = max(compute, memory) + OVERLAP * min(compute, memory)
     if work.prefetch is not None:
         ideal = max(8.0, device.prefetch_bytes / 64 / work.streams * 2)  # each task streams `streams` tiles at once

@@ -29,6 +29,11 @@ PRODUCTS = ACTIVATION_BLOCK // 4  # vpdpbusd per row, tile and activation block 
 # vpdpbusd a kernel's bodies hold over all their row counts and tiles, per activation block: bounds LLVM's compile
 # time (the bodies are unrolled; 1 + 2 + 3 + 4 rows x 4 tiles x 8 products = 320)
 BODY = 320
+# Weight streams a task reads at once cost DRAM time: per doubling of them, the memory time grows by this.  Measured
+# by the tuner on Zen 4 at x86-64-v3 (int4, M=1, weights rotating through DRAM, 2 threads): one stream (one tile, or two
+# in turn) against two at once took 0.347-0.359 ms against 0.416-0.473 for 11264x2048 and 0.064-0.066 against
+# 0.070-0.078 for 3072x2048; the SwiGLU gate/up 11264x2048 0.43 against 0.46-0.49 ms (interleaved, 9 rounds)
+STREAM_PENALTY = 0.08
 # 16-lane registers a row block may hold: y and an int32 sum per (row, tile); per tile its word and two group factors
 REGISTERS = 30  # of 32 zmm
 # with 256-bit vectors (two of AVX2's 16 ymm each) or 128-bit ones (four of aarch64's 32 v each), 512 bytes of registers
@@ -237,7 +242,7 @@ class VnniTemplate(CpuTemplate):
             bound["byte_dot"] = tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, byte_bits(spec),
                                                                            looks_up_bytes(spec))
         return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),
-                    streams=streams, prefetch=config.prefetch)
+                    streams=streams, prefetch=config.prefetch, stream_penalty=STREAM_PENALTY)
 
     def program(self, spec: Matmul, n: int, k: int, config: VnniConfig, layout, bucket, device):
         """The PrimFunc for rows M in `bucket` (at most 16 with small_m); arguments as the tile16 templates', the
