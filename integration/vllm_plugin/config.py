@@ -1,10 +1,10 @@
 """The quantization method "bitkern" as vLLM sees it: a QuantizationConfig that gives every linear layer
 bitkern's linear method: quantize a float checkpoint on load (`Settings`), load a bitkern checkpoint
 (save_pretrained of a model quantized with bitkern.BitkernConfig) as stored, or serve a GPTQ, AWQ or
-bitsandbytes 4-bit checkpoint converted on load into bitkern layers (`sources.py`).
+bitsandbytes 4-bit checkpoint, or gpt-oss's MXFP4 experts, converted on load into bitkern layers (`sources.py`).
 
-Serving a GPTQ, AWQ or bitsandbytes checkpoint on bitkern's kernels is the user's choice, `quantization="bitkern"`
-(`--quantization bitkern`); without it vLLM serves the checkpoint with its own method.
+Serving a GPTQ, AWQ, bitsandbytes or gpt-oss MXFP4 checkpoint on bitkern's kernels is the user's choice,
+`quantization="bitkern"` (`--quantization bitkern`); without it vLLM serves the checkpoint with its own method.
 
 vLLM pickles this config into its engine and worker processes, so the class lives at module level.
 """
@@ -25,12 +25,13 @@ from vllm.transformers_utils.config import get_safetensors_params_metadata
 from bitkern.nn.experts import FLOAT_PARAMETERS
 from bitkern.nn.library import FLOAT_DTYPES
 
-from ..formats import gptq
+from ..formats import gptq, mxfp4
 from . import fusion
 from .checkpoint_method import CheckpointLinearMethod
 from .fusion import logger
 from .linear_method import BitkernLinearMethod, engine_tokens
-from .moe_method import PROJECTIONS, CheckpointMoEMethod, ImportedMoEMethod, QuantizedMoEMethod, check_experts_layer
+from .moe_method import (PROJECTIONS, CheckpointMoEMethod, ImportedMoEMethod, Mxfp4MoEMethod, QuantizedMoEMethod,
+                         check_experts_layer)
 from .settings import Settings
 from .sources import BitkernSource, QuantizedSource, checkpoint_modules, checkpoint_source
 
@@ -83,7 +84,7 @@ class BitkernVllmConfig(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
         """Called by vLLM for a checkpoint that is already quantized: with quantization='bitkern', serve a GPTQ,
-        AWQ or bitsandbytes checkpoint on bitkern's kernels (its settings are checked here, at engine start);
+        AWQ, bitsandbytes or gpt-oss MXFP4 checkpoint on bitkern's kernels (its settings are checked here, at engine start);
         refuse other methods, and quantize-on-load settings, with a message that says why.  A bitkern
         checkpoint needs no override (vLLM reads its quant_method)."""
         method = hf_quant_cfg.get("quant_method")
@@ -149,8 +150,9 @@ class BitkernVllmConfig(QuantizationConfig):
 
     def _experts_method(self, layer: RoutedExperts, prefix: str) -> QuantizeMethodBase | None:
         """The method of a mixture-of-experts layer: bitkern's experts quantized on load, loaded from a bitkern
-        checkpoint that holds them quantized, or converted from a GPTQ checkpoint's expert layers; None (vLLM's float
-        experts, logged) where modules_to_not_convert names the layer or the checkpoint holds its experts float."""
+        checkpoint that holds them quantized, or converted from a GPTQ checkpoint's expert layers or gpt-oss's MXFP4
+        experts; None (vLLM's float experts, logged) where modules_to_not_convert names the layer or the checkpoint
+        holds its experts float."""
         if self.source is None:
             if is_layer_skipped(prefix, list(self.settings.modules_to_not_convert), self.packed_modules_mapping,
                                 match_mode="suffix"):
@@ -158,6 +160,9 @@ class BitkernVllmConfig(QuantizationConfig):
                 return None
             check_experts_layer(layer, prefix)
             return QuantizedMoEMethod(layer.moe_config, self.settings, prefix)
+        if self.source.method == mxfp4.QUANT_METHOD and prefix in self.source.quantized:
+            gate = check_experts_layer(layer, prefix, activations=("swigluoai",))
+            return Mxfp4MoEMethod(layer.moe_config, self.source, prefix, gate)
         projections = {name: f"{prefix}.{name}" for name in PROJECTIONS.values()}
         held = [module for module in projections.values() if module in self.source.quantized]
         if self.source.method != BitkernSource.method:

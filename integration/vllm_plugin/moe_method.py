@@ -2,8 +2,9 @@
 `FusedMoEMethodBase`): every expert's gate/up (vLLM's w13, [gate; up] rows) and down (w2) weights become one
 `bitkern.Experts`, quantized on load from a float checkpoint (`QuantizedMoEMethod`, the float weights on the meta
 device until vLLM's layerwise loading materializes the layer, as vLLM's own online MoE methods do), loaded as a
-bitkern checkpoint stores them (`CheckpointMoEMethod`), or converted from a GPTQ checkpoint that stores one linear layer
-per expert and projection (GPTQModel's) by bitkern.load_pretrained's own conversion (`ImportedMoEMethod`).
+bitkern checkpoint stores them (`CheckpointMoEMethod`), or converted by bitkern.load_pretrained's own conversion from
+a GPTQ checkpoint that stores one linear layer per expert and projection (GPTQModel's; `ImportedMoEMethod`) or from
+gpt-oss's MXFP4 experts (`Mxfp4MoEMethod`).
 
 While the engine starts, each layer's kernels are made ready (`Experts.kernel_calls`) for every token count the engine
 runs, as the linear layers' are (linear_method.py), so that no request waits for tuning.
@@ -25,11 +26,13 @@ from vllm.model_executor.layers.quantization.online.moe_base import OnlineMoEMet
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.activation import SwigluOAIAndMul
 
 from bitkern import Experts
 from bitkern.nn.experts import ExpertWeights
 from bitkern.nn.prepare import prepare_calls
 
+from ..formats import mxfp4
 from ..formats.checkpoint_names import STACKED
 from ..formats.expert_linears import stack_experts
 from ..hf.format import TENSOR_NAMES, LayerSettings, expected_experts_tensors, experts_from_checkpoint
@@ -60,14 +63,16 @@ def _vllm_experts_fake(x, topk_weights, topk_ids, layer_name):
     return torch.empty_like(x)
 
 
-def check_experts_layer(layer, prefix: str) -> None:
-    """ValueError naming the vLLM MoE layer (`RoutedExperts`) where bitkern.Experts cannot compute it: they take a
-    gated SiLU (SwiGLU) MLP per expert, the routing weights applied to the outputs, no expert parallelism."""
+def check_experts_layer(layer, prefix: str, activations: tuple[str, ...] = ("silu",)):
+    """The gate bitkern.Experts computes the vLLM MoE layer (`RoutedExperts`) with (None: SwiGLU, silu of the first
+    half times the second; vLLM's own SwigluOAIAndMul for gpt-oss's "swigluoai", where `activations` accepts it);
+    ValueError naming the layer where they cannot: other activations, the routing weights applied to the input,
+    expert parallelism."""
     moe = layer.moe_config
     activation = getattr(moe.activation, "value", moe.activation)
-    if activation != "silu" or not moe.is_act_and_mul:
+    if activation not in activations or not moe.is_act_and_mul:
         raise ValueError(f"{prefix}: experts with activation {activation!r} (gated: {moe.is_act_and_mul}); bitkern's "
-                         f"experts compute SwiGLU (silu of the gate times up); list the layer in "
+                         f"experts here compute {' or '.join(activations)}, gated; list the layer in "
                          f"modules_to_not_convert to keep it float")
     if layer.apply_router_weight_on_input:
         raise ValueError(f"{prefix}: the model applies the routing weights to the experts' input; bitkern's experts "
@@ -75,6 +80,7 @@ def check_experts_layer(layer, prefix: str) -> None:
     if moe.moe_parallel_config.use_ep:
         raise ValueError(f"{prefix}: expert parallelism is not supported by bitkern's experts; serve without "
                          f"enable_expert_parallel")
+    return SwigluOAIAndMul().forward_native if activation == "swigluoai" else None
 
 
 class BitkernMoEMethod(FusedMoEMethodBase):
@@ -92,9 +98,12 @@ class BitkernMoEMethod(FusedMoEMethodBase):
         counts."""
         self.dtype, self.tokens = params_dtype, engine_tokens(get_current_vllm_config())
 
-    def set_experts(self, layer: nn.Module, gate_up: ExpertWeights, down: ExpertWeights, settings: dict) -> None:
-        """Give the layer its bitkern.Experts of these projections (SwiGLU gate), their kernels made ready."""
-        experts = Experts(gate_up.num_experts, down.out_features, down.in_features, device="meta", **settings)
+    def set_experts(self, layer: nn.Module, gate_up: ExpertWeights, down: ExpertWeights, settings: dict,
+                    gate=None) -> None:
+        """Give the layer its bitkern.Experts of these projections (`gate`: None for SwiGLU), their kernels made
+        ready."""
+        experts = Experts(gate_up.num_experts, down.out_features, down.in_features, gate=gate, device="meta",
+                          **settings)
         experts.gate_up, experts.down = gate_up, down
         setattr(layer, QUANTIZED_EXPERTS, experts)
         report = prepare_calls(experts.kernel_calls(self.dtype, self.moe.experts_per_token), self.tokens,
@@ -290,6 +299,74 @@ class ImportedMoEMethod(BitkernMoEMethod):
         for name in SHARDS:
             for tensor in self.stored[name]:
                 delattr(layer, f"{name}_{tensor.name}")
+
+
+class Mxfp4MoEMethod(BitkernMoEMethod):
+    """gpt-oss's MXFP4 experts (quant_method "mxfp4"), as vLLM's gpt-oss loader hands them over: each projection's
+    blocks (w13_weight [E, 2·I, H/2], w2_weight [E, H, I/2], uint8: e2m1 codes two a byte), scales (…_weight_scale,
+    uint8 e8m0 codes a block of 32) and biases whole; once loaded, converted by bitkern.load_pretrained's own
+    conversion (`formats.mxfp4.convert`: the bytes carried over, so the experts dequantize bit for bit as transformers'
+    Mxfp4 integration) and gated by vLLM's own "swigluoai" activation (interleaved gate and up rows, clamped).  Served
+    with tensor_parallel_size=1."""
+
+    TENSORS = {"weight": "blocks", "weight_scale": "scales", "bias": "bias"}  # vLLM's parameter -> the checkpoint's
+
+    def __init__(self, moe, source, prefix: str, gate):
+        if moe.moe_parallel_config.tp_size > 1:
+            raise ValueError(f"{prefix}: gpt-oss MXFP4 experts are served with tensor_parallel_size=1")
+        super().__init__(moe)
+        self.source = source
+        self.prefix = prefix
+        self.gate = gate
+        self.shapes: dict[str, tuple[int, int]] = {}  # "w13" / "w2" -> (outputs, inputs) of one expert
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        """Per projection its blocks and scales (uint8) and its float32 bias (exact for the checkpoint's bf16), filled
+        whole by `_load`."""
+        for name, size in (("hidden", hidden_size), ("intermediate", intermediate_size_per_partition)):
+            if size % mxfp4.BLOCK:
+                raise ValueError(f"{self.prefix}: {name} size {size} is not a multiple of MXFP4's block of "
+                                 f"{mxfp4.BLOCK}")
+        self.plan(params_dtype)
+        self.shapes = {"w13": (2 * intermediate_size_per_partition, hidden_size),
+                       "w2": (hidden_size, intermediate_size_per_partition)}
+        for name, (n, k) in self.shapes.items():
+            for tensor, shape, dtype in (("weight", (n, k // 2), torch.uint8),
+                                         ("weight_scale", (n, k // mxfp4.BLOCK), torch.uint8),
+                                         ("bias", (n,), torch.float32)):
+                parameter = nn.Parameter(torch.zeros((num_experts, *shape), dtype=dtype), requires_grad=False)
+                layer.register_parameter(f"{name}_{tensor}", parameter)
+                set_weight_attrs(parameter, {"weight_loader": self._load})
+
+    def _load(self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id=None,
+              expert_id=None, return_success: bool = False) -> bool:
+        """vLLM's weight loader: one whole tensor of the checkpoint (every expert), copied as stored."""
+        if expert_id is not None or tuple(loaded_weight.shape) != tuple(param.shape) or not (
+                loaded_weight.dtype == param.dtype or loaded_weight.is_floating_point() and param.is_floating_point()):
+            raise ValueError(f"{weight_name}: the checkpoint holds {loaded_weight.dtype} {list(loaded_weight.shape)}"
+                             f"{'' if expert_id is None else f' of expert {expert_id}'}, the layer expects "
+                             f"{param.dtype} {list(param.shape)} for all experts")
+        param.data.copy_(loaded_weight)
+        return True
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Convert the loaded experts into the layer's bitkern.Experts (once)."""
+        if hasattr(layer, QUANTIZED_EXPERTS):
+            return
+        prefix = f"{self.prefix}."
+        tensors = {}
+        for name, projection in PROJECTIONS.items():
+            n, k = self.shapes[name]
+            stored = {part: getattr(layer, f"{name}_{tensor}").data for tensor, part in self.TENSORS.items()}
+            stored["blocks"] = stored["blocks"].view(-1, n, k // mxfp4.BLOCK, mxfp4.BLOCK // 2)
+            tensors.update({f"{prefix}{mxfp4.PROJECTIONS[projection]}_{part}": value for part, value in stored.items()})
+        projections = mxfp4.convert(tensors, prefix, self.source.settings).projections(self.dtype)
+        self.set_experts(layer, **projections, settings={"dtype": "mxfp4", "group_size": mxfp4.BLOCK},
+                         gate=self.gate)
+        for name in PROJECTIONS:
+            for tensor in self.TENSORS:
+                delattr(layer, f"{name}_{tensor}")
 
 
 def _loadable(stored: torch.dtype, held: torch.dtype, tensor: str) -> bool:

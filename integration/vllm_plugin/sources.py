@@ -4,7 +4,7 @@ shards along and cuts partitions of), and how they become one bitkern.Linear.
 
 bitkern's own checkpoints (transformers' save_pretrained of a BitkernConfig model, integration/hf/format.py)
 load as stored; GPTQ, AWQ and bitsandbytes 4-bit ones go through the importers (bitkern.integration.formats),
-bit for bit the tool's own dequantization.
+bit for bit the tool's own dequantization, as do gpt-oss's MXFP4 experts (its linear layers are float).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import bitkern
 from bitkern import ttype
 from bitkern.ttype import QuantizedWeight
 
-from ..formats import FORMATS, FormatError, ImportedLinear, awq, bnb, convert_module, gptq, quantized_modules
+from ..formats import FORMATS, FormatError, ImportedLinear, awq, bnb, convert_module, gptq, mxfp4, quantized_modules
 from ..formats.bitstream import block_codes, stream_length
 from ..formats.convert import quantization_settings
 from ..hf.config import BitkernConfig
@@ -157,15 +157,15 @@ class BitkernSource(QuantizedSource):
 
 
 class ImportedSource(QuantizedSource):
-    """A GPTQ or AWQ checkpoint (its quantization_config) served on bitkern's kernels."""
+    """A GPTQ, AWQ or gpt-oss MXFP4 checkpoint (its quantization_config) served on bitkern's kernels."""
 
     def __init__(self, quantization_config: dict):
         super().__init__()
         self.config = dict(quantization_config)
         method = self.config.get("quant_method")
         if method not in IMPORTED:
-            raise FormatError(f"quantization='bitkern' serves float, bitkern, gptq, awq and bitsandbytes (4-bit) "
-                              f"checkpoints; this one is quantized with quant_method={method!r}")
+            raise FormatError(f"quantization='bitkern' serves float, bitkern, gptq, awq, bitsandbytes (4-bit) and "
+                              f"gpt-oss mxfp4 checkpoints; this one is quantized with quant_method={method!r}")
         self.settings = quantization_settings(self.config)[1]
         self.method = method  # (the format module itself is looked up by it: vLLM pickles this object)
         if self.config.get("lm_head"):
@@ -410,8 +410,12 @@ def stack_outputs(part: Partition, imported: list[ImportedLinear]) -> ImportedLi
     return ImportedLinear(weight, first.input_order)
 
 
-IMPORTED = (gptq.QUANT_METHOD, awq.QUANT_METHOD)  # served by ImportedSource; bitsandbytes by BnbSource
-REQUIRED = {gptq.QUANT_METHOD: ("qweight", "qzeros", "scales"), awq.QUANT_METHOD: awq.TENSORS}
+# served by ImportedSource (mxfp4: experts only); bitsandbytes by BnbSource
+IMPORTED = (gptq.QUANT_METHOD, awq.QUANT_METHOD, mxfp4.QUANT_METHOD)
+REQUIRED = {gptq.QUANT_METHOD: ("qweight", "qzeros", "scales"), awq.QUANT_METHOD: awq.TENSORS,
+            mxfp4.QUANT_METHOD: mxfp4.OWNED}
+# vLLM renames gpt-oss's quant_method "mxfp4" so in the config it hands over (GptOssForCausalLMConfig)
+VLLM_METHODS = {"gpt_oss_mxfp4": mxfp4.QUANT_METHOD}
 SAFETENSORS_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
                       "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
                       "F64": torch.float64}
@@ -423,6 +427,8 @@ def checkpoint_source(quantization_config: dict) -> QuantizedSource:
     if not isinstance(quantization_config, dict):
         raise TypeError(f"a checkpoint's quantization_config is a dict, got {type(quantization_config).__name__}")
     method = quantization_config.get("quant_method")
+    if method in VLLM_METHODS:
+        quantization_config = dict(quantization_config, quant_method=VLLM_METHODS[method])
     if method == BitkernSource.method:
         return BitkernSource(quantization_config)
     if method == BnbSource.method:

@@ -12,6 +12,20 @@ DIRECTORY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 NAMES = sorted(name for name in os.listdir(DIRECTORY) if os.path.isfile(os.path.join(DIRECTORY, name, "reference.safetensors")))
 
 
+# Mixtral GPTQ checkpoints of transformers 4 (AutoGPTQ, e.g. TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ) name the MoE
+# block "block_sparse_moe" and each expert's linear layers w1 (gate), w3 (up) and w2 (down), as transformers 4's
+# MixtralBlockSparseTop2MLP did; transformers 5 renames them on load (its conversion mapping for "mixtral"), and vLLM's
+# Mixtral loads only these names.
+OLD_MIXTRAL_LAYOUT = {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
+
+
+def old_mixtral_name(key: str) -> str:
+    """A tensor name of transformers 5's Mixtral in the transformers 4 layout."""
+    for new, old in OLD_MIXTRAL_LAYOUT.items():
+        key = key.replace(new, old)
+    return key
+
+
 def path(name: str) -> str:
     return os.path.join(DIRECTORY, name)
 

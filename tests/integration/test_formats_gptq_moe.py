@@ -21,7 +21,7 @@ import bitkern
 from bitkern.integration.formats import FormatError, import_checkpoint, pretrained, quantized_modules
 from bitkern.nn.experts import FLOAT_PARAMETERS, GROUPED_PAIRS, is_float_experts
 
-from tests.integration.formats_fixtures import reload_bitwise
+from tests.integration.formats_fixtures import old_mixtral_name, reload_bitwise
 
 DIRECTORY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "formats_moe")
 FIXTURES = ("gptq_qwen3_moe_4bit_sym", "gptq_mixtral_4bit_asym")
@@ -239,21 +239,10 @@ def test_an_imported_model_saved_by_bitkern_loads_back_bitwise(loaded, tmp_path)
     assert torch.equal(_logits(again, SHORT), _logits(model, SHORT))
 
 
-# Mixtral GPTQ checkpoints of transformers 4 (AutoGPTQ, e.g. TheBloke/Mixtral-8x7B-Instruct-v0.1-GPTQ) name the MoE
-# block "block_sparse_moe" and each expert's linear layers w1 (gate), w3 (up) and w2 (down), as transformers 4's
-# MixtralBlockSparseTop2MLP did; transformers 5 renames them on load (its conversion mapping for "mixtral").
-OLD_LAYOUT = {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
-
-
-def _old_name(key: str) -> str:
-    for new, old in OLD_LAYOUT.items():
-        key = key.replace(new, old)
-    return key
-
-
 def test_the_old_layout_is_what_transformers_writes_for_mixtral(tmp_path):
     """transformers 5 saves a Mixtral in the transformers 4 layout (its conversion mapping reversed): w1 and w3 are
-    the halves of gate_up_proj (gate, up), w2 is down_proj, the router is block_sparse_moe.gate; OLD_LAYOUT agrees."""
+    the halves of gate_up_proj (gate, up), w2 is down_proj, the router is block_sparse_moe.gate; old_mixtral_name
+    agrees."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
@@ -265,11 +254,11 @@ def test_the_old_layout_is_what_transformers_writes_for_mixtral(tmp_path):
     experts = model.model.layers[0].mlp.experts
     assert not experts.is_transposed
     for e in range(4):
-        layers = {key: stored[_old_name(f"model.layers.0.mlp.experts.{e}.{key}.weight")]
+        layers = {key: stored[old_mixtral_name(f"model.layers.0.mlp.experts.{e}.{key}.weight")]
                   for key in ("gate_proj", "up_proj", "down_proj")}
         assert torch.equal(torch.cat([layers["gate_proj"], layers["up_proj"]]), experts.gate_up_proj[e])
         assert torch.equal(layers["down_proj"], experts.down_proj[e])
-    assert torch.equal(stored[_old_name("model.layers.0.mlp.gate.weight")], model.model.layers[0].mlp.gate.weight)
+    assert torch.equal(stored[old_mixtral_name("model.layers.0.mlp.gate.weight")], model.model.layers[0].mlp.gate.weight)
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +268,7 @@ def old_mixtral(tmp_path_factory):
     for name in ("config.json", "quantize_config.json"):
         shutil.copy(os.path.join(_path(FIXTURES[1]), name), folder / name)
     tensors = load_file(os.path.join(_path(FIXTURES[1]), "model.safetensors"))
-    renamed = {_old_name(key): value for key, value in tensors.items()}
+    renamed = {old_mixtral_name(key): value for key, value in tensors.items()}
     assert "model.layers.1.block_sparse_moe.experts.3.w3.qzeros" in renamed  # every expert and router tensor moved
     assert "model.layers.0.block_sparse_moe.gate.weight" in renamed and not any(".mlp." in key for key in renamed)
     save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})

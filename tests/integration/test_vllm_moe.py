@@ -2,18 +2,24 @@
 random Qwen3-MoE (8 experts of 64, top-2, hidden 256, 2 layers; its attention the tiny Llama's shapes, so the
 engines share those kernels) served quantized on load (`quantization="bitkern"`, int4 g64) and from the checkpoint
 transformers saves of it quantized with `bitkern.BitkernConfig` (int4 g64), each eager and compiled (torch.compile),
-a fifth engine that keeps layer 0's experts float (modules_to_not_convert), and a sixth serving GPTQModel's Qwen3-MoE
-GPTQ checkpoint (tests/fixtures/formats_moe: 4 experts of 64, top-2, hidden 64, 4 bits in groups of 32, one linear
-layer per expert and projection) on bitkern's kernels (`quantization="bitkern"`, eager), all six in one vLLM process.
+a fifth engine that keeps layer 0's experts float (modules_to_not_convert), and two serving GPTQModel's GPTQ
+checkpoints on bitkern's kernels (`quantization="bitkern"`, eager; tests/fixtures/formats_moe: 4 experts of 64, top-2,
+hidden 64, 4 bits in groups of 32, one linear layer per expert and projection): its Qwen3-MoE, and its Mixtral with the
+tensors named as transformers 4 and AutoGPTQ wrote Mixtral checkpoints (`block_sparse_moe.experts.E.w1`), the names
+vLLM's Mixtral loads; and an eighth serving a tiny gpt-oss MXFP4 checkpoint in the released layout
+(tests/integration/gpt_oss_fixture.py; attention sinks, a sliding-window layer, biased experts gated by vLLM's
+"swigluoai"); all eight in one vLLM process.
 
 Compared with the reference, the float checkpoint loaded by transformers and quantized by `bitkern.quantize_model`
 with the same settings (and, for the checkpoint, the transformers model that saved it): the greedy tokens, identical
 in float32, and every expert's gate/up and down weight, bit for bit; the routers stay float, as quantize_model
-keeps transformers' routers, and say so in the log.  The GPTQ engine's experts dequantize bit for bit to GPTQModel's own
-dequantization, and its greedy tokens are those of `bitkern.load_pretrained` of the same checkpoint in transformers.
-vLLM's CPU attention has no head size 16, the fixture's (4 heads of 16): the served checkpoint is the fixture's tensors
+keeps transformers' routers, and say so in the log.  The GPTQ engines' experts dequantize bit for bit to GPTQModel's own
+dequantization, and their greedy tokens are those of `bitkern.load_pretrained` of the same checkpoint in transformers.
+vLLM's CPU attention has no head size 16, the fixtures' (4 heads of 16): a served checkpoint is the fixture's tensors
 as GPTQModel wrote them, its attention read as 2 heads of 32 with one key/value head by vLLM and the reference alike
-(Qwen3's per-head q/k norm weights repeated to the new head size).
+(Qwen3's per-head q/k norm weights repeated to the new head size).  The gpt-oss engine's experts dequantize bit for
+bit as transformers' Mxfp4 integration reads the blocks (`convert_moe_packed_tensors`), and its greedy tokens are those
+of `bitkern.load_pretrained` of the checkpoint in transformers.
 """
 
 import json
@@ -27,6 +33,8 @@ from safetensors.torch import load_file, save_file
 import bitkern
 
 from tests.integration.conftest import TINY_SHAPE, save_random
+from tests.integration.formats_fixtures import old_mixtral_name
+from tests.integration.gpt_oss_fixture import gpt_oss_checkpoint, write_checkpoint
 from tests.integration.greedy import greedy_tokens
 
 PROMPTS = [[1, 5, 9, 200], [17, 300, 42, 7, 99, 512, 3, 8, 640, 11], [900], [64, 128, 256, 33, 21]]
@@ -37,8 +45,9 @@ MODES = {"eager": True, "compiled": False}
 # what vLLM serves on bitkern per layer: its merged attention projections and the experts' two projections
 SERVED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.gate_up", "mlp.experts.down")
 SKIP_EXPERTS = dict(INT4, modules_to_not_convert=["layers.0.mlp.experts"])
-GPTQ_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "formats_moe",
-                            "gptq_qwen3_moe_4bit_sym")
+GPTQ_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "formats_moe")
+# served GPTQ model -> (its fixture, the name of its MoE block in the served checkpoint)
+GPTQ_MODELS = {"qwen3-moe": ("gptq_qwen3_moe_4bit_sym", "mlp"), "mixtral": ("gptq_mixtral_4bit_asym", "block_sparse_moe")}
 GPTQ_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 GPTQ_PROMPTS = [[3, 17, 100, 33, 95, 4, 120, 61], [64, 12, 99], [77]]  # (the fixture's vocabulary: 128)
 GPTQ_EXPERTS = 4
@@ -94,24 +103,39 @@ def engine(model, eager, settings=None):
 
 @pytest.fixture(scope="module")
 def gptq_moe(tmp_path_factory):
-    """(GPTQModel's Qwen3-MoE checkpoint with its attention as GPTQ_HEADS, the greedy tokens of bitkern.load_pretrained
-    of it in transformers, float32)."""
-    folder = tmp_path_factory.mktemp("gptq-qwen3-moe")
-    with open(os.path.join(GPTQ_FIXTURE, "config.json")) as file:
-        config = json.load(file)
-    repeat = GPTQ_HEADS["head_dim"] // config["head_dim"]
-    (folder / "config.json").write_text(json.dumps(dict(config, **GPTQ_HEADS)))
-    tensors = load_file(os.path.join(GPTQ_FIXTURE, "model.safetensors"))
-    tensors = {key: value.repeat(repeat) if key.endswith(("q_norm.weight", "k_norm.weight")) else value
-               for key, value in tensors.items()}
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    tokens, _ = greedy_tokens(bitkern.load_pretrained(str(folder), dtype=torch.float32), GPTQ_PROMPTS, MAX_TOKENS)
-    return folder, tokens
+    """{model of GPTQ_MODELS: (its GPTQModel checkpoint with the attention as GPTQ_HEADS, Mixtral's tensors named as
+    transformers 4 did, the greedy tokens of bitkern.load_pretrained of it in transformers, float32)}."""
+    served = {}
+    for model, (fixture, _) in GPTQ_MODELS.items():
+        folder = tmp_path_factory.mktemp(f"gptq-{model}")
+        with open(os.path.join(GPTQ_FIXTURES, fixture, "config.json")) as file:
+            config = json.load(file)
+        head_dim = config["head_dim"] or config["hidden_size"] // config["num_attention_heads"]
+        repeat = GPTQ_HEADS["head_dim"] // head_dim
+        (folder / "config.json").write_text(json.dumps(dict(config, **GPTQ_HEADS)))
+        tensors = load_file(os.path.join(GPTQ_FIXTURES, fixture, "model.safetensors"))
+        tensors = {old_mixtral_name(key) if model == "mixtral" else key:
+                   value.repeat(repeat) if key.endswith(("q_norm.weight", "k_norm.weight")) else value
+                   for key, value in tensors.items()}
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        tokens, _ = greedy_tokens(bitkern.load_pretrained(str(folder), dtype=torch.float32), GPTQ_PROMPTS, MAX_TOKENS)
+        served[model] = folder, tokens
+    return served
 
 
 @pytest.fixture(scope="module")
-def served(run_vllm, tiny_moe, references, gptq_moe, tmp_path_factory):
-    """{(source, mode): (greedy tokens, the served weights of rank 0)} of the six engines, and the process's log."""
+def gpt_oss(tmp_path_factory):
+    """(the tiny gpt-oss MXFP4 checkpoint with its attention as GPTQ_HEADS, its stored tensors, the greedy tokens of
+    bitkern.load_pretrained of it in transformers, float32)."""
+    config, tensors = gpt_oss_checkpoint(**GPTQ_HEADS)
+    folder = write_checkpoint(tmp_path_factory.mktemp("gpt-oss-mxfp4"), config, tensors)
+    tokens, _ = greedy_tokens(bitkern.load_pretrained(folder, dtype=torch.float32), GPTQ_PROMPTS, MAX_TOKENS)
+    return folder, tensors, tokens
+
+
+@pytest.fixture(scope="module")
+def served(run_vllm, tiny_moe, references, gptq_moe, gpt_oss, tmp_path_factory):
+    """{(source, mode): (greedy tokens, the served weights of rank 0)} of the eight engines, and the process's log."""
     _, checkpoint = references
     runs, keys = [], []
     for source, model, settings in (("on-load", tiny_moe, INT4), ("checkpoint", checkpoint, None)):
@@ -124,10 +148,15 @@ def served(run_vllm, tiny_moe, references, gptq_moe, tmp_path_factory):
     runs.append({"engine": engine(tiny_moe, True, SKIP_EXPERTS), "prompts": PROMPTS[:1], "max_tokens": 1,
                  "weights": str(folder)})
     keys.append(("on-load", "skip-experts", folder))
-    folder = tmp_path_factory.mktemp("served-gptq")
-    runs.append({"engine": dict(engine(gptq_moe[0], True), quantization="bitkern"), "prompts": GPTQ_PROMPTS,
+    for model, (checkpoint, _) in gptq_moe.items():
+        folder = tmp_path_factory.mktemp(f"served-gptq-{model}")
+        runs.append({"engine": dict(engine(checkpoint, True), quantization="bitkern"), "prompts": GPTQ_PROMPTS,
+                     "max_tokens": MAX_TOKENS, "weights": str(folder), "no_tuning_after_start": True})
+        keys.append(("gptq", model, folder))
+    folder = tmp_path_factory.mktemp("served-gpt-oss")
+    runs.append({"engine": dict(engine(gpt_oss[0], True), quantization="bitkern"), "prompts": GPTQ_PROMPTS,
                  "max_tokens": MAX_TOKENS, "weights": str(folder), "no_tuning_after_start": True})
-    keys.append(("gptq", "eager", folder))
+    keys.append(("mxfp4", "gpt-oss", folder))
     result, output = run_vllm({"runs": runs})
     return {(source, mode): (run["tokens"], torch.load(folder / "rank0.pt"))
             for (source, mode, folder), run in zip(keys, result["runs"])}, output
@@ -180,22 +209,46 @@ def test_routers_stay_float_and_say_so(served):
         assert f"bitkern: model.layers.{layer}.mlp.gate stays float: a mixture-of-experts router" in output
 
 
-def test_gptq_experts_served_on_bitkern_dequantize_as_gptqmodel_and_match_load_pretrained(served, gptq_moe):
+@pytest.mark.parametrize("model", list(GPTQ_MODELS))
+def test_gptq_experts_served_on_bitkern_dequantize_as_gptqmodel_and_match_load_pretrained(served, gptq_moe, model):
     """Every expert of GPTQModel's checkpoint, loaded through vLLM's per-expert loader into bitkern.Experts,
     dequantizes bit for bit to GPTQModel's own weights; the greedy tokens are bitkern.load_pretrained's."""
-    served_tokens, served_weights = served[0][("gptq", "eager")]
+    fixture, block = GPTQ_MODELS[model]
+    served_tokens, served_weights = served[0][("gptq", model)]
     reference = {key.removesuffix(".weight"): value for key, value in
-                 load_file(os.path.join(GPTQ_FIXTURE, "reference.safetensors")).items()}
+                 load_file(os.path.join(GPTQ_FIXTURES, fixture, "reference.safetensors")).items()}
+    modules = ("self_attn.qkv_proj", "self_attn.o_proj", f"{block}.experts.gate_up", f"{block}.experts.down")
     assert served_names(served_weights) == {f"model.layers.{layer}.{module}" for layer in range(LAYERS)
-                                            for module in SERVED}
+                                            for module in modules}
     for layer in range(LAYERS):
-        name = f"model.layers.{layer}.mlp.experts"
+        name = f"model.layers.{layer}.{block}.experts"
         gate_up, down = (served_weights[f"{name}.routed_experts.bitkern_experts.{projection}"].half()
                          for projection in ("gate_up", "down"))
         intermediate = down.shape[2]
         for expert in range(GPTQ_EXPERTS):
             for weight, key in ((gate_up[expert, :intermediate], "gate_proj"),
                                 (gate_up[expert, intermediate:], "up_proj"), (down[expert], "down_proj")):
-                expected = reference[f"{name}.{expert}.{key}"]
+                expected = reference[f"model.layers.{layer}.mlp.experts.{expert}.{key}"]
                 assert torch.equal(weight.view(torch.int16), expected.view(torch.int16)), (name, expert, key)
-    assert served_tokens == gptq_moe[1]
+    assert served_tokens == gptq_moe[model][1]
+
+
+def test_gpt_oss_mxfp4_experts_served_on_bitkern_dequantize_as_transformers_and_match_load_pretrained(served, gpt_oss):
+    """Every expert of the gpt-oss checkpoint, loaded through vLLM's gpt-oss loader into bitkern.Experts, dequantizes
+    bit for bit as transformers' Mxfp4 integration reads the blocks; only the experts are bitkern's (gpt-oss keeps its
+    attention float); the greedy tokens are bitkern.load_pretrained's."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    _, tensors, tokens = gpt_oss
+    served_tokens, served_weights = served[0][("mxfp4", "gpt-oss")]
+    assert served_names(served_weights) == {f"model.layers.{layer}.mlp.experts.{projection}"
+                                            for layer in range(LAYERS) for projection in ("gate_up", "down")}
+    for layer in range(LAYERS):
+        name = f"model.layers.{layer}.mlp.experts"
+        for projection in ("gate_up", "down"):
+            expected = convert_moe_packed_tensors(tensors[f"{name}.{projection}_proj_blocks"],
+                                                  tensors[f"{name}.{projection}_proj_scales"], dtype=torch.float32)
+            weight = served_weights[f"{name}.routed_experts.bitkern_experts.{projection}"]
+            assert torch.equal(weight.view(torch.int32), expected.transpose(1, 2).contiguous().view(torch.int32)), \
+                (name, projection)
+    assert served_tokens == tokens
