@@ -33,7 +33,8 @@ class Work:
     footprint a CPU task keeps in L1 and the part of L1 it may take before it slows the streams through the
     rest; streams / prefetch: weight streams a task reads at once and the words ahead it prefetches (None:
     the template has no prefetch knob); stream_penalty: the DRAM time added per doubling of the streams, where the
-    template measured it (more streams are faster in the FMA templates); per_block: what one CUDA thread block holds (occupancy).
+    template measured it (more streams are faster in the FMA templates); per_block: what one CUDA thread block holds
+    (occupancy).
     """
 
     tasks: int

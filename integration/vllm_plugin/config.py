@@ -84,8 +84,8 @@ class BitkernVllmConfig(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
         """Called by vLLM for a checkpoint that is already quantized: with quantization='bitkern', serve a GPTQ,
-        AWQ, bitsandbytes or gpt-oss MXFP4 checkpoint on bitkern's kernels (its settings are checked here, at engine start);
-        refuse other methods, and quantize-on-load settings, with a message that says why.  A bitkern
+        AWQ, bitsandbytes or gpt-oss MXFP4 checkpoint on bitkern's kernels (its settings are checked here, at engine
+        start); refuse other methods, and quantize-on-load settings, with a message that says why.  A bitkern
         checkpoint needs no override (vLLM reads its quant_method)."""
         method = hf_quant_cfg.get("quant_method")
         if user_quant != METHOD:

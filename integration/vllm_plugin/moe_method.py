@@ -342,8 +342,8 @@ class Mxfp4MoEMethod(BitkernMoEMethod):
     def _load(self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id=None,
               expert_id=None, return_success: bool = False) -> bool:
         """vLLM's weight loader: one whole tensor of the checkpoint (every expert), copied as stored."""
-        if expert_id is not None or tuple(loaded_weight.shape) != tuple(param.shape) or not (
-                loaded_weight.dtype == param.dtype or loaded_weight.is_floating_point() and param.is_floating_point()):
+        if expert_id is not None or tuple(loaded_weight.shape) != tuple(param.shape) or not _loadable(
+                loaded_weight.dtype, param.dtype, weight_name.rpartition(".")[2]):
             raise ValueError(f"{weight_name}: the checkpoint holds {loaded_weight.dtype} {list(loaded_weight.shape)}"
                              f"{'' if expert_id is None else f' of expert {expert_id}'}, the layer expects "
                              f"{param.dtype} {list(param.shape)} for all experts")

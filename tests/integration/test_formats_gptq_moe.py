@@ -258,7 +258,8 @@ def test_the_old_layout_is_what_transformers_writes_for_mixtral(tmp_path):
                   for key in ("gate_proj", "up_proj", "down_proj")}
         assert torch.equal(torch.cat([layers["gate_proj"], layers["up_proj"]]), experts.gate_up_proj[e])
         assert torch.equal(layers["down_proj"], experts.down_proj[e])
-    assert torch.equal(stored[old_mixtral_name("model.layers.0.mlp.gate.weight")], model.model.layers[0].mlp.gate.weight)
+    assert torch.equal(stored[old_mixtral_name("model.layers.0.mlp.gate.weight")],
+                       model.model.layers[0].mlp.gate.weight)
 
 
 @pytest.fixture(scope="module")

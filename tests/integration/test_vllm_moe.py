@@ -47,7 +47,8 @@ SERVED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.gate_up", "mlp.
 SKIP_EXPERTS = dict(INT4, modules_to_not_convert=["layers.0.mlp.experts"])
 GPTQ_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "formats_moe")
 # served GPTQ model -> (its fixture, the name of its MoE block in the served checkpoint)
-GPTQ_MODELS = {"qwen3-moe": ("gptq_qwen3_moe_4bit_sym", "mlp"), "mixtral": ("gptq_mixtral_4bit_asym", "block_sparse_moe")}
+GPTQ_MODELS = {"qwen3-moe": ("gptq_qwen3_moe_4bit_sym", "mlp"),
+               "mixtral": ("gptq_mixtral_4bit_asym", "block_sparse_moe")}
 GPTQ_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 GPTQ_PROMPTS = [[3, 17, 100, 33, 95, 4, 120, 61], [64, 12, 99], [77]]  # (the fixture's vocabulary: 128)
 GPTQ_EXPERTS = 4
