@@ -32,8 +32,10 @@ MERGED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # each rank takes a slice of the input
 NEAR_TIE = 0.03  # logits; bfloat16 rounds logits of this model (|logit| < 1) to 0.002-0.004
-# the engine that runs in vLLM's default processes, as a user's does (the others run in one process, conftest.py)
-USER_ENGINE = ("float32", json.dumps(INT4, sort_keys=True), True)
+# the engines that quantize the tiny Llama on load, (dtype, settings, eager): the one that runs in vLLM's default
+# processes, as a user's does, and those that run in the tests' one process (conftest.py), in `one_process`
+USER_ENGINE = ("float32", INT4, True)
+ON_LOAD = (("float32", INT4, False), ("float32", NF4, True), ("bfloat16", INT4, True))
 
 
 def greedy(model):
@@ -85,25 +87,64 @@ def engine(model, dtype, settings, eager=True, **extra):
                 **extra)
 
 
+def on_load_run(tiny_llama, dtype, settings, eager, folder):
+    """The request of an engine that quantizes the tiny Llama on load, generates PROMPTS, saves its served weights to
+    `folder` and tunes nothing once it has started."""
+    return {"engine": engine(tiny_llama, dtype, settings, eager), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "weights": str(folder), "no_tuning_after_start": True}
+
+
+def on_load_key(dtype, settings, eager):
+    """An on-load engine's key: its settings as JSON (a dict is no key)."""
+    return dtype, json.dumps(settings, sort_keys=True), eager
+
+
 @pytest.fixture(scope="module")
-def quantized_on_load(run_vllm, tiny_llama, tmp_path_factory):
-    """quantized_on_load(dtype, settings, eager) -> (result, output, folder of the served weights) of an engine that
-    quantizes the tiny Llama on load and generates PROMPTS, tuning nothing once it has started.  Each engine starts
-    once per module: the tests that check the same engine (its weights, its tokens, its start-up log) share it."""
-    runs = {}
+def user_engine(run_vllm, tiny_llama, tmp_path_factory):
+    """(result, output, folder of the served weights) of USER_ENGINE, started alone in vLLM's default processes:
+    the output is its own log."""
+    folder = tmp_path_factory.mktemp("served-weights")
+    result, output = run_vllm(on_load_run(tiny_llama, *USER_ENGINE, folder), USER_TOPOLOGY)
+    return result, output, folder
 
-    def serve(dtype, settings, eager=True):
-        key = (dtype, json.dumps(settings, sort_keys=True), eager)
-        if key not in runs:
-            folder = tmp_path_factory.mktemp("served-weights")
-            as_users = USER_TOPOLOGY if key == USER_ENGINE else None
-            result, output = run_vllm({"engine": engine(tiny_llama, dtype, settings, eager), "prompts": PROMPTS,
-                                       "max_tokens": MAX_TOKENS, "weights": str(folder),
-                                       "no_tuning_after_start": True}, as_users)
-            runs[key] = result, output, folder
-        return runs[key]
 
-    return serve
+@pytest.fixture(scope="module")
+def one_process(run_vllm, tiny_llama, bitkern_checkpoint, tmp_path_factory):
+    """The engines of this module that run in the tests' one process (all but USER_ENGINE and the tensor-parallel
+    ones), started in turn in a single vLLM process, which pays for the interpreter and vLLM's import once instead
+    of once each: {"on load": {on_load_key of ON_LOAD: (result, folder of the served weights)}, "checkpoint":
+    {eager: (result, folder)} of the bitkern checkpoint, "bad input": [(message, outcome)] of bad_input's engines,
+    "group size": the outcome of group_size_96's engine}.  The engines that must fail to start come last, after
+    those that generate."""
+    path, _ = bitkern_checkpoint
+    generations = []  # (group, key, request, folder of the served weights)
+    for dtype, settings, eager in ON_LOAD:
+        folder = tmp_path_factory.mktemp("served-weights")
+        generations.append(("on load", on_load_key(dtype, settings, eager),
+                            on_load_run(tiny_llama, dtype, settings, eager, folder), folder))
+    for eager in (True, False):
+        folder = tmp_path_factory.mktemp("served-checkpoint")
+        generations.append(("checkpoint", eager, {"engine": checkpoint_engine(path, eager), "prompts": PROMPTS,
+                                                  "max_tokens": MAX_TOKENS, "weights": str(folder)}, folder))
+    bad = bad_input(tiny_llama, tmp_path_factory.mktemp("bad-input"))
+    result, _ = run_vllm({"runs": [request for _, _, request, _ in generations]
+                          + [{"cases": [case for case, _ in bad]}, {"cases": [group_size_96(tiny_llama)]}]})
+    *generated, bad_outcomes, group_size_outcomes = result["runs"]
+    served = {"on load": {}, "checkpoint": {}}
+    for (group, key, _, folder), run in zip(generations, generated):
+        served[group][key] = run, folder
+    served["bad input"] = [(message, outcome) for (_, message), outcome in zip(bad, bad_outcomes["outcomes"])]
+    served["group size"] = group_size_outcomes["outcomes"][0]
+    return served
+
+
+@pytest.fixture(scope="module")
+def quantized_on_load(user_engine, one_process):
+    """quantized_on_load(dtype, settings, eager) -> (result, folder of the served weights) of the engine of
+    USER_ENGINE or ON_LOAD that quantizes the tiny Llama on load with these settings."""
+    result, _, folder = user_engine
+    served = {**one_process["on load"], on_load_key(*USER_ENGINE): (result, folder)}
+    return lambda dtype, settings, eager=True: served[on_load_key(dtype, settings, eager)]
 
 
 def checkpoint_engine(path, eager, **extra):
@@ -148,29 +189,28 @@ def test_settings_change_the_reference(reference):
                          ids=["int4-g64-eager", "int4-g64-compiled", "nf4-eager"])  # compiling is type-blind: once
 def test_quantize_on_load_matches_transformers(quantized_on_load, reference, settings, eager):
     tokens, _, weights = reference("float32", settings)
-    result, _, served = quantized_on_load("float32", settings, eager)
+    result, served = quantized_on_load("float32", settings, eager)
     check_weights(served, weights, ranks=1)
     assert result["tokens"] == tokens
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
-def test_bitkern_checkpoint_loads_prequantized(run_vllm, bitkern_checkpoint, tmp_path, eager):
+def test_bitkern_checkpoint_loads_prequantized(one_process, bitkern_checkpoint, eager):
     """A checkpoint saved by transformers from a BitkernConfig model: vLLM reads its quant_method "bitkern" and
     loads every layer's packed codes and scales as stored (no quantization= needed); each served layer is the
     saved layer bit for bit and the tokens are the transformers model's."""
-    path, (tokens, _, weights) = bitkern_checkpoint
-    result, _ = run_vllm({"engine": checkpoint_engine(path, eager), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                          "weights": str(tmp_path)})
-    check_weights(tmp_path, weights, ranks=1)
+    _, (tokens, _, weights) = bitkern_checkpoint
+    result, served = one_process["checkpoint"][eager]
+    check_weights(served, weights, ranks=1)
     assert result["tokens"] == tokens
 
 
-def test_kernels_are_ready_when_the_engine_starts(quantized_on_load, reference):
+def test_kernels_are_ready_when_the_engine_starts(user_engine, reference):
     """Each layer's kernels are prepared while the engine starts, for every token count it runs (1 to
-    max_num_batched_tokens = 128: four M buckets); the generation then tunes nothing (quantized_on_load's engines
-    fail on any tuning after their start)."""
+    max_num_batched_tokens = 128: four M buckets); the generation then tunes nothing (the engines quantizing on
+    load fail on any tuning after their start)."""
     tokens, _, _ = reference("float32", INT4)
-    result, output, _ = quantized_on_load("float32", INT4)
+    result, output, _ = user_engine
     assert result["tokens"] == tokens
     for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert re.search(rf"bitkern: model\.layers\.0\.\w+\.{layer}: bitkern\.prepare: 4 kernels for 1\.\.128 "
@@ -201,22 +241,23 @@ def test_tensor_parallel_2(run_vllm, tiny_llama, reference, tmp_path):
 
 def test_bfloat16(quantized_on_load, reference):
     tokens, margins, weights = reference("bfloat16", INT4)
-    result, _, served = quantized_on_load("bfloat16", INT4)
+    result, served = quantized_on_load("bfloat16", INT4)
     check_weights(served, weights, ranks=1)
     assert_greedy_agrees(result["tokens"], tokens, margins, NEAR_TIE)
 
 
-def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
-    """Bad settings and checkpoints of other methods are refused while the engine starts, naming the problem."""
-    gptq, bitkern_checkpoint, unknown = tmp_path / "gptq", tmp_path / "bitkern", tmp_path / "unknown"
-    for folder, quantization_config in ((gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                                                "desc_act": False, "sym": True}),
-                                        (bitkern_checkpoint, {"quant_method": "bitkern", "dtype": "int4"}),
-                                        (unknown, {"quant_method": "bitkern", "dtype": "int4", "bits": 4})):
-        shutil.copytree(tiny_llama, folder)
-        config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization_config)))
-    cases = [
+def bad_input(tiny_llama, folder):
+    """[(engine, the message its start must fail with)] of bad settings and of checkpoints of other methods (written
+    under `folder`)."""
+    gptq, bitkern_checkpoint, unknown = folder / "gptq", folder / "bitkern", folder / "unknown"
+    for checkpoint, quantization_config in ((gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                                    "desc_act": False, "sym": True}),
+                                            (bitkern_checkpoint, {"quant_method": "bitkern", "dtype": "int4"}),
+                                            (unknown, {"quant_method": "bitkern", "dtype": "int4", "bits": 4})):
+        shutil.copytree(tiny_llama, checkpoint)
+        config = json.loads((checkpoint / "config.json").read_text())
+        (checkpoint / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization_config)))
+    return [
         (engine(tiny_llama, "float32", {"dtype": "int4", "bits": 4}), "unknown bitkern settings ['bits']"),
         (engine(tiny_llama, "float32", {"dtype": "int5"}), "dtype='int5' is not supported for weights"),
         (engine(tiny_llama, "float32", {"dtype": "nvfp4"}), "keeps one scale per tensor"),
@@ -231,15 +272,22 @@ def test_bad_input_fails_at_engine_start(run_vllm, tiny_llama, tmp_path):
         (dict(engine(unknown, "float32", INT4), hf_overrides={}),
          "the bitkern quantization_config has unknown keys ['bits']"),
     ]
-    result, _ = run_vllm({"cases": [case for case, _ in cases]})
-    for (_, message), outcome in zip(cases, result["outcomes"]):
+
+
+def group_size_96(tiny_llama):
+    """An engine quantizing the tiny Llama in groups of 96, which divide none of its layers' input sizes (256, 512)."""
+    return engine(tiny_llama, "float32", {"dtype": "int4", "group_size": 96})
+
+
+def test_bad_input_fails_at_engine_start(one_process):
+    """Bad settings and checkpoints of other methods are refused while the engine starts, naming the problem."""
+    for message, outcome in one_process["bad input"]:
         assert outcome["error"] is not None and message in outcome["message"], (message, outcome)
 
 
-def test_group_size_not_dividing_a_layer_fails_at_engine_start(run_vllm, tiny_llama):
+def test_group_size_not_dividing_a_layer_fails_at_engine_start(one_process):
     """The group size is checked per layer partition when the engine builds the model: engine start fails with
     the worker's error, which names the layer."""
-    result, _ = run_vllm({"cases": [engine(tiny_llama, "float32", {"dtype": "int4", "group_size": 96})]})
-    outcome = result["outcomes"][0]
+    outcome = one_process["group size"]
     assert outcome["error"] is not None
     assert "model.layers.0.self_attn.qkv_proj: input size 256: group_size=96 does not divide" in outcome["message"]

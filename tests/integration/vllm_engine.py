@@ -10,8 +10,8 @@ weight, and each projection of every bitkern.Experts, is saved there, one file p
 tuning a bitkern kernel fails the generation: the engine must have prepared every kernel) and "profile" (a folder:
 the generation runs under vLLM's torch profiler, whose traces go there, and the result's "bitkern_calls" counts the
 calls of each bitkern op in them).  With "cases" (a list of "engine" keyword sets) instead, it starts each and
-records the error it raises, or "started"; with "runs" (a list of such generation requests, without "result"), it
-runs each engine in turn in this one process and writes {"runs": [result of each]}.
+records the error it raises, or "started"; with "runs" (a list of such generation or "cases" requests, without
+"result"), it runs each in turn in this one process and writes {"runs": [result of each]}.
 """
 
 import collections
@@ -112,13 +112,15 @@ def start_each(request):
     return {"outcomes": outcomes}
 
 
+def run(request):
+    """One request's result: the outcomes of its "cases", else its generation's."""
+    return start_each(request) if "cases" in request else generate(request)
+
+
 def main():
     with open(sys.argv[1]) as file:
         request = json.load(file)
-    if "runs" in request:
-        result = {"runs": [generate(run) for run in request["runs"]]}
-    else:
-        result = start_each(request) if "cases" in request else generate(request)
+    result = {"runs": [run(each) for each in request["runs"]]} if "runs" in request else run(request)
     with open(request["result"], "w") as file:
         json.dump(result, file)
 
