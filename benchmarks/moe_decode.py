@@ -1,8 +1,10 @@
-"""One mixture-of-experts layer's decode step on CPU: the grouped kernel (one call per projection, each selected
-expert's weights read once) against the per-expert path (one dense kernel call per selected expert and projection),
-both through `bitkern.Experts`, called alternately round by round (each round a fresh top-k routing of one token,
-the same for both), medians and the ratio, each as a fraction of the DRAM limit (the selected experts' bytes at the
-read bandwidth probed every tenth round, best of the run), with the load average during the run.
+"""One mixture-of-experts layer's decode step on CPU: the grouped kernels (one call per projection, each selected
+expert's weights read once), with float activations (the grouped FMA template) and with int8 ones
+(activation_quant="int8": the grouped VNNI template), against the per-expert path (one dense kernel call per
+selected expert and projection), all through `bitkern.Experts`, called in turn round by round, the order rotating
+(each round a fresh top-k routing of one token, the same for all), medians and the ratios, each as a fraction of the
+DRAM limit (the selected experts' bytes at the read bandwidth probed every tenth round, best of the run), with the
+load average during the run.
 
 The layer: hidden 2048, 64 experts of size 768, top-8, int4 with groups of 128 (Qwen3-MoE's shape family: 150 MB of
 experts, far beyond the last-level cache, so each step reads its 8 experts' 19.5 MB from DRAM).
@@ -34,6 +36,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     layer = bitkern.Experts(EXPERTS, HIDDEN, SIZE, dtype="int4", group_size=128)
+    int8_layer = bitkern.Experts(EXPERTS, HIDDEN, SIZE, dtype="int4", group_size=128, activation_quant="int8")
     x = torch.randn(1, HIDDEN)
     routings = [torch.rand(1, EXPERTS).topk(TOP_K, dim=-1) for _ in range(args.rounds)]
 
@@ -45,7 +48,9 @@ def main() -> None:
             experts_module.GROUPED_PAIRS = grouped_pairs
 
     grouped_pairs = experts_module.GROUPED_PAIRS
-    calls = {"grouped": lambda index, weights: layer(x, index, weights), "per-expert": per_expert}
+    calls = {"grouped": lambda index, weights: layer(x, index, weights),
+             "grouped, int8 activations": lambda index, weights: int8_layer(x, index, weights),
+             "per-expert": per_expert}
     with torch.inference_mode():
         for call in calls.values():  # tune and build both paths' kernels, then warm up
             for weights, index in routings[:5]:
@@ -58,8 +63,8 @@ def main() -> None:
             weights = torch.softmax(weights, -1)
             if round_index % 10 == 0:
                 read_gbs = max(read_gbs, best_read_gbs(probes, probe_bytes, reads=2))
-            order = list(calls.items()) if round_index % 2 == 0 else list(calls.items())[::-1]
-            for label, call in order:
+            order = list(calls.items())
+            for label, call in order[round_index % len(order):] + order[:round_index % len(order)]:
                 start = time.perf_counter()
                 call(index, weights)
                 samples[label].append(time.perf_counter() - start)
@@ -74,7 +79,8 @@ def main() -> None:
     for label, values in samples.items():
         print(f"| {label} | {median[label]:.0f} | {sorted(values)[len(values) // 10] * 1e6:.0f} | "
               f"{dram_us / median[label]:.2f} |")
-    print(f"grouped / per-expert (medians): {median['grouped'] / median['per-expert']:.3f}")
+    print(f"grouped / per-expert (medians): {median['grouped'] / median['per-expert']:.3f}; grouped with int8 "
+          f"activations / grouped: {median['grouped, int8 activations'] / median['grouped']:.3f}")
 
 
 if __name__ == "__main__":

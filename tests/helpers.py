@@ -79,6 +79,16 @@ def summed_magnitudes(spec, qweight):
     return summed
 
 
+def vnni_magnitudes(qweight):
+    """|w| plus what the VNNI kernels fold out of their exact int32 block sums (offsets up to 128·s, zero points), per
+    weight element: float32 sums of those within 1e-5 of Σ_k |x̃|·this (x̃: the int8-quantized activations)."""
+    scale = qweight.scale_values().double().repeat_interleave(qweight.group_size, 1)
+    summed = qweight.dequantize(torch.float64).abs() + 136 * scale
+    if qweight.zeros is not None:
+        summed = summed + 2 * qweight.zeros.double().abs().repeat_interleave(qweight.group_size, 1) * scale
+    return summed
+
+
 def assert_within_bound(spec, qweight, y, reference, magnitude):
     """|y - reference| <= c·magnitude + eps_out·|reference|: the kernels sum in float32; integer weights with
     bf16 activations may be decoded as 128 + u with the 128·s offset folded out of the sums afterwards, and zero

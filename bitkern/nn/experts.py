@@ -249,15 +249,16 @@ class ExpertWeights(QuantizedModule):
 
     def routes(self, x: torch.Tensor) -> bool:
         """Whether the grouped kernel serves this projection for rows like x (a CPU tensor with the weight in tile16 or
-        a CUDA one with it in lop3, in float, no activation quantization, a type without a tensor scale, out_features
-        a multiple of 16, and a template for them on x's device).  A meta projection (no weights yet: what `prebuild
+        a CUDA one with it in lop3, a type without a tensor scale, out_features a multiple of 16, and a template for
+        them, and for the activation quantization, on x's device).  A meta projection (no weights yet: what `prebuild
         --model` lists) is judged in the layout its weights take on x's device."""
         laid_out = self.qweight.is_meta or self.layout == GROUPED_LAYOUTS.get(x.device.type)
-        if x.device.type not in GROUPED_LAYOUTS or not laid_out or self._activation_quant != "none" or \
-                ttype.get(self.weight_dtype).tensor_scale or self.out_features % STACK_ROWS:
+        if x.device.type not in GROUPED_LAYOUTS or not laid_out or ttype.get(self.weight_dtype).tensor_scale or \
+                self.out_features % STACK_ROWS:
             return False
         return _grouped_kernel_serves(self._stacked_format(), self._compute_dtype or x.dtype, x.dtype,
-                                      self._parameters["bias"] is not None, self.num_experts, x.device.type)
+                                      self._parameters["bias"] is not None, self.num_experts, x.device.type,
+                                      self._activation_quant)
 
     def routed(self, x: torch.Tensor, indices: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """y [M, top_k, out_features] of x [M, in_features] with each row's top_k experts (indices [M, top_k]) by one
@@ -268,10 +269,10 @@ class ExpertWeights(QuantizedModule):
         weight = self.stacked_weight()
         if library.eager(x, bias):
             return library.run_grouped_linear(x, weight, self._stacked_format(), indices, bias, output_dtype,
-                                              self.num_experts, checked)
+                                              self.num_experts, self._activation_quant, checked)
         tensors, weight_format = library.op_arguments(weight)
         return torch.ops.bitkern.grouped_linear(x, tensors, weight_format, indices, bias, output_dtype,
-                                                self.num_experts)
+                                                self.num_experts, self._activation_quant)
 
     def stacked_weight(self):
         """The experts' weights as one [E·N, K] `bitkern.PackedWeight` (views of the buffers, [E, tiles, ...] seen as
@@ -302,10 +303,10 @@ def stacked_format(format_text: str, experts: int) -> str:
 @functools.lru_cache(maxsize=None)
 @torch.compiler.assume_constant_result  # a compiled graph asks once, while tracing (it reads the CPU's features)
 def _grouped_kernel_serves(stacked_format_text: str, compute: torch.dtype, output: torch.dtype, bias: bool,
-                           experts: int, device_type: str) -> bool:
+                           experts: int, device_type: str, activation_quant: str) -> bool:
     """Whether this machine's `device_type` ("cpu", "cuda") has a grouped kernel template for experts stacked as
-    `stacked_format_text`."""
-    spec = library.grouped_spec_of(stacked_format_text, compute, output, bias, experts, 1)
+    `stacked_format_text` (and x quantized by `activation_quant`)."""
+    spec = library.grouped_spec_of(stacked_format_text, compute, output, bias, experts, 1, activation_quant)
     rows, k = WeightFormat.decode(stacked_format_text).shape
     return serves_grouped(spec, rows // experts, k, device_type)
 
@@ -448,7 +449,7 @@ class Experts(nn.Module):
             for projection, routed in [(first, top_k), *((other, 1) for other in rest)]:
                 spec = library.grouped_spec_of(library.op_arguments(projection.stacked_weight())[1],
                                                projection.compute_dtype or dtype, dtype, projection.bias is not None,
-                                               projection.num_experts, routed)
+                                               projection.num_experts, routed, projection.activation_quant)
                 calls.append(projection.kernel_call(spec, decode, rows_per_token=top_k // routed))
         return calls
 

@@ -162,34 +162,38 @@ def _linear_epilogue_fake(x, weight, weight_format, bias, output_dtype, epilogue
 
 @functools.lru_cache(maxsize=None)
 def grouped_spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool, experts: int,
-                    top_k: int) -> GroupedMatmul:
+                    top_k: int, activation_quant: str = "none") -> GroupedMatmul:
     """The GroupedMatmul spec of a grouped_linear call (weight_format: the experts' stacked [E·N, K] weight's)."""
     described = WeightFormat.decode(weight_format)
     return GroupedMatmul(described.dtype, activation, experts=experts, top_k=top_k,
-                         **_spec_fields(described, output, bias))
+                         activation_quant=activation_quant, **_spec_fields(described, output, bias))
 
 
 def run_grouped_linear(x: Tensor, weight: PackedWeight, weight_format: str, indices: Tensor, bias: Optional[Tensor],
-                       output_dtype: torch.dtype, experts: int, checked: bool = False) -> Tensor:
+                       output_dtype: torch.dtype, experts: int, activation_quant: str = "none",
+                       checked: bool = False) -> Tensor:
     """The grouped_linear op's computation on the stacked weight object (what `bitkern.Experts` runs in eager
     inference, as `run_linear` for Linear; `checked`: its caller has checked x, the routing and the bias, as
     `bitkern.Experts` does once per call for both projections)."""
-    spec = grouped_spec_of(weight_format, x.dtype, output_dtype, bias is not None, experts, indices.shape[-1])
+    spec = grouped_spec_of(weight_format, x.dtype, output_dtype, bias is not None, experts, indices.shape[-1],
+                           activation_quant)
     return run_grouped(spec, x, weight, indices, bias, checked)
 
 
 @op("grouped_linear")
 def grouped_linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, indices: Tensor,
-                   bias: Optional[Tensor], output_dtype: torch.dtype, experts: int) -> Tensor:
+                   bias: Optional[Tensor], output_dtype: torch.dtype, experts: int,
+                   activation_quant: str = "none") -> Tensor:
     """y[m, j] = x[m] · dequant(W[indices[m, j]])ᵀ (+ bias[indices[m, j]]): y [M, top_k, N] of x [M, K], the
     `experts` stacked [N, K] weights as one [E·N, K] weight, indices [M, top_k] (int32/int64 expert ids), bias
-    [E, N] or None, computed in x's dtype, returned in `output_dtype` (`bitkern.ops.GroupedMatmul`).  Inference
-    only: no autograd formula."""
-    return run_grouped_linear(x, _weight(weight, weight_format), weight_format, indices, bias, output_dtype, experts)
+    [E, N] or None, computed in x's dtype (quantized by `activation_quant`, as in `linear`), returned in
+    `output_dtype` (`bitkern.ops.GroupedMatmul`).  Inference only: no autograd formula."""
+    return run_grouped_linear(x, _weight(weight, weight_format), weight_format, indices, bias, output_dtype, experts,
+                              activation_quant)
 
 
 @grouped_linear.register_fake
-def _grouped_linear_fake(x, weight, weight_format, indices, bias, output_dtype, experts):
+def _grouped_linear_fake(x, weight, weight_format, indices, bias, output_dtype, experts, activation_quant="none"):
     out_features = WeightFormat.decode(weight_format).shape[0] // experts
     return x.new_empty((x.shape[0], indices.shape[-1], out_features), dtype=output_dtype)
 

@@ -18,7 +18,7 @@ import torch
 
 from ..ttype import StoredWeight, torch_dtype
 from . import execution
-from .matmul import BIAS_DTYPES, Matmul
+from .matmul import BIAS_DTYPES, Matmul, quantize_activations
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 STACK_ROWS = 16  # each expert's N is a multiple of this: the stack's tile16 tiles then never straddle two experts
@@ -27,8 +27,9 @@ STACK_ROWS = 16  # each expert's N is a multiple of this: the stack's tile16 til
 @dataclass(frozen=True, kw_only=True)
 class GroupedMatmul(Matmul):
     """Spec of the routed matmul: a Matmul spec (weight type, activation, output, group size, zero mode, scale
-    dtype, bias: a per-expert bias [E, N]) over `experts` stacked [N, K] weights, each row of x going to `top_k` of
-    them.  No epilogue, residual, norm or activation quantization (the per-expert Matmul calls serve those)."""
+    dtype, bias: a per-expert bias [E, N], activation_quant: x quantized per row as `Matmul` does) over `experts`
+    stacked [N, K] weights, each row of x going to `top_k` of them.  No epilogue, residual or norm (the per-expert
+    Matmul calls serve those)."""
 
     experts: int = field(default=0)
     top_k: int = field(default=1)
@@ -38,10 +39,9 @@ class GroupedMatmul(Matmul):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         super().__post_init__()
-        if self.epilogue != "none" or self.residual or self.norm != "none" or self.activation_quant != "none":
-            raise ValueError(f"epilogue={self.epilogue!r}, residual={self.residual}, norm={self.norm!r}, "
-                             f"activation_quant={self.activation_quant!r}: a grouped matmul has none of them; "
-                             f"accepted: epilogue='none', residual=False, norm='none', activation_quant='none'")
+        if self.epilogue != "none" or self.residual or self.norm != "none":
+            raise ValueError(f"epilogue={self.epilogue!r}, residual={self.residual}, norm={self.norm!r}: a grouped "
+                             f"matmul has none of them; accepted: epilogue='none', residual=False, norm='none'")
         object.__setattr__(self, "_hash", hash((self._hash, self.experts, self.top_k)))
         object.__setattr__(self, "_unbiased", replace(self.matmul, bias=False))  # checks x against the weight
 
@@ -113,13 +113,14 @@ class GroupedMatmul(Matmul):
         return self.exact(x, weight, indices, bias).to(torch_dtype(self.output_dtype))
 
     def exact(self, x: torch.Tensor, weight, indices: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """y [M, top_k, N] in float64 before output rounding: each (row, expert) pair's float64 sums with the
-        dequantized expert weight (and its bias)."""
+        """y [M, top_k, N] in float64 before output rounding: each (row, expert) pair's float64 sums of x (as
+        activation_quant quantizes it) with the dequantized expert weight (and its bias)."""
         self.check_routed(x, weight, indices, bias)
         values = self.weight_values(weight)
         values = values.view(self.experts, -1, values.shape[1])
         picked = values[indices.long()]  # [M, top_k, N, K]
-        y = torch.einsum("mk,mjnk->mjn", x.double(), picked)
+        x = quantize_activations(x) if self.activation_quant == "int8" else x.double()
+        y = torch.einsum("mk,mjnk->mjn", x, picked)
         return y + bias.double()[indices.long()] if bias is not None else y
 
 

@@ -111,6 +111,34 @@ def test_int8_activations_quantize_each_experts_rows_in_the_kernel():
     assert _relative_error(experts(x, index, weights), reference(experts, x, index, weights)) < 0.03
 
 
+def test_int8_activations_decode_by_the_grouped_vnni_kernel_eager_and_compiled(monkeypatch):
+    """A few tokens with activation_quant="int8" take the grouped kernels (the grouped VNNI template), one call per
+    projection, eager and in a fullgraph compiled graph alike; the result is the per-expert path's (the dense VNNI
+    kernel, expert by expert) up to the kernels' float32 sums."""
+    from bitkern.nn import experts as experts_module
+
+    torch.manual_seed(9)
+    experts = bitkern.Experts(8, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32, activation_quant="int8")
+    x = torch.randn(3, HIDDEN)
+    assert all(p.routes(x) for p in experts.projections.values())
+    routed_calls = []
+    routed = ExpertWeights.routed
+    monkeypatch.setattr(ExpertWeights, "routed", lambda self, *a, **kw: routed_calls.append(1) or routed(self, *a, **kw))
+    index, weights = _routing(3, 8, 4)
+    with torch.no_grad():
+        fast = experts(x, index, weights)
+        assert len(routed_calls) == 2
+        torch._dynamo.reset()
+        compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")(x, index, weights)
+        torch._dynamo.reset()
+        with monkeypatch.context() as patch:
+            patch.setattr(experts_module, "GROUPED_PAIRS", 0)
+            slow = experts(x, index, weights)
+    assert torch.equal(compiled, fast)
+    assert _relative_error(fast, slow.double()) < 1e-4
+    assert _relative_error(fast, reference(experts, x, index, weights)) < 0.03
+
+
 def test_bfloat16_inputs_give_bfloat16_outputs():
     torch.manual_seed(4)
     experts = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype="int8", group_size=32)

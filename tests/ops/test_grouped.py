@@ -37,6 +37,22 @@ def test_the_reference_is_each_experts_matmul(bias):
     assert spec.reference(x, weight, indices, b).dtype == torch.float32
 
 
+def test_int8_activations_are_each_experts_matmul_with_int8_activations():
+    """activation_quant="int8": each pair is the dense spec's reference of its expert (x quantized once per row)."""
+    spec, weight, x, indices, b = _case(dtype="nf4", bias=True)
+    spec = dataclasses.replace(spec, activation_quant="int8")
+    y = spec.exact(x, weight, indices, b)
+    dense = spec.matmul
+    rows = [bitkern.quantize(weight.dequantize(torch.float32)[e * N:(e + 1) * N], "nf4", group_size=64)
+            for e in range(E)]
+    for m in range(4):
+        for j in range(3):
+            e = int(indices[m, j])
+            expected = dense.exact(x[m:m + 1], rows[e], b[e])[0]
+            assert torch.allclose(y[m, j], expected, rtol=0, atol=1e-9)
+    assert not torch.allclose(y, dataclasses.replace(spec, activation_quant="none").exact(x, weight, indices, b))
+
+
 def test_the_spec_is_a_matmul_with_experts_and_top_k_and_round_trips():
     spec = GroupedMatmul("nf4", "bfloat16", group_size=64, experts=8, top_k=2, bias=True)
     assert isinstance(spec, Matmul) and spec.experts == 8 and Matmul("nf4").experts == 0
@@ -48,7 +64,8 @@ def test_the_spec_is_a_matmul_with_experts_and_top_k_and_round_trips():
 
 @pytest.mark.parametrize("fields, named", [({"experts": 0}, "experts=0"), ({"top_k": True}, "top_k=True"),
                                            ({"epilogue": "silu"}, "epilogue='silu'"),
-                                           ({"activation_quant": "int8"}, "activation_quant='int8'")])
+                                           ({"norm": "rmsnorm"}, "norm='rmsnorm'"),
+                                           ({"activation_quant": "int4"}, "activation_quant='int4'")])
 def test_bad_fields_are_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=named):
         GroupedMatmul("int4", "float32", **{"experts": 4, "top_k": 2, **fields})

@@ -191,7 +191,7 @@ class VnniTemplate(CpuTemplate):
         the task's words within half of L2, every prefetch depth; row chunks of 32 to 128 rows beyond 16; where one
         row block holds the bucket's rows, 2 and 4 tiles also in turn; blocks of 2 and 4 rows also in pairs where the
         level has a byte matrix product (`pair_instruction`)."""
-        small = bucket[1] <= SMALL_M
+        small = self.small_m(bucket)
         budget = REGISTERS if device.vector_bytes >= 64 else REGISTERS_NARROW
         found = []
         for rows in doublings(1, min(4, bucket[1])):
@@ -200,7 +200,7 @@ class VnniTemplate(CpuTemplate):
                 if registers(rows, n_tiles) > budget or rows * (rows + 1) // 2 * n_tiles * PRODUCTS > BODY:
                     break
                 shapes.append((n_tiles, False))
-            if bucket[1] <= rows and registers(rows, 1) <= budget:
+            if self.one_row_block(rows, bucket) and registers(rows, 1) <= budget:
                 shapes += [(n_tiles, True) for n_tiles in (2, 4)]
             chunks = [SMALL_M] if small else [c for c in doublings(32, 128)]
             pairs = (False, True) if rows >= 2 and pair_instruction(device.level) else (False,)
@@ -210,6 +210,14 @@ class VnniTemplate(CpuTemplate):
                 if self.resources(spec, k, config).l2_bytes <= device.l2_bytes // 2:
                     found.append(config)
         return MatrixTemplate.for_epilogue(spec, found)
+
+    def small_m(self, bucket: tuple[int, int]) -> bool:
+        """Whether the bucket's calls run one task per column block for all their rows (VnniConfig.small_m)."""
+        return bucket[1] <= SMALL_M
+
+    def one_row_block(self, rows: int, bucket: tuple[int, int]) -> bool:
+        """Whether one block of `rows` rows holds every call's rows in the bucket (VnniConfig.in_turn needs it)."""
+        return bucket[1] <= rows
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: VnniConfig, device) -> Work:
         """Per call: byte dot products per row, tile and product (`dot_cost` per level; in pairs smmla, eight per row
@@ -249,23 +257,30 @@ class VnniTemplate(CpuTemplate):
         constant `lut` the int8 code book of a looked-up type (`byte_table`)."""
         from .emit.vnni import VnniBuilder
 
+        self.check_program(spec, n, k, config, bucket, device)
+        return VnniBuilder(spec, n, k, config, device.level, bucket[1]).build("main"), self.constants(spec, device)
+
+    def check_program(self, spec: Matmul, n: int, k: int, config: VnniConfig, bucket, device) -> None:
+        """Raise naming the field unless the template builds `config` for the spec, the bucket and the device."""
         self.check_config(config)
         reason = self.unsupported(spec, n, k, device) or self.unsupported_epilogue(spec)
         if reason:
-            raise ValueError(f"the VNNI template does not support {reason}")
-        if config.small_m != (bucket[1] <= SMALL_M):
+            raise ValueError(f"the {self.title} template does not support {reason}")
+        if config.small_m != self.small_m(bucket):
             raise ValueError(f"small_m={config.small_m} does not fit rows {bucket}")
         if config.pairs and not pair_instruction(device.level):
             raise ValueError(f"pairs=True needs a byte matrix product (aarch64's i8mm, smmla); the "
                              f"{device.level.name} level has none")
-        if config.in_turn and bucket[1] > config.rows:
+        if config.in_turn and not self.one_row_block(config.rows, bucket):
             raise ValueError(f"in_turn=True needs one row block for every call: rows={config.rows} is fewer than "
                              f"the bucket's {bucket}")
         if not MatrixTemplate.for_epilogue(spec, [config]):
             raise ValueError(f"n_tiles={config.n_tiles}: epilogue='swiglu' needs an even n_tiles (gate and up tiles "
                              f"in pairs)")
-        constants = [byte_table(spec, device.level)] if looks_up_bytes(spec) else []
-        return VnniBuilder(spec, n, k, config, device.level, bucket[1]).build("main"), constants
+
+    def constants(self, spec: Matmul, device) -> list:
+        """The kernel's constant arguments: the int8 code book of a looked-up type (`byte_table`)."""
+        return [byte_table(spec, device.level)] if looks_up_bytes(spec) else []
 
 
 TEMPLATE = VnniTemplate()

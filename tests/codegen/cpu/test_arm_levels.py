@@ -154,18 +154,18 @@ def test_every_aarch64_level_is_a_tvm_target():
 @pytest.mark.parametrize("level", ARM_LEVELS)
 def test_templates_of_x86_only_are_refused_for_aarch64_levels(level):
     """The FMA templates (dense and grouped) and the lookup template serve aarch64 (their few level-specific
-    instructions have NEON forms), the VNNI template the levels with the dot-product extension (sdot); the others are
-    x86 code, refused naming it."""
+    instructions have NEON forms), the VNNI templates (dense and grouped) the levels with the dot-product extension
+    (sdot); the others are x86 code, refused naming it."""
     device = host_cpu().at_level(level)
     spec = Matmul("int4", "bfloat16", group_size=64)
     usable, unused = usable_templates(spec, N, K, (1, 16), "tile16", device)
     assert [template.name for template in usable] == ["fma", "generic"]
     assert "lookup template serves at most" in unused["lut"]
     for template in TEMPLATES:
-        serves = template.name in ("generic", "fma", "lut", "grouped_fma") or \
-            (template.name == "vnni" and level in DOTPROD_LEVELS)
+        vnni = template.name in ("vnni", "grouped_vnni")
+        serves = template.name in ("generic", "fma", "lut", "grouped_fma") or (vnni and level in DOTPROD_LEVELS)
         assert template.runs_at(isa.level(level)) == serves
-        if not serves and template.name != "vnni":
+        if not serves and not vnni:
             assert unused[template.name] == (f"the {level} level (aarch64; the {template.title} template is x86_64 "
                                              f"code)")
             with pytest.raises(ValueError, match=f"cannot build for the {level} level"):
@@ -353,6 +353,23 @@ def test_a_prebuilt_cache_for_an_aarch64_part_is_kept_but_never_run_here(tmp_pat
     with caplog.at_level("WARNING", logger="bitkern"):
         assert DiskStore(tmp_path / "here").import_(tmp_path / "pi5.tar.gz") == 1
     assert f"the {key} kernels of" in caplog.text and "never run here: they are aarch64 code" in caplog.text
+
+
+@pytest.mark.parametrize("level", DOTPROD_LEVELS)
+@pytest.mark.parametrize("name", ["int4", "nf4"])
+def test_the_grouped_vnni_template_compiles_to_sdot_or_smmla_at_every_aarch64_level_with_dotprod(level, name):
+    """Experts' rows with int8 activations (the grouped VNNI template): one sdot per 4 columns, row and 4 k's in the
+    inner loop (8 per 16-column tile and row, times 4 registers), nf4's code book looked up by tbl; where the level has i8mm, blocks of
+    rows in pairs by smmla too.  No x86 or SVE arithmetic."""
+    spec = GroupedMatmul(name, "bfloat16", group_size=64, experts=4, top_k=2, activation_quant="int8")
+    device = host_cpu().at_level(level)
+    loop = "\n".join(_inner_loop(_assembly(spec, device, "grouped_vnni", (1, 1), VnniConfig(1, prefetch=32)),
+                                 "sdot"))
+    assert len(re.findall(r"\bsdot\s+v\d+\.4s", loop)) == 32 and _neon_only(loop)
+    assert (len(re.findall(r"\btbl\s+v\d+\.16b", loop)) >= 32) == (name == "nf4")
+    if level in I8MM_LEVELS:
+        paired = _assembly(spec, device, "grouped_vnni", (1, 4), VnniConfig(2, rows=2, pairs=True))
+        assert re.search(r"\bsmmla\s+v\d+\.4s", paired) and _neon_only(paired)
 
 
 @pytest.mark.parametrize("level", ARM_LEVELS)

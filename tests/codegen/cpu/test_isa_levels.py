@@ -38,11 +38,13 @@ KERNELS = {"amx": (Matmul("int4", "bfloat16", group_size=64), (1, 16)),
            "fma": (Matmul("int4", "bfloat16", group_size=64), (1, 4)),
            "vnni": (Matmul("int4", "bfloat16", group_size=64, activation_quant="int8"), (1, 16)),
            "generic": (Matmul("int4", "float32", group_size=64), (1, 16)),
-           "grouped_fma": (GroupedMatmul("int4", "bfloat16", group_size=64, experts=1, top_k=1), (1, 16))}
+           "grouped_fma": (GroupedMatmul("int4", "bfloat16", group_size=64, experts=1, top_k=1), (1, 16)),
+           "grouped_vnni": (GroupedMatmul("int4", "bfloat16", group_size=64, experts=1, top_k=1,
+                                          activation_quant="int8"), (1, 16))}
 # the instructions a template's inner loop is made of, per level name or vector width of the level
-INNER_LOOP = {"amx": ["tdpbf16ps", "tileloadd"], "dot": ["vdpbf16ps"],
-              "vnni": {"x86-64-v3": ["vpmaddubsw", "vpaddw", "vpmaddwd"], "avx-vnni": [r"\{vex\} vpdpbusd"],
-                       "avx512": ["vpmaddubsw", "vpaddw", "vpmaddwd"], 64: ["vpdpbusd"]},
+VNNI_LOOP = {"x86-64-v3": ["vpmaddubsw", "vpaddw", "vpmaddwd"], "avx-vnni": [r"\{vex\} vpdpbusd"],
+             "avx512": ["vpmaddubsw", "vpaddw", "vpmaddwd"], 64: ["vpdpbusd"]}
+INNER_LOOP = {"amx": ["tdpbf16ps", "tileloadd"], "dot": ["vdpbf16ps"], "vnni": VNNI_LOOP, "grouped_vnni": VNNI_LOOP,
               "lut": {32: ["vperm(ps|d)", "vblendvps"], 64: ["vperm(ps|d)"]},
               "fma": [r"vfmadd\w*ps", "vcvtdq2ps", "vpsrad"], "grouped_fma": [r"vfmadd\w*ps", "vcvtdq2ps", "vpsrad"],
               "generic": {16: ["mulps"], 32: [r"vfmadd\w*ps"], 64: [r"vfmadd\w*ps"]}}
@@ -94,7 +96,7 @@ def test_every_template_at_every_level(template, level):
     if isinstance(expected, dict):
         expected = expected.get(level, expected.get(device.vector_bytes))
     assert all(re.search(rf"(?<!\w){instruction}(?!\w)", code) for instruction in expected), (expected, level)
-    if template == "vnni" and "vpmaddwd" in expected:  # int4's products widen once per block of 8 (sums_pairs)
+    if template in ("vnni", "grouped_vnni") and "vpmaddwd" in expected:  # int4's products widen once per block of 8 (sums_pairs)
         assert 4 * len(re.findall(r"\bvpmaddwd\b", code)) <= len(re.findall(r"\bvpmaddubsw\b", code))
     if device.vector_bytes < 64:
         assert "zmm" not in code
@@ -103,13 +105,13 @@ def test_every_template_at_every_level(template, level):
     if not device.runs_here():
         return
     _, qweight, x, _ = matmul_case(spec.weight_dtype, N, K, rows[1], spec.activation_dtype, group=64, seed=3)
-    if spec.activation_quant != "none":
-        spec = Matmul.for_weight(qweight, spec.activation_dtype, activation_quant=spec.activation_quant)
     if spec.experts:  # one expert that every row picks: the dense product
-        spec = spec.matmul
         y = kernel(x, pack(qweight), None, indices=torch.zeros(x.shape[0], 1, dtype=torch.long))[:, 0]
+        spec = spec.matmul
     else:
         y = kernel(x, pack(qweight))
+    if spec.activation_quant != "none":
+        spec = Matmul.for_weight(qweight, spec.activation_dtype, activation_quant=spec.activation_quant)
     if spec.activation_quant == "none":
         assert_matches_reference(spec, qweight, x, None, y)
     else:  # int8 activations: the definition's own rounding of x, then the exact product

@@ -19,7 +19,7 @@ from bitkern.ops import Conv2d, ConvGeometry, Matmul
 from bitkern.ops.matmul import activation_blocks, quantize_activations
 from bitkern.ttype import QuantizedWeight
 from bitkern.tuner import host_cpu
-from tests.helpers import OUTPUT_EPS
+from tests.helpers import OUTPUT_EPS, vnni_magnitudes
 
 pytestmark = pytest.mark.requires_avx2
 # the levels this CPU runs whose byte products differ: AVX2 and AVX-512 (vpmaddubsw, vpmaddwd), AVX-VNNI and
@@ -88,13 +88,9 @@ def test_the_kernel_quantizes_x_bit_for_bit_as_the_definition(dtype, m):
 
 
 def _bound(spec, qweight, x, reference, x_tilde) -> torch.Tensor:
-    """The kernel's error bound: float32 sums of exact int32 block sums, with offsets (up to 128·s) and zero
-    points folded out of them (c = 1e-5 of Σ|x̃|·(|w| + 136·s + 2|z|·s)), and the output's rounding."""
-    scale = qweight.scale_values().double().repeat_interleave(qweight.group_size, 1)
-    summed = qweight.dequantize(torch.float64).abs() + 136 * scale
-    if qweight.zeros is not None:
-        summed = summed + 2 * qweight.zeros.double().abs().repeat_interleave(qweight.group_size, 1) * scale
-    return 1e-5 * (x_tilde.abs() @ summed.T) + OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30
+    """The kernel's error bound: 1e-5 of Σ|x̃|·`vnni_magnitudes`, and the output's rounding."""
+    return 1e-5 * (x_tilde.abs() @ vnni_magnitudes(qweight).T) + OUTPUT_EPS[spec.output_dtype] * reference.abs() \
+        + 1e-30
 
 
 def _check(spec, qweight, x, y, bias=None, residual=None, norm=()) -> None:

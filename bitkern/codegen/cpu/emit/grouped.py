@@ -69,54 +69,17 @@ class _Builder(FmaBuilder):
             self.xs = T.alloc_buffer((self.buffer_rows, self.groups), "float32")
             self.nonfinite = T.alloc_buffer((self.buffer_rows, LANES), "uint32")  # rows with ±Inf or NaN in x
             self._prologue([])
-            tasks = load(self.found, 0) * blocks
-            first = tirx.floordiv(chunk * tasks, self.threads)
-            end = tirx.floordiv((chunk + 1) * tasks, self.threads)
             self.base = T.alloc_buffer((1,), "int32", scope="local")  # the task's expert's first tile
-            with T.serial(first, end) as task:
-                slot, block = tirx.floordiv(task, blocks), tirx.floormod(task, blocks)
+
+            def task(slot, block):
                 T.buffer_store(self.base, load(self.selected, slot) * self.n_tiles, [0])
-                count, start = load(self.counts, slot), load(self.starts, slot)
-                with T.serial(0, tirx.floordiv(count + MAX_ROWS - 1, MAX_ROWS)) as part:
-                    left = tirx.min(count - part * MAX_ROWS, MAX_ROWS)
-                    for rows in range(1, MAX_ROWS + 1):
-                        with T.If(left == rows):
-                            with T.Then():
-                                self._task(block, rows, start + part * MAX_ROWS)
+                each_part(load(self.counts, slot), load(self.starts, slot), MAX_ROWS,
+                          lambda first, rows: self._task(block, rows, first))
+
+            chunk_tasks(chunk, self.threads, load(self.found, 0), blocks, task)
 
     def _route(self) -> None:
-        """The pairs sorted by expert: `selected[s]` the s-th distinct expert (found[0] of them), `counts[s]` its
-        pairs, which are sorted rows starts[s] .. starts[s] + counts[s] - 1; `order[row]` the pair (m·top_k + j) of
-        sorted row `row`."""
-        pairs = self.pairs
-        self.selected, self.counts, self.starts, self.order = (T.alloc_buffer((pairs,), "int32") for _ in range(4))
-        slot_of, filled = T.alloc_buffer((pairs,), "int32"), T.alloc_buffer((pairs,), "int32")
-        found = self.found = T.alloc_buffer((2,), "int32", scope="local")  # [distinct experts, the pair's slot]
-        T.buffer_store(found, 0, [0])
-        with T.serial(0, pairs) as pair:
-            expert = tirx.Cast("int32", load(self.indices, tirx.floordiv(pair, self.top_k),
-                                             tirx.floormod(pair, self.top_k)))
-            T.buffer_store(found, load(found, 0), [1])
-            with T.serial(0, load(found, 0)) as slot:
-                with T.If(load(self.selected, slot) == expert):
-                    with T.Then():
-                        T.buffer_store(found, slot, [1])
-            with T.If(load(found, 1) == load(found, 0)):
-                with T.Then():
-                    T.buffer_store(self.selected, expert, [load(found, 0)])
-                    T.buffer_store(self.counts, 0, [load(found, 0)])
-                    T.buffer_store(found, load(found, 0) + 1, [0])
-            T.buffer_store(slot_of, load(found, 1), [pair])
-            T.buffer_store(self.counts, load(self.counts, load(found, 1)) + 1, [load(found, 1)])
-        T.buffer_store(found, 0, [1])
-        with T.serial(0, load(found, 0)) as slot:
-            T.buffer_store(self.starts, load(found, 1), [slot])
-            T.buffer_store(filled, load(found, 1), [slot])
-            T.buffer_store(found, load(found, 1) + load(self.counts, slot), [1])
-        with T.serial(0, pairs) as pair:
-            slot = load(slot_of, pair)
-            T.buffer_store(self.order, pair, [load(filled, slot)])
-            T.buffer_store(filled, load(filled, slot) + 1, [slot])
+        self.selected, self.counts, self.starts, self.order, self.found = route(self.indices, self.pairs, self.top_k)
 
     def _x_at(self, row, index):
         """x[m, index] as float32 for sorted row `row`, the pair (m, j)."""
@@ -138,3 +101,57 @@ class _Builder(FmaBuilder):
             value = biased(load(yacc, row, c, ramp(0)), self.bias, ramp(bias_column))
             T.buffer_store(self.y, to_output(value, self.spec.output_dtype),
                            [tirx.floordiv(pair, self.top_k), tirx.floormod(pair, self.top_k), ramp(column)])
+
+
+def route(indices, pairs, top_k: int) -> tuple:
+    """The `pairs` (row, j) pairs of `indices` [M, top_k] sorted by expert, as buffers (selected, counts, starts,
+    order, found): `selected[s]` the s-th distinct expert (found[0] of them), `counts[s]` its pairs, which are sorted
+    rows starts[s] .. starts[s] + counts[s] - 1; `order[row]` the pair (m·top_k + j) of sorted row `row`.  A counting
+    sort, experts in order of first appearance: scalar work on a few dozen pairs."""
+    selected, counts, starts, order = (T.alloc_buffer((pairs,), "int32") for _ in range(4))
+    slot_of, filled = T.alloc_buffer((pairs,), "int32"), T.alloc_buffer((pairs,), "int32")
+    found = T.alloc_buffer((2,), "int32", scope="local")  # [distinct experts, the pair's slot]
+    T.buffer_store(found, 0, [0])
+    with T.serial(0, pairs) as pair:
+        expert = tirx.Cast("int32", load(indices, tirx.floordiv(pair, top_k), tirx.floormod(pair, top_k)))
+        T.buffer_store(found, load(found, 0), [1])
+        with T.serial(0, load(found, 0)) as slot:
+            with T.If(load(selected, slot) == expert):
+                with T.Then():
+                    T.buffer_store(found, slot, [1])
+        with T.If(load(found, 1) == load(found, 0)):
+            with T.Then():
+                T.buffer_store(selected, expert, [load(found, 0)])
+                T.buffer_store(counts, 0, [load(found, 0)])
+                T.buffer_store(found, load(found, 0) + 1, [0])
+        T.buffer_store(slot_of, load(found, 1), [pair])
+        T.buffer_store(counts, load(counts, load(found, 1)) + 1, [load(found, 1)])
+    T.buffer_store(found, 0, [1])
+    with T.serial(0, load(found, 0)) as slot:
+        T.buffer_store(starts, load(found, 1), [slot])
+        T.buffer_store(filled, load(found, 1), [slot])
+        T.buffer_store(found, load(found, 1) + load(counts, slot), [1])
+    with T.serial(0, pairs) as pair:
+        slot = load(slot_of, pair)
+        T.buffer_store(order, pair, [load(filled, slot)])
+        T.buffer_store(filled, load(filled, slot) + 1, [slot])
+    return selected, counts, starts, order, found
+
+
+def chunk_tasks(chunk, threads: int, distinct, blocks: int, emit) -> None:
+    """emit(slot, block) for chunk `chunk`'s share of the (selected expert, block of tiles) tasks: the `distinct`
+    experts' `blocks` blocks each, split evenly between the `threads` chunks."""
+    tasks = distinct * blocks
+    with T.serial(tirx.floordiv(chunk * tasks, threads), tirx.floordiv((chunk + 1) * tasks, threads)) as task:
+        emit(tirx.floordiv(task, blocks), tirx.floormod(task, blocks))
+
+
+def each_part(count, start, most: int, emit) -> None:
+    """emit(first sorted row, rows) for an expert's `count` sorted rows from `start`, `most` at a time (a body per
+    row count: `rows` is a Python int)."""
+    with T.serial(0, tirx.floordiv(count + most - 1, most)) as part:
+        left = tirx.min(count - part * most, most)
+        for rows in range(1, most + 1):
+            with T.If(left == rows):
+                with T.Then():
+                    emit(start + part * most, rows)

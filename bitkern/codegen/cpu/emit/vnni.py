@@ -170,14 +170,7 @@ class VnniBuilder(Tile16Builder):
         chunk_rows = SMALL_M_ROWS if cfg.small_m else cfg.m_chunk
         here = self.m if cfg.small_m else tirx.min(chunk_rows, self.m - row0)
         yacc = T.alloc_buffer((chunk_rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
-        width = 1 if cfg.in_turn else cfg.n_tiles  # tiles in registers at once
-        block_registers = (registers((cfg.rows, width), "float32"),
-                           registers((self._splits(1, width), cfg.rows, width), "int32"),
-                           registers((2, width), "float32"))
-        self.table = None
-        if self.lut is not None:  # the code book, read once per task
-            self.table = registers((1,), "int32")
-            T.buffer_store(self.table, load(self.lut, ramp(0)), [0, ramp(0)])
+        block_registers = self._task_registers()
 
         def each_block(emit) -> None:
             with T.serial(0, tirx.floordiv(here + (cfg.rows - 1), cfg.rows)) as rb:
@@ -187,12 +180,8 @@ class VnniBuilder(Tile16Builder):
                         with T.Then():
                             emit(rb * cfg.rows, count)
 
-        if cfg.in_turn:
-            for c, tile in enumerate(tiles):
-                each_block(lambda local_row, count, c=c, tile=tile: self._rows(yacc, block_registers, [tile], row0,
-                                                                            local_row, count, c))
-        elif self.max_rows <= cfg.rows:
-            each_block(lambda local_row, count: self._rows(yacc, block_registers, tiles, row0, local_row, count))
+        if cfg.in_turn or self.max_rows <= cfg.rows:
+            each_block(lambda local_row, count: self._all_of_k(yacc, block_registers, tiles, row0, local_row, count))
         else:
             with T.serial(0, here) as r:
                 for c in range(cfg.n_tiles):
@@ -201,6 +190,27 @@ class VnniBuilder(Tile16Builder):
                 each_block(lambda local_row, count: self._group_rows(yacc, block_registers, tiles, row0, local_row,
                                                                      count, group))
         self._store_output(yacc, tiles, owned, row0, chunk_rows)
+
+    def _task_registers(self) -> tuple:
+        """The registers of a task's row blocks (y, the int32 sums and a group's factors, of its tiles, or of one at a
+        time in turn), and the code book of a looked-up type in `table`, read once per task."""
+        cfg = self.cfg
+        width = 1 if cfg.in_turn else cfg.n_tiles  # tiles in registers at once
+        self.table = None
+        if self.lut is not None:
+            self.table = registers((1,), "int32")
+            T.buffer_store(self.table, load(self.lut, ramp(0)), [0, ramp(0)])
+        return (registers((cfg.rows, width), "float32"), registers((self._splits(1, width), cfg.rows, width), "int32"),
+                registers((2, width), "float32"))
+
+    def _all_of_k(self, yacc, block_registers, tiles, row0, local_row, count: int) -> None:
+        """yacc[local_row + r] for the `count` rows of a block over all of K (`_rows`): the task's tiles at once, or
+        one after another (in_turn)."""
+        if self.cfg.in_turn:
+            for c, tile in enumerate(tiles):
+                self._rows(yacc, block_registers, [tile], row0, local_row, count, c)
+        else:
+            self._rows(yacc, block_registers, tiles, row0, local_row, count)
 
     def _splits(self, count: int, width: int) -> int:
         """int32 sums per C cell of a block of `count` rows and `width` tiles: CHAINS in flight, at most the products
@@ -241,7 +251,7 @@ class VnniBuilder(Tile16Builder):
         splits = self._splits(count, len(tiles))
         cells = [(r, c) for r in range(count) for c in range(len(tiles))]
         y, acc, factors = block_registers
-        rows = [first_row + r for r in range(count)]
+        rows = [self._activation_row(first_row + r) for r in range(count)]
         scale_group = self._scale_group(group)
         for c in range(len(tiles)):
             scale, beta = self._group_factors(tiles[c], scale_group, len(tiles))
@@ -255,6 +265,10 @@ class VnniBuilder(Tile16Builder):
             for r, c in cells:
                 xs = tirx.Broadcast(load(self.xs, rows[r], group), LANES)
                 T.buffer_store(y, load(y, r, c, ramp(0)) + load(factors, 1, c, ramp(0)) * xs, [r, c, ramp(0)])
+
+    def _activation_row(self, row):
+        """The row of the prologue's int8 codes, scales and sums that row `row` of a block multiplies: itself."""
+        return row
 
     def _codes_at(self, word, position: int):
         """The bytes a dot product multiplies at a byte position of a (flipped) word: its codes shifted and masked,

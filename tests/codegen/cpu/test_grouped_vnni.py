@@ -1,0 +1,168 @@
+"""The grouped VNNI template (`codegen.cpu.grouped_vnni`, `emit.grouped_vnni`): one launch for rows routed to their
+top-k of stacked experts with int8 activations (activation_quant="int8"), against the float64 reference
+(`ops.GroupedMatmul`, x quantized as `ops.matmul.activation_blocks` defines) for every type the VNNI template serves,
+top-k 1 to 8, experts no row picks, one expert taking every row (more than a block's rows), the same expert picked
+twice, fuzzed routings, non-finite x, biases and partial tile blocks; at every level this CPU runs (x86-64-v3 forced),
+compiled to its byte dot product above it; the tuner and the cache through the spec's call."""
+
+import pytest
+import torch
+
+import bitkern
+from bitkern.codegen import build_kernel, pack
+from bitkern.codegen.cpu import isa
+from bitkern.codegen.cpu.grouped_vnni import TEMPLATE
+from bitkern.codegen.cpu.kernel import disassembly
+from bitkern.codegen.cpu.vnni import VnniConfig, dot_instruction
+from bitkern.ops import GroupedMatmul
+from bitkern.ops.matmul import quantize_activations
+from bitkern.tuner import host_cpu
+from bitkern.tuner.space import usable_templates
+from tests.helpers import OUTPUT_EPS, vnni_magnitudes
+
+pytestmark = pytest.mark.requires_avx2
+E, N, K = 6, 48, 320  # 3 tiles per expert: blocks of 2 tiles leave a partial one
+LEVELS = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.runs_on(host_cpu().level.features)]
+ABOVE = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.name not in LEVELS]
+# (dtype, zero mode, group): integer codes (symmetric, zero points) of 1 to 8 bits, 4-bit code books and floats
+TYPES = [("int4", None, 64), ("uint4", "gptq", 64), ("uint4", "hqq", 64), ("int8", None, 64), ("uint8", "gptq", 64),
+         ("int2", None, 64), ("int1", None, 64), ("nf4", None, 64), ("fp4_e2m1", None, 64), ("mxfp4", None, 32)]
+
+
+def _case(dtype, zero_mode, group, top_k, activation="float32", bias=True, experts=E, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = bitkern.quantize(torch.randn(experts * N, K, generator=generator), dtype, group_size=group,
+                              zero_mode=zero_mode)
+    scale = "float16" if weight.ttype.block_size > 1 else weight.scales.dtype
+    spec = GroupedMatmul(dtype, activation, group_size=group, zero_mode=weight.zero_mode, bias=bias,
+                         scale_dtype=scale, experts=experts, top_k=top_k, activation_quant="int8")
+    b = torch.randn(experts, N, generator=generator) if bias else None
+    return spec, weight, b
+
+
+def _check(spec, weight, bias, y, x, indices):
+    """y within the VNNI kernels' bound of the float64 reference, pair by pair: 1e-5 of Σ|x̃|·`vnni_magnitudes` of
+    the pair's expert, and the output's rounding."""
+    assert y.shape == (x.shape[0], spec.top_k, N) and y.dtype == getattr(torch, spec.output_dtype)
+    reference = spec.exact(x, weight, indices, bias)
+    magnitudes = vnni_magnitudes(weight).view(spec.experts, N, K)[indices.long()]
+    magnitude = torch.einsum("mk,mjnk->mjn", quantize_activations(x).abs(), magnitudes)
+    excess = (y.double() - reference).abs() - (1e-5 * magnitude + OUTPUT_EPS[spec.output_dtype] * reference.abs())
+    assert float(excess.max()) <= 1e-30, f"max excess {float(excess.max()):.3g}"
+
+
+def _build(spec, level, config=VnniConfig(n_tiles=2, rows=1, prefetch=16)):
+    return build_kernel(spec, N, K, "grouped_vnni", config, "tile16", (1, 16), host_cpu().at_level(level))
+
+
+def _distinct(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+
+
+@pytest.mark.parametrize("level", sorted({LEVELS[0], LEVELS[-1]}))
+@pytest.mark.parametrize("dtype, zero_mode, group", TYPES)
+def test_every_type_matches_the_reference(level, dtype, zero_mode, group):
+    spec, weight, bias = _case(dtype, zero_mode, group, top_k=2)
+    assert TEMPLATE.unsupported(spec, N, K, host_cpu()) is None
+    kernel = _build(spec, level, VnniConfig(n_tiles=2, rows=2, prefetch=16))
+    for tokens in (1, 2, 4, 7):
+        x = torch.randn(tokens, K, generator=torch.Generator().manual_seed(tokens)) * 10.0 ** (tokens % 3 - 1)
+        _check(spec, weight, bias, kernel(x, pack(weight), bias, indices=_distinct(tokens, 2, E, tokens)), x,
+               _distinct(tokens, 2, E, tokens))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_top_k_one_to_eight_at_every_level(level):
+    """Eight experts, each token's top-k distinct, k from 1 to 8, the activation types in turn; one kernel per k,
+    its configuration varied (tiles at once or in turn, rows per block, prefetch)."""
+    for top_k in range(1, 9):
+        activation = ("bfloat16", "float16", "float32")[top_k % 3]
+        spec, weight, bias = _case("int4", None, 64, top_k, activation, experts=8, seed=top_k)
+        rows = (1, 2, 4)[top_k % 3]
+        config = VnniConfig(n_tiles=2 if rows == 4 else 1 + top_k % 2 * 3, rows=rows, prefetch=32 * (top_k % 2),
+                            in_turn=top_k % 4 == 0)
+        kernel = _build(spec, level, config)
+        for tokens in (1, 3):
+            x = torch.randn(tokens, K, generator=torch.Generator().manual_seed(top_k)).to(getattr(torch, activation))
+            indices = _distinct(tokens, top_k, 8, top_k)
+            _check(spec, weight, bias, kernel(x, pack(weight), bias, indices=indices), x, indices)
+
+
+def test_routings_empty_experts_one_expert_for_all_shared_experts_and_fuzzed():
+    spec, weight, bias = _case("uint4", "gptq", 64, top_k=2)
+    one = dict(zip(("spec", "weight", "bias"), _case("nf4", None, 64, top_k=1)))
+    kernel = _build(spec, LEVELS[-1], VnniConfig(n_tiles=2, rows=2, prefetch=16))
+    single = _build(one["spec"], LEVELS[-1], VnniConfig(n_tiles=2, rows=4, prefetch=0))
+    packed, packed_one = pack(weight), pack(one["weight"])
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(1))
+    # expert 4 takes all 9 rows (blocks of 4, 4 and 1), experts 0..3 and 5 none
+    indices = torch.full((9, 1), 4, dtype=torch.int32)
+    _check(one["spec"], one["weight"], one["bias"], single(x, packed_one, one["bias"], indices=indices), x, indices)
+    # expert 2 picked by every token, expert 5 by two of them, the others by none
+    indices = torch.tensor([[2, 5], [5, 2], [2, 0], [1, 2]])
+    _check(spec, weight, bias, kernel(x[:4], packed, bias, indices=indices), x[:4], indices)
+    # a token picking the same expert twice gets the same row twice
+    y = kernel(x[:1], packed, bias, indices=torch.tensor([[3, 3]]))
+    assert torch.equal(y[0, 0], y[0, 1])
+    generator = torch.Generator().manual_seed(7)
+    for trial in range(12):  # fuzzed: any expert in any slot, repeats allowed, 1 to 12 tokens, int32 or int64
+        tokens = int(torch.randint(1, 13, (1,), generator=generator))
+        indices = torch.randint(0, E, (tokens, 2), generator=generator)
+        indices = indices if trial % 2 else indices.int()
+        x = torch.randn(tokens, K, generator=generator)
+        _check(spec, weight, bias, kernel(x, packed, bias, indices=indices), x, indices)
+
+
+def test_without_a_bias_with_bfloat16_output_and_non_finite_x():
+    """A row with an Inf keeps ±Inf where the reference has it, a NaN makes its pairs NaN, other rows are as
+    without them."""
+    spec, weight, _ = _case("int8", None, 64, top_k=3, activation="bfloat16", bias=False)
+    kernel = _build(spec, LEVELS[0])
+    x = torch.randn(3, K).bfloat16()
+    indices = _distinct(3, 3, E, 3)
+    _check(spec, weight, None, kernel(x, pack(weight), None, indices=indices), x, indices)
+    x[0, 7], x[1, 100] = float("inf"), float("nan")
+    y, reference = kernel(x, pack(weight), None, indices=indices), spec.exact(x, weight, indices)
+    assert torch.equal(torch.isnan(y), torch.isnan(reference)) and torch.equal(torch.isinf(y), torch.isinf(reference))
+    assert bool(torch.isnan(y[1]).all()) and bool(torch.isfinite(y[2]).all())
+
+
+@pytest.mark.parametrize("level", ABOVE)
+def test_levels_above_this_cpu_compile_to_their_byte_products(level):
+    spec, _, _ = _case("int4", None, 64, top_k=2)
+    kernel = build_kernel(spec, N, K, "grouped_vnni", VnniConfig(2, prefetch=16), "tile16", (1, 16),
+                          host_cpu().at_level(level))
+    assert dot_instruction(isa.level(level)) in disassembly(kernel.library)
+
+
+def test_the_tuner_offers_it_for_int8_activations_only_and_the_cache_serves_it():
+    spec, weight, bias = _case("int4", None, 64, top_k=2)
+    usable, unused = usable_templates(spec, N, K, (1, 1), "tile16", host_cpu())
+    assert [t.name for t in usable] == ["grouped_vnni"]
+    assert unused["grouped_fma"].startswith("activation_quant='int8'") and unused["vnni"].startswith("a grouped spec")
+    float_spec = GroupedMatmul("int4", "float32", group_size=64, experts=E, top_k=2)
+    assert unused_reason(float_spec).startswith("activation_quant='none'")
+    nvfp4 = GroupedMatmul("nvfp4", "float32", group_size=16, experts=E, top_k=2, activation_quant="int8")
+    assert "a scale per tensor" in unused_reason(nvfp4)
+    x = torch.randn(3, K)
+    indices = _distinct(3, 2, E, 0)
+    _check(spec, weight, bias, spec(x, pack(weight), indices, bias), x, indices)
+    assert spec(x[:0], pack(weight), indices[:0], bias).shape == (0, 2, N)
+
+
+def unused_reason(spec) -> str:
+    return usable_templates(spec, N, K, (1, 1), "tile16", host_cpu())[1]["grouped_vnni"]
+
+
+def test_the_model_ranks_it_by_the_experts_a_call_selects():
+    """The cost model counts the selected experts' weights once: a top-8 decode step reads 8 experts' bytes, a top-1
+    one 1, whatever the experts' number."""
+    cpu = host_cpu()
+    config = VnniConfig(n_tiles=4, prefetch=32)
+    spec = GroupedMatmul("int4", "float32", group_size=128, experts=64, top_k=8, activation_quant="int8")
+    top_8 = TEMPLATE.work(spec, 1536, 2048, 1, config, cpu).dram_bytes
+    top_1 = TEMPLATE.work(GroupedMatmul("int4", "float32", group_size=128, experts=64, top_k=1,
+                                        activation_quant="int8"), 1536, 2048, 1, config, cpu).dram_bytes
+    assert 7.5 < top_8 / top_1 < 8.5
+    assert TEMPLATE.configs(spec, 1536, 2048, (1, 1), cpu, None)
