@@ -26,6 +26,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.operator_schemas import normalize_function
 
+from ..nn.dispatcher import schemas
 from ..nn.kernel_call import KernelCall
 from ..ops.matmul import SWIGLU_BLOCK, norm_reference
 from ..ttype import WeightFormat
@@ -138,7 +139,9 @@ class FusionPass(CustomGraphPass):
         return keep
 
     def uuid(self):
-        return get_hash_for_files((__file__, cost.__file__), extra=f"always={self.always}")
+        """Inductor's cache key of the pass: its code, and bitkern's op schemas, which the graphs it compiles call
+        (a C++ wrapper compiled against another schema reads its arguments wrongly: a crash)."""
+        return get_hash_for_files((__file__, cost.__file__), extra=f"always={self.always}\n{schemas()}")
 
 
 def _arguments(node) -> dict:

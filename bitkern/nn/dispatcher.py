@@ -15,6 +15,13 @@ import torch
 from torch import Tensor
 
 _LIBRARY = torch.library.Library("bitkern", "FRAGMENT")  # the namespace's other ops are defined elsewhere too
+SCHEMAS: dict[str, str] = {}  # op name -> its schema, as defined here
+
+
+def schemas() -> str:
+    """Every op's schema defined here, one per line: what a compiled graph's C++ wrapper calls them by, so a graph
+    compiled against other schemas (an older bitkern) must not be reused (`fusion.inductor.FusionPass.uuid`)."""
+    return "\n".join(f"{name}{schema}" for name, schema in sorted(SCHEMAS.items()))
 
 
 class Op:
@@ -23,8 +30,8 @@ class Op:
 
     def __init__(self, name: str, body):
         self.name, self.body = name, body
-        _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=()),
-                        tags=(torch.Tag.pt2_compliant_tag,))
+        SCHEMAS[name] = torch.library.infer_schema(body, mutates_args=())
+        _LIBRARY.define(name + SCHEMAS[name], tags=(torch.Tag.pt2_compliant_tag,))
         self.overload = getattr(getattr(torch.ops.bitkern, name), "default")
         self.register_autograd(self._no_backward, lambda ctx, inputs, output: None)
         _LIBRARY.impl(name, body, "CompositeExplicitAutograd")

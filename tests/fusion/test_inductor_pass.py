@@ -189,3 +189,18 @@ def test_pass_unfolds_a_norm_that_inductor_computes_for_less(norm, rows, monkeyp
         for y, y_reference in zip(outputs, reference):
             scale = float(y_reference.float().abs().max())
             assert float((y.float() - y_reference.float()).abs().max()) <= 2e-2 * scale
+
+
+def test_the_pass_keys_inductors_cache_by_bitkern_op_schemas(monkeypatch):
+    """A graph compiled with the C++ wrapper calls bitkern's ops by the schemas it was compiled against: Inductor's
+    cache (keyed by the pass's uuid) must not hand a graph compiled against other schemas (an older bitkern) to this
+    one.  Seen: grouped_linear gaining activation_quant made a cached graph's C++ wrapper crash the process."""
+    from bitkern.nn import dispatcher
+
+    assert "grouped_linear(Tensor x, Tensor?[] weight" in dispatcher.schemas()
+    key = FusionPass().uuid()
+    assert FusionPass().uuid() == key
+    older = dispatcher.SCHEMAS["grouped_linear"].replace(', str activation_quant="none"', "")
+    assert older != dispatcher.SCHEMAS["grouped_linear"]
+    monkeypatch.setitem(dispatcher.SCHEMAS, "grouped_linear", older)
+    assert FusionPass().uuid() != key

@@ -20,10 +20,12 @@ from bitkern.tuner import host_cpu
 from bitkern.tuner.space import usable_templates
 from tests.helpers import OUTPUT_EPS, vnni_magnitudes
 
-pytestmark = pytest.mark.requires_avx2
 E, N, K = 6, 48, 320  # 3 tiles per expert: blocks of 2 tiles leave a partial one
-LEVELS = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.runs_on(host_cpu().level.features)]
-ABOVE = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.name not in LEVELS]
+LEVELS = [level.name for level in (*isa.LEVELS, *isa.ARM_LEVELS) if TEMPLATE.runs_at(level) and level.runs_on(
+    host_cpu().level.features)]  # on an aarch64 host, its levels with the dot product
+ABOVE = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and host_cpu().level.arch == "x86_64"
+         and level.name not in LEVELS]
+pytestmark = pytest.mark.skipif(not LEVELS, reason="a CPU with a byte dot product (AVX2, aarch64's dotprod)")
 # (dtype, zero mode, group): integer codes (symmetric, zero points) of 1 to 8 bits, 4-bit code books and floats
 TYPES = [("int4", None, 64), ("uint4", "gptq", 64), ("uint4", "hqq", 64), ("int8", None, 64), ("uint8", "gptq", 64),
          ("int2", None, 64), ("int1", None, 64), ("nf4", None, 64), ("fp4_e2m1", None, 64), ("mxfp4", None, 32)]
@@ -60,7 +62,7 @@ def _distinct(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
     return torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
 
 
-@pytest.mark.parametrize("level", sorted({LEVELS[0], LEVELS[-1]}))
+@pytest.mark.parametrize("level", sorted({LEVELS[0], LEVELS[-1]}) if LEVELS else [])
 @pytest.mark.parametrize("dtype, zero_mode, group", TYPES)
 def test_every_type_matches_the_reference(level, dtype, zero_mode, group):
     spec, weight, bias = _case(dtype, zero_mode, group, top_k=2)
