@@ -39,12 +39,11 @@ class GroupedCpuKernel(CpuKernel):
         return y
 
 
-class GroupedFmaTemplate(FmaTemplate):
-    """The FMA template's checks and codes for grouped specs: few-row configurations, work counted per selected
-    expert."""
+class Grouped:
+    """What a grouped template adds to the dense template it derives from (listed first among its bases): grouped
+    specs only, their kernels called with the routing, no epilogue, residual or norm, no type with a tensor scale,
+    and any rows (each expert's rows a few at a time)."""
 
-    name = "grouped_fma"
-    title = "grouped FMA"
     grouped = True
     kernel_class = GroupedCpuKernel
     epilogues = ("none",)
@@ -57,7 +56,15 @@ class GroupedFmaTemplate(FmaTemplate):
         return super().unsupported(spec, n, k, device)
 
     def unsupported_rows(self, bucket: tuple[int, int], device) -> str | None:
-        return None  # any rows: each expert's rows four at a time
+        return None
+
+
+class GroupedFmaTemplate(Grouped, FmaTemplate):
+    """The FMA template's checks and codes for grouped specs: few-row configurations (each expert's rows four at a
+    time), work counted per selected expert."""
+
+    name = "grouped_fma"
+    title = "grouped FMA"
 
     def configs(self, spec: GroupedMatmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[FmaConfig]:
         """Tiles per task while four rows' sums stay within BODY or the level's registers (`fits_registers`),

@@ -10,31 +10,17 @@ from __future__ import annotations
 import dataclasses
 
 from ...ops.grouped import GroupedMatmul
-from ...ttype import get
-from .grouped import GroupedCpuKernel
+from .grouped import Grouped
 from .kernel import norm_prologue, operand_bytes
 from .vnni import VnniConfig, VnniTemplate
 
 
-class GroupedVnniTemplate(VnniTemplate):
+class GroupedVnniTemplate(Grouped, VnniTemplate):
     """The VNNI template's checks, configurations and codes for grouped specs: each expert's rows in blocks, every
     block one over all of K, work counted per selected expert."""
 
     name = "grouped_vnni"
     title = "grouped VNNI"
-    grouped = True
-    kernel_class = GroupedCpuKernel
-    epilogues = ("none",)
-    norms = ("none",)
-    residual_add = False
-
-    def unsupported(self, spec: GroupedMatmul, n: int, k: int, device) -> str | None:
-        if get(spec.weight_dtype).tensor_scale:
-            return f"{spec.weight_dtype} (a scale per tensor, which stacked experts do not share)"
-        return super().unsupported(spec, n, k, device)
-
-    def unsupported_rows(self, bucket: tuple[int, int], device) -> str | None:
-        return None  # any rows: each expert's rows a block at a time
 
     def small_m(self, bucket: tuple[int, int]) -> bool:
         return True  # one task per (expert, column block) for all its rows

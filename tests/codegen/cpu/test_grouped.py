@@ -29,13 +29,15 @@ TYPES = [("int4", None, 64), ("uint4", "gptq", 64), ("uint4", "hqq", 64), ("int8
          ("bfloat16", None, 64)]
 
 
-def _case(dtype, zero_mode, group, top_k, activation="float32", bias=True, experts=E, seed=0):
+def _case(dtype, zero_mode, group, top_k, activation="float32", bias=True, experts=E, seed=0, **fields):
+    """(spec, the experts' [E·N, K] stacked weight, bias [E, N] or None) of random weights; `fields`: more of the
+    spec's."""
     generator = torch.Generator().manual_seed(seed)
     weight = bitkern.quantize(torch.randn(experts * N, K, generator=generator), dtype, group_size=group,
                               zero_mode=zero_mode)
     scale = "float16" if weight.ttype.block_size > 1 else weight.scales.dtype
     spec = GroupedMatmul(dtype, activation, group_size=group, zero_mode=weight.zero_mode, bias=bias,
-                         scale_dtype=scale, experts=experts, top_k=top_k)
+                         scale_dtype=scale, experts=experts, top_k=top_k, **fields)
     b = torch.randn(experts, N, generator=generator) if bias else None
     return spec, weight, b
 

@@ -8,7 +8,6 @@ compiled to its byte dot product above it; the tuner and the cache through the s
 import pytest
 import torch
 
-import bitkern
 from bitkern.codegen import build_kernel, pack
 from bitkern.codegen.cpu import isa
 from bitkern.codegen.cpu.grouped_vnni import TEMPLATE
@@ -18,9 +17,10 @@ from bitkern.ops import GroupedMatmul
 from bitkern.ops.matmul import quantize_activations
 from bitkern.tuner import host_cpu
 from bitkern.tuner.space import usable_templates
+from tests.codegen.cpu.test_grouped import E, K, N, _distinct
+from tests.codegen.cpu.test_grouped import _case as grouped_case
 from tests.helpers import OUTPUT_EPS, vnni_magnitudes
 
-E, N, K = 6, 48, 320  # 3 tiles per expert: blocks of 2 tiles leave a partial one
 LEVELS = [level.name for level in (*isa.LEVELS, *isa.ARM_LEVELS) if TEMPLATE.runs_at(level) and level.runs_on(
     host_cpu().level.features)]  # on an aarch64 host, its levels with the dot product
 ABOVE = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and host_cpu().level.arch == "x86_64"
@@ -31,15 +31,8 @@ TYPES = [("int4", None, 64), ("uint4", "gptq", 64), ("uint4", "hqq", 64), ("int8
          ("int2", None, 64), ("int1", None, 64), ("nf4", None, 64), ("fp4_e2m1", None, 64), ("mxfp4", None, 32)]
 
 
-def _case(dtype, zero_mode, group, top_k, activation="float32", bias=True, experts=E, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    weight = bitkern.quantize(torch.randn(experts * N, K, generator=generator), dtype, group_size=group,
-                              zero_mode=zero_mode)
-    scale = "float16" if weight.ttype.block_size > 1 else weight.scales.dtype
-    spec = GroupedMatmul(dtype, activation, group_size=group, zero_mode=weight.zero_mode, bias=bias,
-                         scale_dtype=scale, experts=experts, top_k=top_k, activation_quant="int8")
-    b = torch.randn(experts, N, generator=generator) if bias else None
-    return spec, weight, b
+def _case(*args, **fields):
+    return grouped_case(*args, activation_quant="int8", **fields)
 
 
 def _check(spec, weight, bias, y, x, indices):
@@ -55,11 +48,6 @@ def _check(spec, weight, bias, y, x, indices):
 
 def _build(spec, level, config=VnniConfig(n_tiles=2, rows=1, prefetch=16)):
     return build_kernel(spec, N, K, "grouped_vnni", config, "tile16", (1, 16), host_cpu().at_level(level))
-
-
-def _distinct(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
 
 
 @pytest.mark.parametrize("level", sorted({LEVELS[0], LEVELS[-1]}) if LEVELS else [])
