@@ -3,7 +3,8 @@ each projection (the top-8 gate/up of one token, 1536x2048; the top-1 down of it
 g128, bf16 activations) every listed configuration of the grouped VNNI (int8 activations) or grouped FMA template,
 built as it is (no tuning), called in turn round by round (the order reversed every other round), each call on one
 of four stacks of experts (600 MB in all: each call reads its experts from DRAM) with a fresh routing; medians of
-the rounds' medians, and the GB/s of the selected experts' bytes against the DRAM probe of the run.  What the tuner's
+the rounds' medians, and the GB/s of the selected experts' bytes against the DRAM probe (the best of a probe before
+every round and after the last).  What the tuner's
 cost model ranks (tiles a task, prefetch, in turn) is checked against this.
 
 Run: python benchmarks/grouped_configs.py [--template grouped_vnni|grouped_fma] [--rounds 9] [--out FILE]
@@ -62,6 +63,7 @@ def main() -> None:
         distinct = []  # experts each call selected
         read_gbs = best_read_gbs(probes, probe_bytes, reads=2)
         for round_index in range(args.rounds):
+            read_gbs = max(read_gbs, best_read_gbs(probes, probe_bytes, reads=2))
             order = list(kernels.items())
             for config, kernel in order if round_index % 2 else order[::-1]:
                 times = []
