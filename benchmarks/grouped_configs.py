@@ -61,7 +61,7 @@ def main() -> None:
         x = torch.randn(rows, k).bfloat16()
         samples = {config: [] for config in kernels}
         distinct = []  # experts each call selected
-        read_gbs = best_read_gbs(probes, probe_bytes, reads=2)
+        read_gbs = 0.0
         for round_index in range(args.rounds):
             read_gbs = max(read_gbs, best_read_gbs(probes, probe_bytes, reads=2))
             order = list(kernels.items())

@@ -11,7 +11,7 @@ import dataclasses
 
 from ...ops.grouped import GroupedMatmul
 from .grouped import Grouped
-from .kernel import norm_prologue, operand_bytes
+from .kernel import operand_bytes
 from .vnni import VnniConfig, VnniTemplate
 
 
@@ -35,8 +35,7 @@ class GroupedVnniTemplate(Grouped, VnniTemplate):
         pairs = m * spec.top_k
         selected = min(spec.experts, pairs)
         work = super().work(spec, selected * n, k, -(-pairs // selected), config, device)
-        operations = dict(work.operations, vnni_quantize_element=m * k * device.cores,
-                          **norm_prologue(spec, m, k, device.cores))
+        operations = dict(work.operations, vnni_quantize_element=m * k * device.cores)
         dram = selected * operand_bytes(spec, n, k, 0) + m * k * 4 + pairs * n * 4
         return dataclasses.replace(work, operations=operations, dram_bytes=dram)
 

@@ -93,14 +93,9 @@ class _Builder(FmaBuilder):
 
     def _store(self, yacc, rows: int, tile_index, c, swiglu: bool, first) -> None:
         """y[m, j, tile's 16 columns] = sums (+ the expert's bias) for each sorted row first + row, the pair (m, j)."""
-        base = load(self.base, 0)
-        column = (tile_index - base) * LANES
-        bias_column = tirx.floordiv(base, self.n_tiles) * self.n + column
         for row in range(rows):
-            pair = load(self.order, first + row)
-            value = biased(load(yacc, row, c, ramp(0)), self.bias, ramp(bias_column))
-            T.buffer_store(self.y, to_output(value, self.spec.output_dtype),
-                           [tirx.floordiv(pair, self.top_k), tirx.floormod(pair, self.top_k), ramp(column)])
+            write_pair(self, load(self.order, first + row), load(yacc, row, c, ramp(0)), load(self.base, 0),
+                       tile_index, self.n_tiles, self.n)
 
 
 def route(indices, pairs, top_k: int) -> tuple:
@@ -136,6 +131,15 @@ def route(indices, pairs, top_k: int) -> tuple:
         T.buffer_store(order, pair, [load(filled, slot)])
         T.buffer_store(filled, load(filled, slot) + 1, [slot])
     return selected, counts, starts, order, found
+
+
+def write_pair(builder, pair, sums, base, tile, n_tiles: int, n: int) -> None:
+    """y[m, j, the tile's 16 columns] = sums (+ the expert's bias) for the pair m·top_k + j, `tile` one of the N = n
+    columns' n_tiles tiles of the expert whose tiles start at `base`; y, bias, spec and top_k are `builder`'s."""
+    column = (tile - base) * LANES
+    value = biased(sums, builder.bias, ramp(tirx.floordiv(base, n_tiles) * n + column))
+    T.buffer_store(builder.y, to_output(value, builder.spec.output_dtype),
+                   [tirx.floordiv(pair, builder.top_k), tirx.floormod(pair, builder.top_k), ramp(column)])
 
 
 def chunk_tasks(chunk, threads: int, distinct, blocks: int, emit) -> None:

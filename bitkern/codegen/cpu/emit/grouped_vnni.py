@@ -24,8 +24,8 @@ from ....ops.grouped import GroupedMatmul
 from ..isa import IsaLevel
 from ..vnni import VnniConfig
 from . import nonfinite
-from .grouped import chunk_tasks, each_part, route
-from .groups import GroupArguments, biased, to_output
+from .grouped import chunk_tasks, each_part, route, write_pair
+from .groups import GroupArguments
 from .tile16 import when
 from .tir import LANES, load, ramp
 from .vnni import VnniBuilder
@@ -99,19 +99,11 @@ class GroupedVnniBuilder(VnniBuilder):
         """y[m, j, tile's 16 columns] = sums (+ the terms of x's non-finite values, + the expert's bias) for each
         sorted row first + r, the pair (m, j)."""
         s = self.s
-        expert_column = tirx.floordiv(base, s.n_tiles) * s.n
         for r in range(rows):
             pair = load(self.order, first + r)
-            token = tirx.floordiv(pair, self.top_k)
-            nonfinite.add_terms(yacc, r, tiles, self.nonfinite, token, s.k, self._x_value,
+            nonfinite.add_terms(yacc, r, tiles, self.nonfinite, tirx.floordiv(pair, self.top_k), s.k, self._x_value,
                                 lambda tile, j: nonfinite.weight_lanes(self.spec, s.k, self.qweight, self.group_args,
                                                                        tile, j))
             for c, tile in enumerate(tiles):
-                column = (tile - base) * LANES
-
-                def store(r=r, c=c, column=column, token=token, pair=pair):
-                    value = biased(load(yacc, r, c, ramp(0)), self.bias, ramp(expert_column + column))
-                    T.buffer_store(self.y, to_output(value, self.spec.output_dtype),
-                                   [token, tirx.floormod(pair, self.top_k), ramp(column)])
-
-                when(owned[c], store)
+                when(owned[c], lambda r=r, c=c, tile=tile, pair=pair: write_pair(
+                    self, pair, load(yacc, r, c, ramp(0)), base, tile, s.n_tiles, s.n))
