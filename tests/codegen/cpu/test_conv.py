@@ -191,14 +191,16 @@ def test_bad_input_is_rejected_before_any_kernel():
 
 
 def test_im2col_fallback_agrees_with_the_implicit_gemm():
-    """Devices without a gathering kernel (CUDA) run the plain GEMM on the patches: same rows, same result."""
+    """Devices without a gathering kernel (CUDA) run the plain GEMM on the patches: the same rows, so the same result
+    up to the order of float32 sums (the two kernels' tiles may differ: 2·K·2^-24 of Σ|w·x| apart at most)."""
     geometry = ConvGeometry(32, 7, 6, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 0, 1, 1))
     spec, qweight, x, bias = _case("int4", geometry, 2, "float32", group=64, bias=True)
     packed = pack(qweight)
     gemm = spec.matmul(im2col(x, geometry), packed, bias).reshape(2, *geometry.out_size, -1)
-    assert_within_bound(spec, qweight, gemm, spec.exact(x, qweight, bias),
-                        _nchw_conv(spec, x.abs(), summed_magnitudes(spec, qweight)))
-    assert torch.allclose(gemm, spec(x, packed, bias), rtol=1e-6, atol=1e-5)
+    magnitude = _nchw_conv(spec, x.abs(), summed_magnitudes(spec, qweight))
+    assert_within_bound(spec, qweight, gemm, spec.exact(x, qweight, bias), magnitude)
+    orders_apart = 2 * qweight.shape[1] * 2.0**-24 * (magnitude + bias.abs().double())
+    assert bool(((gemm.double() - spec(x, packed, bias).double()).abs() <= orders_apart).all())
 
 
 def test_conv_kernels_are_stored_on_disk_and_loaded_without_tuning(tmp_path, monkeypatch):

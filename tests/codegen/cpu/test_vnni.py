@@ -66,9 +66,13 @@ def test_the_definition_matches_an_element_by_element_implementation():
 
 
 def _identity(k: int) -> QuantizedWeight:
-    """A [K, K] uint8 identity (codes 1, float32 scales 1, per channel): y = x̃ as the kernel quantized it, exactly."""
+    """A [K, K] 8-bit identity (codes 1, float32 scales 1, per channel): y = x̃ as the kernel quantized it, exactly.
+    Its codes are bytes the host's kernel multiplies as they are, with no offset taken off in float afterwards:
+    signed where it reads 8-bit codes as signed (AVX2's vpmaddubsw sign trick), unsigned where it reads them as
+    unsigned (vpdpbusd, AVX-512's vpmaddubsw)."""
+    name = "int8" if vnni.reads_signed_bytes(host_cpu().level, 8) else "uint8"
     codes = torch.eye(k, dtype=torch.int32)
-    return QuantizedWeight("uint8", (k, k), k, "none", bitkern.ttype.pack(codes, 8), torch.ones(k, 1))
+    return QuantizedWeight(name, (k, k), k, "none", bitkern.ttype.pack(codes, 8), torch.ones(k, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
