@@ -192,7 +192,7 @@ def test_bad_input_is_rejected_before_any_kernel():
 
 def test_im2col_fallback_agrees_with_the_implicit_gemm():
     """Devices without a gathering kernel (CUDA) run the plain GEMM on the patches: the same rows, so the same result
-    up to the order of float32 sums (the two kernels' tiles may differ: 2·K·2^-24 of Σ|w·x| apart at most)."""
+    up to the order of float32 sums (the two kernels' tiles may differ: 2·K·2^-24 of Σ|w·x| + |b| apart at most)."""
     geometry = ConvGeometry(32, 7, 6, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(2, 0, 1, 1))
     spec, qweight, x, bias = _case("int4", geometry, 2, "float32", group=64, bias=True)
     packed = pack(qweight)
