@@ -96,6 +96,16 @@ def reads_signed_bytes(level, bits: int) -> bool:
     return instruction == "sdot" or (instruction == "vpmaddubsw" and level.vector_bytes == 32)
 
 
+def steps_words(level, rows: int) -> bool:
+    """Whether a block of `rows` rows runs a quantization group's products as one loop over its words (one sum per
+    cell, `emit.vnni`) instead of unrolled activation blocks: on x86 levels of 16 vector registers (AVX2, AVX-VNNI)
+    for blocks of 2 or more rows.  LLVM scheduled an unrolled block's products cell by cell there and spilled the
+    decoded codes; a loop of one word's products keeps them in registers (AMD Zen 3, int8 activations, int4
+    4096x14336 at M=512: 333 -> 231 ms; int8 4096x4096 116 -> 97 ms; M=16 1.13x).  One row (decode) keeps the
+    unrolled blocks: the stepped loop measured 1-2% slower there."""
+    return level.arch == "x86_64" and level.vector_bytes < 64 and rows > 1
+
+
 def dot_cost(level, bits: int, looked_up: bool = False) -> float:
     """Instructions per 64 bytes of byte dot products at a level (`emit.vnni.dot_bytes`), relative to one 512-bit
     vpdpbusd: two 256-bit ones with AVX-VNNI; four sdot (and tbl of a looked-up code book) at two per cycle on aarch64;

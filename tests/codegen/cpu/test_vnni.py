@@ -5,6 +5,7 @@ float64 reference, non-finite x, the tuner's choice, and the errors for what the
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -202,6 +203,67 @@ def test_register_blocks_row_chunks_and_groups(config, m, bucket, group):
     kernel = vnni.TEMPLATE.build(spec, n, k, config, "tile16", bucket, host_cpu())
     x = torch.randn(m, k, generator=generator).bfloat16()
     _check(spec, qweight, x, kernel(x, pack(qweight)))
+
+
+# x86 levels of 16 vector registers this CPU runs, where blocks of several rows step through a group's words
+STEPPED_LEVELS = [level for level in LEVELS if vnni.steps_words(host_cpu().at_level(level).level, 2)]
+
+
+@pytest.mark.skipif(not STEPPED_LEVELS, reason="needs an x86 level of 256-bit vectors (AVX2) that this CPU runs")
+@pytest.mark.parametrize("name, zero_mode", [("int4", "none"), ("uint8", "gptq"), ("int8", "none"), ("int2", "none"),
+                                             ("int1", "none"), ("nf4", "none")])
+@pytest.mark.parametrize("config, m, bucket", [(VnniConfig(1, False, 32, 4, 32), 37, (17, 256)),
+                                               (VnniConfig(2, True, 16, 2, 16), 7, (1, 16)),
+                                               (VnniConfig(1, True, 16, 4, 0), 4, (2, 4))])
+def test_stepped_blocks_give_the_unrolled_blocks_bit_for_bit(monkeypatch, name, zero_mode, config, m, bucket):
+    """Blocks of several rows at AVX2 run a group's products as one loop over its words (`vnni.steps_words`): the
+    same int32 sums in the same order as the unrolled blocks, so the same y bit for bit, at every level it applies
+    to (row counts that leave a one-row block, which stays unrolled; groups of 64 and per channel)."""
+    generator = torch.Generator().manual_seed(m)
+    n, k = 40, 256
+    for group in (64, -1):
+        qweight = bitkern.quantize(torch.randn(n, k, generator=generator), name, group_size=group,
+                                   zero_mode=zero_mode)
+        spec = Matmul.for_weight(qweight, "bfloat16", output_dtype="float32", activation_quant="int8")
+        x = torch.randn(m, k, generator=generator).bfloat16()
+        for level in STEPPED_LEVELS:
+            device = host_cpu().at_level(level)
+            stepped = vnni.TEMPLATE.build(spec, n, k, config, "tile16", bucket, device)(x, pack(qweight))
+            with monkeypatch.context() as patch:
+                patch.setattr("bitkern.codegen.cpu.emit.vnni.steps_words", lambda level, rows: False)
+                unrolled = vnni.TEMPLATE.build(spec, n, k, config, "tile16", bucket, device)(x, pack(qweight))
+            assert torch.equal(stepped, unrolled), (name, group, level)
+            _check(spec, qweight, x, stepped)
+
+
+def test_stepped_blocks_keep_the_decoded_codes_in_registers():
+    """Compiled for x86-64-v3 (any host): a block of 4 rows and one tile of int4 codes loops over words, each
+    iteration one word's 16 vpmaddubsw (2 byte positions x 4 rows x two 256-bit halves) with no vector spilled to
+    the stack; the unrolled block of 8 products it replaces spilled the decoded codes (LLVM scheduled its products
+    row by row)."""
+    from bitkern.codegen.cpu.kernel import disassembly
+
+    qweight = bitkern.quantize(torch.randn(64, 512), "int4", group_size=128)
+    spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
+    kernel = vnni.TEMPLATE.build(spec, 64, 512, VnniConfig(1, False, 32, 4, 0), "tile16", (17, 256),
+                                 host_cpu().at_level("x86-64-v3"))
+    products = [body for body in _backward_loops(disassembly(kernel.library)) if "vpmaddubsw" in body]
+    assert any(body.count("vpmaddubsw") == 16 for body in products), [body.count("vpmaddubsw") for body in products]
+    for body in products:
+        assert not re.search(r"vmov\w+\s+%ymm\d+,\s*-?\w*\(%rsp\)", body), body
+
+
+def _backward_loops(code: str) -> list[str]:
+    """The bodies of the loops in objdump output: from each backward jump's target to the jump, as text."""
+    lines = code.splitlines()
+    address = {int(match.group(1), 16): i for i, line in enumerate(lines)
+               if (match := re.match(r"\s*([0-9a-f]+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        match = re.match(r"\s*([0-9a-f]+):\s+j\w+\s+([0-9a-f]+)", line)
+        if match and int(match.group(2), 16) < int(match.group(1), 16) and int(match.group(2), 16) in address:
+            loops.append("\n".join(lines[address[int(match.group(2), 16)]:i + 1]))
+    return loops
 
 
 @pytest.mark.parametrize("norm, epilogue, residual, m", [("rmsnorm", "swiglu", False, 1),

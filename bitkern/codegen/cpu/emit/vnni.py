@@ -15,7 +15,9 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
             columns); per activation block y += (scale·alpha·d)·C, per
             group y += scale·beta·XS, where v = alpha·u + offset and beta = offset - zero point;
   output    the tile16 builder's (non-finite terms, bias, epilogue, residual).
-The decode is a mask (and a shift) per byte position, so rows re-decode it per block instead of staging it.
+The decode is a mask (and a shift) per byte position, so rows re-decode it per block instead of staging it.  Where a
+level has 16 vector registers (AVX2), blocks of several rows run a group's products as one loop over its words, y in
+memory (`vnni.steps_words`), so that LLVM keeps one word's decoded codes and the sums in registers.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ....ttype import get
 from ....ttype.types import INT
 from ..isa import IsaLevel
 from ..layout import padded_k, tile16_shift
-from ..vnni import byte_bias, byte_bits, dot_instruction, looks_up_bytes, reads_signed_bytes
+from ..vnni import byte_bias, byte_bits, dot_instruction, looks_up_bytes, reads_signed_bytes, steps_words
 from . import nonfinite
 from .tile16 import SMALL_M_ROWS, Tile16Builder, _Decode
 from .tir import LANES, by_parts, horizontal_max, load, lookup_bytes, prefetch_ahead, ramp, registers, splat, u32
@@ -225,9 +227,17 @@ class VnniBuilder(Tile16Builder):
     def _rows(self, yacc, block_registers, tiles, row0, local_row, count: int, column: int = 0) -> None:
         """yacc[local_row + r, column..] for the `count` rows of a block and `tiles` (the task's from `column` on): all
         of K, y in registers (`block_registers`: y, the int32 sums and the group's factors scale·alpha, scale·beta per
-        tile)."""
-        y = block_registers[0]
+        tile), or in yacc itself where the block steps through words (`vnni.steps_words`: its loop then holds only
+        the sums in registers)."""
         cells = [(r, c) for r in range(count) for c in range(len(tiles))]
+        if steps_words(self.level, count):
+            y = self._rows_of(yacc, local_row, column, len(tiles))
+            for r, c in cells:
+                T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
+            with T.serial(0, self.s.groups) as group:
+                self._group((y, *block_registers[1:]), tiles, row0 + local_row, count, group)
+            return
+        y = block_registers[0]
         for r, c in cells:
             T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
         with T.serial(0, self.s.groups) as group:
@@ -235,8 +245,20 @@ class VnniBuilder(Tile16Builder):
         for r, c in cells:
             T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, column + c, ramp(0)])
 
+    def _rows_of(self, yacc, local_row, column: int, width: int):
+        """yacc's cells of a block's rows from local_row and its tiles from `column`, as a buffer [rows, width, 16]
+        in place (a view at a variable offset, which LLVM keeps in memory rather than in registers)."""
+        tiles = self.cfg.n_tiles
+        return T.decl_buffer((self.cfg.rows, width, LANES), "float32", data=yacc.data, scope="local",
+                             strides=(tiles * LANES, LANES, 1), elem_offset=(local_row * tiles + column) * LANES)
+
     def _group_rows(self, yacc, block_registers, tiles, row0, local_row, count: int, group) -> None:
-        """yacc[local_row + r] += one group's terms for the `count` rows of a block (y through registers)."""
+        """yacc[local_row + r] += one group's terms for the `count` rows of a block (y through registers, or in yacc
+        itself where the block steps through words)."""
+        if steps_words(self.level, count):
+            self._group((self._rows_of(yacc, local_row, 0, len(tiles)), *block_registers[1:]), tiles, row0 + local_row,
+                        count, group)
+            return
         y = block_registers[0]
         cells = [(r, c) for r in range(count) for c in range(len(tiles))]
         for r, c in cells:
@@ -259,8 +281,11 @@ class VnniBuilder(Tile16Builder):
             T.buffer_store(factors, scale if alpha == 1.0 else scale * splat(alpha, "float32"), [0, c, ramp(0)])
             if beta is not None:
                 T.buffer_store(factors, scale * beta, [1, c, ramp(0)])
-        with T.serial(0, self.group_blocks) as inner:
-            self._block(y, acc, factors, tiles, rows, group * self.group_blocks + inner, splits)
+        if steps_words(self.level, count):
+            self._stepped_blocks(y, acc, factors, tiles, rows, group)
+        else:
+            with T.serial(0, self.group_blocks) as inner:
+                self._block(y, acc, factors, tiles, rows, group * self.group_blocks + inner, splits)
         if self.dec.offset != 0.0 or self.group_args.zeros is not None:
             for r, c in cells:
                 xs = tirx.Broadcast(load(self.xs, rows[r], group), LANES)
@@ -297,26 +322,9 @@ class VnniBuilder(Tile16Builder):
             return
         codes, width = self.codes, len(tiles)
         pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
-        count = len(rows)
-        for split in range(splits):
-            for r in range(count):
-                for c in range(width):
-                    T.buffer_store(acc, splat(0, "int32"), [split, r, c, ramp(0)])
+        self._clear_sums(acc, splits, len(rows), width)
         for w in range(codes.words):
-            words = self._words(tiles, block * codes.words + w)
-            for s in range(codes.positions):
-                product = w * codes.positions + s
-                quads = [tirx.Broadcast(load(self.a, row, block * QUADS + product), LANES) for row in rows]
-                for c, word in enumerate(words):
-                    unsigned = self._codes_at(word, s)
-                    for r, quad in enumerate(quads):
-                        cell = [product % splits, r, c, ramp(0)]
-                        if pairs:
-                            total = add_byte_pairs(load(acc, *cell), unsigned, quad, self.level)
-                        else:
-                            total = dot_bytes(load(acc, *cell), unsigned, quad, self.level, byte_bits(self.spec),
-                                              self.dec.signed)
-                        T.buffer_store(acc, total, cell)
+            self._word_products(acc, tiles, rows, block, w, block * codes.words + w, lambda product: product % splits)
 
         def total(r, c):
             sums = [load(acc, split, r, c, ramp(0)) for split in range(splits)]
@@ -326,6 +334,51 @@ class VnniBuilder(Tile16Builder):
             return found
 
         self._scale_into_y(y, factors, rows, block, width, total)
+
+    def _stepped_blocks(self, y, acc, factors, tiles, rows, group) -> None:
+        """A group's activation blocks as one loop over its words (`vnni.steps_words`), one sum per cell: each
+        word's products (`_word_products`), and after a block's last word y += (scale·alpha·d)·C and the sums
+        cleared.  The same sums in the same order as `_block`'s, so the same y bit for bit."""
+        codes, width, count = self.codes, len(tiles), len(rows)
+        pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
+        first = group * self.group_blocks
+        self._clear_sums(acc, 1, count, width)
+        with T.serial(0, self.group_blocks * codes.words) as step:
+            block, w = first + tirx.floordiv(step, codes.words), tirx.floormod(step, codes.words)
+            self._word_products(acc, tiles, rows, block, w, first * codes.words + step, lambda product: 0)
+            with T.If(w == codes.words - 1):
+                with T.Then():
+                    self._scale_into_y(y, factors, rows, block, width, lambda r, c: widen_pairs(
+                        load(acc, 0, r, c, ramp(0)), self.level) if pairs else load(acc, 0, r, c, ramp(0)))
+                    self._clear_sums(acc, 1, count, width)
+
+    def _clear_sums(self, acc, splits: int, count: int, width: int) -> None:
+        """Zero the int32 sums of a block's cells (`splits` per cell)."""
+        for split in range(splits):
+            for r in range(count):
+                for c in range(width):
+                    T.buffer_store(acc, splat(0, "int32"), [split, r, c, ramp(0)])
+
+    def _word_products(self, acc, tiles, rows, block, w, word_index, split_of) -> None:
+        """acc += the byte products of word `w` of activation block `block` (the tiles' word `word_index`), per
+        byte position, row and tile: into split `split_of(product)` of each cell, as int16 pairs (`sums_pairs`) or
+        int32 dot products (`dot_bytes`)."""
+        codes = self.codes
+        pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
+        words = self._words(tiles, word_index)
+        for s in range(codes.positions):
+            product = w * codes.positions + s
+            quads = [tirx.Broadcast(load(self.a, row, block * QUADS + product), LANES) for row in rows]
+            for c, word in enumerate(words):
+                unsigned = self._codes_at(word, s)
+                for r, quad in enumerate(quads):
+                    cell = [split_of(product), r, c, ramp(0)]
+                    if pairs:
+                        total = add_byte_pairs(load(acc, *cell), unsigned, quad, self.level)
+                    else:
+                        total = dot_bytes(load(acc, *cell), unsigned, quad, self.level, byte_bits(self.spec),
+                                          self.dec.signed)
+                    T.buffer_store(acc, total, cell)
 
     def _scale_into_y(self, y, factors, rows, block, width: int, sums) -> None:
         """y += (scale·alpha·d)·C for each row and tile of a block, C = sums(r, c) (its int32 sums, 16 lanes)."""
