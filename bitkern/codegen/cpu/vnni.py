@@ -110,17 +110,26 @@ def dot_cost(level, bits: int, looked_up: bool = False) -> float:
     """Instructions per 64 bytes of byte dot products at a level (`emit.vnni.dot_bytes`), relative to one 512-bit
     vpdpbusd: two 256-bit ones with AVX-VNNI; four sdot (and tbl of a looked-up code book) at two per cycle on aarch64;
     without VNNI a vpmaddubsw and a vpaddw (on two ports) per vector (two vectors with AVX2) and per block of 8 a
-    vpmaddwd and an add (`emit.vnni.sums_pairs`); 8-bit codes widen per vector, with AVX2 with a vpabsb and a vpsignb
-    more (the sign trick), with AVX-512 twice over (two nibbles); a looked-up code book (`looks_up_bytes`, bits 8) a
-    vpshufb more per vector."""
+    vpmaddwd and an add (`emit.vnni.sums_pairs`); 8-bit codes widen per vector, with AVX2 with a vpsignb more (the
+    sign trick; the codes' vpabsb is the row block's, `shared_dot_cost`), with AVX-512 twice over (two nibbles); a
+    looked-up code book (`looks_up_bytes`, bits 8) a vpshufb more per vector (without VNNI once per row block)."""
     lookup = int(looked_up)
     instruction = dot_instruction(level)
     if instruction == "vpdpbusd":
         return (1 + lookup / 2) * (64 / level.vector_bytes)  # vpshufb on another port than vpdpbusd
     if instruction == "sdot":
         return (1 + lookup) * (64 / level.vector_bytes) / 2
-    operations = (2.25 if bits <= 4 else 5 if reads_signed_bytes(level, bits) else 6) + lookup
+    operations = 2.25 if bits <= 4 else 4 if reads_signed_bytes(level, bits) else 6
     return operations * (64 / level.vector_bytes) / 2
+
+
+def shared_dot_cost(level, bits: int, looked_up: bool = False) -> float:
+    """Instructions per 64 bytes of codes that a row block's rows share, in `dot_cost`'s units: without VNNI the
+    code book's vpshufb and AVX2's vpabsb of 8-bit codes (the sign trick's magnitudes), once per word and byte
+    position whatever the rows (`emit.vnni`)."""
+    if dot_instruction(level) != "vpmaddubsw":
+        return 0.0
+    return (int(looked_up) + int(reads_signed_bytes(level, bits))) * (64 / level.vector_bytes) / 2
 
 
 def registers(rows: int, n_tiles: int) -> int:
@@ -230,10 +239,10 @@ class VnniTemplate(CpuTemplate):
         return bucket[1] <= rows
 
     def work(self, spec: Matmul, n: int, k: int, m: int, config: VnniConfig, device) -> Work:
-        """Per call: byte dot products per row, tile and product (`dot_cost` per level; in pairs smmla, eight per row
-        pair, tile and two products, an odd block's last row counted as a pair, and per 16 bytes of codes and row block
-        a zip, and a tbl for a code book, both once per block, not per row); each row block's word decodes (a mask and a
-        shift per byte position) beside them; per row, tile and activation block the conversion and scaling of C; per
+        """Per call: byte dot products per row, tile and product (`dot_cost` per level, and per row block what its
+        rows share, `shared_dot_cost`; in pairs smmla, eight per row pair, tile and two products, an odd block's last
+        row counted as a pair, and per 16 bytes of codes and row block a zip, and a tbl for a code book, both once per
+        block, not per row); each row block's word decodes (a mask and a shift per byte position) beside them; per row, tile and activation block the conversion and scaling of C; per
         group the offset term; the serial prologue of few rows (the other cores wait for it)."""
         bits = get(spec.weight_dtype).bits
         tiles_n = -(-n // AMX_TILE_ROWS)
@@ -257,8 +266,8 @@ class VnniTemplate(CpuTemplate):
             if looks_up_bytes(spec):
                 operations["vnni_table"] = unpacked
         else:
-            bound["byte_dot"] = tiles_n * blocks * PRODUCTS * m * dot_cost(device.level, byte_bits(spec),
-                                                                           looks_up_bytes(spec))
+            costs = (device.level, byte_bits(spec), looks_up_bytes(spec))
+            bound["byte_dot"] = tiles_n * blocks * PRODUCTS * (m * dot_cost(*costs) + row_blocks * shared_dot_cost(*costs))
         return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),
                     streams=streams, prefetch=config.prefetch, stream_penalty=STREAM_PENALTY)
 
