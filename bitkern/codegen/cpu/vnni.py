@@ -242,8 +242,9 @@ class VnniTemplate(CpuTemplate):
         """Per call: byte dot products per row, tile and product (`dot_cost` per level, and per row block what its
         rows share, `shared_dot_cost`; in pairs smmla, eight per row pair, tile and two products, an odd block's last
         row counted as a pair, and per 16 bytes of codes and row block a zip, and a tbl for a code book, both once per
-        block, not per row); each row block's word decodes (a mask and a shift per byte position) beside them; per row, tile and activation block the conversion and scaling of C; per
-        group the offset term; the serial prologue of few rows (the other cores wait for it)."""
+        block, not per row); each row block's word decodes (a mask and a shift per byte position) beside them; per
+        row, tile and activation block the conversion and scaling of C; per group the offset term; the serial
+        prologue of few rows (the other cores wait for it)."""
         bits = get(spec.weight_dtype).bits
         tiles_n = -(-n // AMX_TILE_ROWS)
         blocks = padded_k(k, bits) // ACTIVATION_BLOCK
@@ -267,7 +268,8 @@ class VnniTemplate(CpuTemplate):
                 operations["vnni_table"] = unpacked
         else:
             costs = (device.level, byte_bits(spec), looks_up_bytes(spec))
-            bound["byte_dot"] = tiles_n * blocks * PRODUCTS * (m * dot_cost(*costs) + row_blocks * shared_dot_cost(*costs))
+            bound["byte_dot"] = tiles_n * blocks * PRODUCTS * (m * dot_cost(*costs) +
+                                                               row_blocks * shared_dot_cost(*costs))
         return Work(column_blocks * chunks, operand_bytes(spec, n, k, m), operations, (bound,),
                     streams=streams, prefetch=config.prefetch, stream_penalty=STREAM_PENALTY)
 
