@@ -300,8 +300,13 @@ class VnniTemplate(CpuTemplate):
                              f"in pairs)")
 
     def constants(self, spec: Matmul, device) -> list:
-        """The kernel's constant arguments: the int8 code book of a looked-up type (`byte_table`)."""
-        return [byte_table(spec, device.level)] if looks_up_bytes(spec) else []
+        """The kernel's constant arguments: the int8 code book of a looked-up type (`byte_table`), or the bits that
+        flip codes to unsigned bytes (`emit.vnni.flip_words`)."""
+        if looks_up_bytes(spec):
+            return [byte_table(spec, device.level)]
+        from .emit.vnni import flip_words
+
+        return flip_words(spec, device.level)
 
 
 TEMPLATE = VnniTemplate()

@@ -239,18 +239,23 @@ def test_stepped_blocks_give_the_unrolled_blocks_bit_for_bit(monkeypatch, name, 
 def test_stepped_blocks_keep_the_decoded_codes_in_registers():
     """Compiled for x86-64-v3 (any host): a block of 4 rows and one tile of int4 codes loops over words, each
     iteration one word's 16 vpmaddubsw (2 byte positions x 4 rows x two 256-bit halves) with no vector spilled to
-    the stack; the unrolled block of 8 products it replaces spilled the decoded codes (LLVM scheduled its products
-    row by row)."""
+    the stack in any innermost product loop; the unrolled block of 8 products it replaces spilled the decoded codes
+    (LLVM scheduled its products row by row); each word's sign flip is one vpxor (a shift gives its second byte
+    position), not one per byte position."""
     from bitkern.codegen.cpu.kernel import disassembly
 
     qweight = bitkern.quantize(torch.randn(64, 512), "int4", group_size=128)
     spec = Matmul.for_weight(qweight, "bfloat16", activation_quant="int8")
     kernel = vnni.TEMPLATE.build(spec, 64, 512, VnniConfig(1, False, 32, 4, 0), "tile16", (17, 256),
                                  host_cpu().at_level("x86-64-v3"))
-    products = [body for body in _backward_loops(disassembly(kernel.library)) if "vpmaddubsw" in body]
+    loops = [body for body in _backward_loops(disassembly(kernel.library)) if "vpmaddubsw" in body]
+    products = [body for body in loops if not any(other != body and other in body for other in loops)]  # innermost
     assert any(body.count("vpmaddubsw") == 16 for body in products), [body.count("vpmaddubsw") for body in products]
     for body in products:
         assert not re.search(r"vmov\w+\s+%ymm\d+,\s*-?\w*\(%rsp\)", body), body
+        # int4's sign flip once per word half (the `flip` argument), not once per byte position
+        flips = [line for line in body.splitlines() if "vpxor" in line and not re.search(r"(%\w+),\1,\1", line)]
+        assert len(flips) <= body.count("vpsrld"), body
 
 
 def _backward_loops(code: str) -> list[str]:

@@ -55,7 +55,7 @@ class GroupedVnniBuilder(VnniBuilder):
         self.x = T.arg("x", T.Buffer((self.m, s.k), spec.activation_dtype))
         self.qweight = T.arg("qweight", T.Buffer((tiles, s.words, LANES), "int32"))
         self.group_args = GroupArguments.declare(spec, (tiles, s.scale_groups, LANES))
-        self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
+        self._declare_constants()
         self.norm = self.residual = None
         self.indices = T.arg("indices", T.Buffer((self.m, self.top_k), "int64"))
         self.bias = T.arg("bias", T.Buffer((spec.experts * s.n,), "float32")) if spec.bias else None

@@ -203,12 +203,16 @@ class Tile16Builder(abc.ABC):
         self.x = T.arg("x", T.Buffer(x_shape, spec.activation_dtype))
         self.qweight = T.arg("qweight", T.Buffer((s.n_tiles, s.words, LANES), "int32"))
         self.group_args = GroupArguments.declare(spec, per_tile)
-        self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
+        self._declare_constants()
         self.norm = NormPrologue.declare(spec, s.k)
         self.bias = T.arg("bias", T.Buffer((s.n,), "float32")) if spec.bias else None
         out_n = spec.out_features(s.n)
         self.residual = T.arg("residual", T.Buffer((self.m, out_n), spec.output_dtype)) if spec.residual else None
         self.y = T.arg("y", T.Buffer((self.m, out_n), spec.output_dtype))
+
+    def _declare_constants(self) -> None:
+        """The template's constant arguments (`CpuTemplate.constants`), after the weight's: a code book's table."""
+        self.lut = T.arg("lut", T.Buffer((LANES,), "int32")) if self.dec.strategy == "lut" else None
 
     # -- prologue: activation planes and group sums -------------------------------------------------
     def _prologue(self, rows) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
@@ -96,6 +97,21 @@ def unsigned_decode(spec) -> _Decode:
     return _Decode("unsigned", ttype.bits, xor=(flip,), offset=-float(half))
 
 
+def decode_of(spec, level: IsaLevel) -> _Decode:
+    """How the kernel reads `spec`'s codes at `level`: looked up in the int8 code book, as signed bytes, or as
+    unsigned integers (`table_decode`, `signed_decode`, `unsigned_decode`)."""
+    if looks_up_bytes(spec):
+        return table_decode(spec, level)
+    return (signed_decode if reads_signed_bytes(level, get(spec.weight_dtype).bits) else unsigned_decode)(spec)
+
+
+def flip_words(spec, level: IsaLevel) -> list:
+    """The `flip` argument of a decode that flips bits of every word (`decode_of`): 16 int32 of the pattern, else
+    nothing."""
+    flip = decode_of(spec, level).xor[0]
+    return [torch.full((LANES,), flip - (1 << 32) if flip >= 1 << 31 else flip, dtype=torch.int32)] if flip else []
+
+
 class VnniBuilder(Tile16Builder):
     """Emits one VNNI kernel: the tile16 builder's arguments, row loop and output stage around an int8 prologue and
     vpdpbusd products."""
@@ -110,12 +126,14 @@ class VnniBuilder(Tile16Builder):
         self.group_blocks = self.s.kgroup // ACTIVATION_BLOCK
 
     def _set_decode(self, config) -> None:
-        if looks_up_bytes(self.spec):
-            self.dec = table_decode(self.spec, self.level)
-        else:
-            decode = signed_decode if reads_signed_bytes(self.level, self.ttype.bits) else unsigned_decode
-            self.dec = decode(self.spec)
+        self.dec = decode_of(self.spec, self.level)
         self.nibbles, self.offset_shortfall = 1, None
+
+    def _declare_constants(self) -> None:
+        """A code book's table (`lut`), or the bits that flip codes to unsigned (`flip`, `flip_words`): from memory,
+        LLVM xors each word once; as a constant it moved the xor past the mask and shift, once per byte position."""
+        super()._declare_constants()
+        self.flip = T.arg("flip", T.Buffer((LANES,), "int32")) if self.dec.xor[0] and self.lut is None else None
 
     def body_scope(self):
         return contextlib.nullcontext()
@@ -311,7 +329,9 @@ class VnniBuilder(Tile16Builder):
         for tile in tiles:
             prefetch_ahead(self.qweight, tile, word_index, self.cfg.prefetch, len(tiles))
             word = tirx.reinterpret("uint32x16", load(self.qweight, tile, word_index, ramp(0)))
-            words.append(tirx.bitwise_xor(word, u32(self.dec.xor[0])) if self.dec.xor[0] else word)
+            flip = u32(self.dec.xor[0]) if self.flip is None else tirx.reinterpret("uint32x16", load(self.flip,
+                                                                                                     ramp(0)))
+            words.append(tirx.bitwise_xor(word, flip) if self.dec.xor[0] else word)
         return words
 
     def _block(self, y, acc, factors, tiles, rows, block, splits: int) -> None:
