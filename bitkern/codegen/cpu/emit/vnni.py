@@ -106,9 +106,9 @@ def decode_of(spec, level: IsaLevel) -> _Decode:
 
 
 def flip_words(spec, level: IsaLevel) -> list:
-    """The `flip` argument of a decode that flips bits of every word (`decode_of`): 16 int32 of the pattern, else
-    nothing."""
-    flip = decode_of(spec, level).xor[0]
+    """The `flip` argument of a decode that flips bits of every word (`decode_of`) on x86: 16 int32 of the pattern,
+    else nothing (aarch64 keeps the constant: its kernels were not measured with the argument)."""
+    flip = decode_of(spec, level).xor[0] if level.arch == "x86_64" else 0
     return [torch.full((LANES,), flip - (1 << 32) if flip >= 1 << 31 else flip, dtype=torch.int32)] if flip else []
 
 
@@ -133,7 +133,7 @@ class VnniBuilder(Tile16Builder):
         """A code book's table (`lut`), or the bits that flip codes to unsigned (`flip`, `flip_words`): from memory,
         LLVM xors each word once; as a constant it moved the xor past the mask and shift, once per byte position."""
         super()._declare_constants()
-        self.flip = T.arg("flip", T.Buffer((LANES,), "int32")) if self.dec.xor[0] and self.lut is None else None
+        self.flip = T.arg("flip", T.Buffer((LANES,), "int32")) if flip_words(self.spec, self.level) else None
 
     def body_scope(self):
         return contextlib.nullcontext()
