@@ -248,20 +248,15 @@ class VnniBuilder(Tile16Builder):
         tile), or in yacc itself where the block steps through words (`vnni.steps_words`: its loop then holds only
         the sums in registers)."""
         cells = [(r, c) for r in range(count) for c in range(len(tiles))]
-        if steps_words(self.level, count):
-            y = self._rows_of(yacc, local_row, column, len(tiles))
-            for r, c in cells:
-                T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
-            with T.serial(0, self.s.groups) as group:
-                self._group((y, *block_registers[1:]), tiles, row0 + local_row, count, group)
-            return
-        y = block_registers[0]
+        in_yacc = steps_words(self.level, count)
+        y = self._rows_of(yacc, local_row, column, len(tiles)) if in_yacc else block_registers[0]
         for r, c in cells:
             T.buffer_store(y, splat(0.0, "float32"), [r, c, ramp(0)])
         with T.serial(0, self.s.groups) as group:
-            self._group(block_registers, tiles, row0 + local_row, count, group)
-        for r, c in cells:
-            T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, column + c, ramp(0)])
+            self._group((y, *block_registers[1:]), tiles, row0 + local_row, count, group)
+        if not in_yacc:
+            for r, c in cells:
+                T.buffer_store(yacc, load(y, r, c, ramp(0)), [local_row + r, column + c, ramp(0)])
 
     def _rows_of(self, yacc, local_row, column: int, width: int):
         """yacc's cells of a block's rows from local_row and its tiles from `column`, as a buffer [rows, width, 16]
