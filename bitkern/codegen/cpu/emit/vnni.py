@@ -9,11 +9,12 @@ Per parallel task (16·n_tiles output columns, a chunk of rows):
             whole weight vector; per quantization group the sums XS = Σ d·q (for offsets and zero points);
   main      per block of `rows` rows (all of K with y in registers where one block holds the call's rows, else
             per group, every block in turn, so a group's words come from DRAM once): each tile16 word (16 columns)
-            is masked per byte position (its codes as unsigned bytes u, two's complement codes with their sign bit flipped: u = v + 2^(bits-1); code
-            books and floats looked up by vpshufb or tbl in their int8 code book, `vnni.byte_table`), and vpdpbusd adds
-            u·q of 4 k's per lane into int32 sums C (in pairs, `_paired_block`: smmla adds 8 k's of two rows and two
-            columns); per activation block y += (scale·alpha·d)·C, per
-            group y += scale·beta·XS, where v = alpha·u + offset and beta = offset - zero point;
+            is masked per byte position (its codes as unsigned bytes u, two's complement codes with their sign bit
+            flipped: u = v + 2^(bits-1); code books and floats looked up by vpshufb or tbl in their int8 code book,
+            `vnni.byte_table`), and vpdpbusd adds u·q of 4 k's per lane into int32 sums C (in pairs,
+            `_paired_block`: smmla adds 8 k's of two rows and two columns); per activation block
+            y += (scale·alpha·d)·C, per group y += scale·beta·XS, where v = alpha·u + offset and beta = offset - zero
+            point;
   output    the tile16 builder's (non-finite terms, bias, epilogue, residual).
 The decode is a mask (and a shift) per byte position, so rows re-decode it per block instead of staging it.  Where a
 level has 16 vector registers (AVX2), blocks of several rows run a group's products as one loop over its words, y in
@@ -320,12 +321,11 @@ class VnniBuilder(Tile16Builder):
 
     def _words(self, tiles, word_index):
         """Each tile's word `word_index` (prefetching ahead), its bits flipped as the decode says."""
+        flip = u32(self.dec.xor[0]) if self.flip is None else tirx.reinterpret("uint32x16", load(self.flip, ramp(0)))
         words = []
         for tile in tiles:
             prefetch_ahead(self.qweight, tile, word_index, self.cfg.prefetch, len(tiles))
             word = tirx.reinterpret("uint32x16", load(self.qweight, tile, word_index, ramp(0)))
-            flip = u32(self.dec.xor[0]) if self.flip is None else tirx.reinterpret("uint32x16", load(self.flip,
-                                                                                                     ramp(0)))
             words.append(tirx.bitwise_xor(word, flip) if self.dec.xor[0] else word)
         return words
 
@@ -336,26 +336,16 @@ class VnniBuilder(Tile16Builder):
             self._paired_block(y, acc, factors, tiles, rows, block)
             return
         codes, width = self.codes, len(tiles)
-        pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
         self._clear_sums(acc, splits, len(rows), width)
         for w in range(codes.words):
             self._word_products(acc, tiles, rows, block, w, block * codes.words + w, lambda product: product % splits)
-
-        def total(r, c):
-            sums = [load(acc, split, r, c, ramp(0)) for split in range(splits)]
-            found = None
-            for value in (widen_pairs(v, self.level) for v in sums) if pairs else sums:
-                found = value if found is None else found + value
-            return found
-
-        self._scale_into_y(y, factors, rows, block, width, total)
+        self._scale_into_y(y, factors, rows, block, width, lambda r, c: self._cell_total(acc, splits, r, c))
 
     def _stepped_blocks(self, y, acc, factors, tiles, rows, group) -> None:
         """A group's activation blocks as one loop over its words (`vnni.steps_words`), one sum per cell: each
         word's products (`_word_products`), and after a block's last word y += (scale·alpha·d)·C and the sums
         cleared.  The same sums in the same order as `_block`'s, so the same y bit for bit."""
         codes, width, count = self.codes, len(tiles), len(rows)
-        pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
         first = group * self.group_blocks
         self._clear_sums(acc, 1, count, width)
         with T.serial(0, self.group_blocks * codes.words) as step:
@@ -363,9 +353,17 @@ class VnniBuilder(Tile16Builder):
             self._word_products(acc, tiles, rows, block, w, first * codes.words + step, lambda product: 0)
             with T.If(w == codes.words - 1):
                 with T.Then():
-                    self._scale_into_y(y, factors, rows, block, width, lambda r, c: widen_pairs(
-                        load(acc, 0, r, c, ramp(0)), self.level) if pairs else load(acc, 0, r, c, ramp(0)))
+                    self._scale_into_y(y, factors, rows, block, width, lambda r, c: self._cell_total(acc, 1, r, c))
                     self._clear_sums(acc, 1, count, width)
+
+    def _cell_total(self, acc, splits: int, r: int, c: int):
+        """A cell's int32 sum C over its `splits` partial sums (int16 pairs widened first, `sums_pairs`)."""
+        pairs = sums_pairs(self.level, byte_bits(self.spec), self.dec.signed)
+        sums = [load(acc, split, r, c, ramp(0)) for split in range(splits)]
+        found = None
+        for value in (widen_pairs(v, self.level) for v in sums) if pairs else sums:
+            found = value if found is None else found + value
+        return found
 
     def _clear_sums(self, acc, splits: int, count: int, width: int) -> None:
         """Zero the int32 sums of a block's cells (`splits` per cell)."""
@@ -504,7 +502,8 @@ def dot_bytes(acc, unsigned, signed, level: IsaLevel, bits: int, signed_codes: b
     if "avx_vnni" in level.features:
         def half(part, codes, activations):
             return tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", part,
-                                              tirx.reinterpret("int8x32", codes), tirx.reinterpret("int8x32", activations))
+                                              tirx.reinterpret("int8x32", codes),
+                                              tirx.reinterpret("int8x32", activations))
     elif signed_codes:
         half = _multiply_add_signed_bytes
     else:
