@@ -9,8 +9,9 @@ matmul; each figure is a median over rounds, each ratio the median of per-round 
 With --level the process restarts held to that level (benchmarks/torch_level.py), torch's bf16 baseline included:
 the figures an AVX2-only CPU's torch would give, not this CPU's AVX512-BF16 ones.  With --llama-cpp the same case
 also runs on llama.cpp's CPU backend built for the level (benchmarks/ggml_mul_mat.c; its nearest ggml type in
-LLAMA_CPP_TYPES, weights repacked where ggml repacks them), in its own process between the rounds: its ratio is the
-median of per-round ratios, as torch's (this VM's speed drifted 1.7x within minutes).
+LLAMA_CPP_TYPES, weights repacked where ggml repacks them), in a process of its own that runs one call per request,
+so that its calls take turns with bitkern's within every round: its ratio is the median of per-round ratios, as
+torch's (this VM's compute speed moved 2.7x within a minute).
 
 Run: python benchmarks/cpu_levels.py --level x86-64-v3 [--rows 1] [--activation-quant int8] [--types int4 nf4 ...]
      [--shapes 4096x4096 14336x4096 4096x14336] [--llama-cpp] [--out benchmarks/results/cpu_levels_x86-64-v3.md]
@@ -24,6 +25,7 @@ import platform
 import statistics
 import sys
 import subprocess
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -43,7 +45,7 @@ from bitkern.cache import kernel_for  # noqa: E402
 from bitkern.ops import Matmul  # noqa: E402
 from bitkern.codegen.cpu import isa  # noqa: E402
 from bitkern.tuner import host_cpu  # noqa: E402
-from conftest import interleaved, read_probes, rotation, round_ratio  # noqa: E402
+from conftest import ReportedSeconds, interleaved, read_probes, rotation, round_ratio  # noqa: E402
 from provenance import header, publish  # noqa: E402
 
 GROUPS = {"mxfp4": 32}  # block-scaled types have their own block; the others use --group
@@ -72,39 +74,67 @@ def _torch_bf16(n: int, k: int, m: int):
     return lambda: x @ next_weight().T
 
 
-def _llama_cpp_run(harness: Path, dtype: str, n: int, k: int, m: int, threads: int):
-    """A call that runs llama.cpp's MUL_MAT for the ggml type of `dtype` (three timed calls, in a process of its own)
-    and returns its median ms: with the weights in the repacking buffer where ggml has a layout for the type and it
-    runs faster there (both tried once), else in a plain one."""
-    def run(repack: int, rounds: int) -> tuple[float | None, str]:
-        command = [str(value) for value in (harness, LLAMA_CPP_TYPES[dtype], n, k, m, threads, rounds, repack)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        return (float(result.stdout.split()[-1]), "") if result.returncode == 0 else (None, result.stderr[-300:])
+class LlamaCppMatmul:
+    """llama.cpp's MUL_MAT for the ggml type of `dtype`, served one call at a time by benchmarks/ggml_mul_mat.c in
+    a process of its own (ROUNDS 0): each call returns the seconds the harness measured, so `interleaved` counts
+    them and the call takes its turn beside bitkern's.  The weights sit in the repacking buffer where ggml has a
+    layout for the type and three calls there are faster, else in a plain one."""
 
-    tried = {repack: run(repack, 3) for repack in (1, 0)}
-    working = {repack: ms for repack, (ms, _) in tried.items() if ms is not None}
-    if not working:
-        raise RuntimeError(f"{harness} failed for {LLAMA_CPP_TYPES[dtype]}: {[error for _, error in tried.values()]}")
-    fastest = min(working, key=working.get)
-    return lambda: run(fastest, 3)[0]
+    PAUSE_S = 0.005  # before each call: the calling process's OpenMP threads stop spinning and leave the cores
+
+    def __init__(self, harness: Path, dtype: str, n: int, k: int, m: int, threads: int):
+        servers, errors = {}, []
+        for repack in (1, 0):
+            command = [str(value) for value in (harness, LLAMA_CPP_TYPES[dtype], n, k, m, threads, 0, repack)]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+            if process.stdout.readline().strip() == "ready":
+                servers[repack] = process
+            else:
+                errors.append(process.communicate()[1][-300:])
+        if not servers:
+            raise RuntimeError(f"{harness} failed for {LLAMA_CPP_TYPES[dtype]}: {errors}")
+        speeds = {repack: statistics.median(self._call(process) for _ in range(3))
+                  for repack, process in servers.items()}
+        fastest = min(speeds, key=speeds.get)
+        for repack, process in servers.items():
+            if repack != fastest:
+                self._close(process)
+        self.process = servers[fastest]
+
+    def __call__(self) -> ReportedSeconds:
+        return self._call(self.process)
+
+    def close(self) -> None:
+        self._close(self.process)
+
+    def _call(self, process) -> ReportedSeconds:
+        time.sleep(self.PAUSE_S)
+        process.stdin.write("\n")
+        process.stdin.flush()
+        return ReportedSeconds(float(process.stdout.readline()) / 1e3)
+
+    @staticmethod
+    def _close(process) -> None:
+        process.stdin.close()
+        process.wait()
 
 
 def measure(dtype: str, n: int, k: int, rows: int, group: int, activation_quant: str, device, probes: dict,
             probe_bytes: int, rounds: int, torch_call=None, llama_cpp=None) -> dict:
     """One case of the table: bitkern's kernel for `dtype` and [n, k] at `rows`, timed round by round with the DRAM
-    probes (and `torch_call`, torch's bf16 matmul, and `llama_cpp`, a run of llama.cpp's that returns its ms, where
-    given): {"template", "ms", "gbs", "fraction" (of the DRAM probe), "cached_ms", "times" (each call's seconds per
-    round), "torch_ms", "torch_ratio" with torch, "llama_cpp_ms", "llama_cpp_ratio" (median of per-round ratios)
-    with llama.cpp}."""
+    probes (and `torch_call`, torch's bf16 matmul, and `llama_cpp`, a `LlamaCppMatmul`, where given; llama.cpp's
+    calls right after bitkern's): {"template", "ms", "gbs", "fraction" (of the DRAM probe), "cached_ms", "times"
+    (each call's seconds per round), "torch_ms", "torch_ratio" with torch, "llama_cpp_ms", "llama_cpp_ratio"
+    (median of per-round ratios) with llama.cpp}."""
     call, cached, nbytes, template = _case(dtype, n, k, rows, group, activation_quant, device)
-    calls = {"bitkern": call, "bitkern in cache": cached, **({"torch": torch_call} if torch_call else {}),
+    calls = {"bitkern": call, **({"llama.cpp": llama_cpp} if llama_cpp else {}), "bitkern in cache": cached,
+             **({"torch": torch_call} if torch_call else {}),
              **{f"probe {name}": probe for name, probe in probes.items()}}
-    times = {name: [] for name in calls} | ({"llama.cpp": []} if llama_cpp else {})
-    for _ in range(rounds):  # llama.cpp in its own process between rounds: the VM's speed drifts within minutes
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
         for name, values in interleaved(calls, rounds=1).items():
             times[name] += values
-        if llama_cpp:
-            times["llama.cpp"].append(llama_cpp() / 1e3)
     probe_s = [min(values) for values in zip(*(times[f"probe {name}"] for name in probes))]
     ms = statistics.median(times["bitkern"]) * 1e3
     case = {"template": template, "ms": ms, "gbs": nbytes / ms / 1e6,
@@ -157,10 +187,12 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         torch_call = _torch_bf16(n, k, args.rows)
         for dtype in args.types:
-            llama_cpp = _llama_cpp_run(harness, dtype, n, k, args.rows, device.cores) \
+            llama_cpp = LlamaCppMatmul(harness, dtype, n, k, args.rows, device.cores) \
                 if harness and dtype in LLAMA_CPP_TYPES else None
             case = measure(dtype, n, k, args.rows, args.group, args.activation_quant, device, probes, probe_bytes,
                            args.rounds, torch_call, llama_cpp)
+            if llama_cpp:
+                llama_cpp.close()
             lines.append(f"| {dtype} | {n}x{k} | {case['template']} | {case['ms']:.3f} | {case['gbs']:.1f} | "
                          f"{case['fraction']:.2f} | {case['cached_ms']:.3f} | {case['torch_ms']:.3f} | "
                          f"{case['torch_ratio']:.2f} |")

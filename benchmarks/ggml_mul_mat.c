@@ -6,6 +6,8 @@
 // reads them from DRAM as a model's layers do.  Built and run by benchmarks/cpu_levels.py --llama-cpp.
 //
 // Usage: ggml_mul_mat TYPE N K M THREADS ROUNDS REPACK   (prints the median milliseconds of ROUNDS calls)
+//        ROUNDS 0: serve calls one at a time: prints "ready" after the warm-up, then for each line read from stdin
+//        runs one call and prints its milliseconds, so that a benchmark can take turns with it call by call.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,6 +94,18 @@ int main(int argc, char ** argv) {
     ggml_backend_tensor_set(x, activations, 0, sizeof(float) * m * k);
 
     for (int c = 0; c < copies; c++) ggml_backend_graph_compute(backend, graphs[c]);  // warm-up
+    if (rounds == 0) {
+        printf("ready\n");
+        fflush(stdout);
+        char line[64];
+        for (int r = 0; fgets(line, sizeof line, stdin); r++) {
+            double start = now();
+            ggml_backend_graph_compute(backend, graphs[r % copies]);
+            printf("%.4f\n", (now() - start) * 1e3);
+            fflush(stdout);
+        }
+        return 0;
+    }
     double * seconds = calloc(rounds, sizeof *seconds);
     for (int r = 0; r < rounds; r++) {
         double start = now();
