@@ -94,7 +94,11 @@ def _prebuild(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
             requests = model_requests(args.model, rows, args.target, _settings(args, parser), args.activation)
             for spec, n, k in dict.fromkeys((r.spec, r.n, r.k) for r in requests):
-                grouped = f", {spec.experts} experts, top {spec.top_k}" if isinstance(spec, GroupedMatmul) else ""
+                grouped = ""
+                if isinstance(spec, GroupedMatmul):
+                    stages = (", SwiGLU" if spec.epilogue == "swiglu" else "") + (", weighted sum" if spec.combine
+                                                                                  else "")
+                    grouped = f", {spec.experts} experts, top {spec.top_k}{stages}"
                 print(f"  {n:>6} x {k:<6} {spec.weight_dtype} (group {spec.group_size}{grouped}) x "
                       f"{spec.activation_dtype}")
             report = prebuild_requests(requests, store, description=f"prebuild {args.model} for {args.target}")

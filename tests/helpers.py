@@ -139,6 +139,39 @@ def assert_epilogue_matches_reference(spec, qweight, x, bias, residual, y) -> No
     assert_within_epilogue_bound(spec, y, reference, epilogue_bound(spec, z, bound_z, reference))
 
 
+def assert_grouped_output_within_bound(spec, weight, bias, y, x, indices, weights, magnitudes, c: float) -> None:
+    """A grouped kernel's y with its output stage (SwiGLU on each expert's [gate; up] halves, the weighted top-k sum
+    of a combine spec) within the bound of `spec.exact`: each pair's sums z (float64, with bias) bounded by
+    c·Σ_k |x|·magnitudes[expert] (x̃ for int8 activations; magnitudes [E, N, K] as the kernel family folds them) and
+    1e-6 of |z|, carried through SwiGLU (as `epilogue_bound`) and the weighted float32 sum, plus the output's
+    rounding."""
+    from bitkern.ops.matmul import quantize_activations
+
+    tokens, top_k = indices.shape
+    assert tuple(y.shape) == spec.output_shape(tokens, magnitudes.shape[1]) and y.dtype == torch_dtype(
+        spec.output_dtype)
+    rows = x if spec.combine else x.repeat_interleave(top_k, 0)  # a row per pair
+    plain = dataclasses.replace(spec, epilogue="none", combine=False, top_k=1)
+    z = plain.exact(rows, weight, indices.reshape(-1, 1), bias).view(tokens, top_k, -1)
+    activations = quantize_activations(rows) if spec.activation_quant == "int8" else rows.double()
+    magnitude = torch.einsum("pk,pnk->pn", activations.abs(), magnitudes[indices.reshape(-1).long()])
+    bound = c * magnitude.view(tokens, top_k, -1) + 1e-6 * z.abs() + 1e-6
+    value = z
+    if spec.epilogue == "swiglu":
+        (gate, up), (gate_bound, up_bound) = z.chunk(2, -1), bound.chunk(2, -1)
+        silu = torch.nn.functional.silu(gate)
+        value = silu * up
+        bound = 1.1 * gate_bound * (up.abs() + up_bound) + silu.abs() * (up_bound + 2e-7 * up.abs())
+    if spec.combine:
+        scale = weights.double().unsqueeze(-1)
+        bound = (scale.abs() * (bound + 1e-6 * value.abs())).sum(1)
+        value = (scale * value).sum(1)
+    reference = spec.exact(x, weight, indices, bias, weights)
+    assert torch.allclose(reference, value, rtol=1e-12, atol=1e-12)  # the spec's definition, composed by hand
+    excess = (y.double() - reference).abs() - (bound + OUTPUT_EPS[spec.output_dtype] * reference.abs() + 1e-30)
+    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g} over the bound"
+
+
 # -- modules ------------------------------------------------------------------------------------------------
 def assert_matches(y, reference, tolerance):
     """max |y - reference| within `tolerance` of reference's largest magnitude."""

@@ -18,7 +18,7 @@ import torch
 
 from ..codegen import PackedWeight, layout_for, to_layout
 from ..ops import execution
-from ..ttype import Layout, torch_dtype
+from ..ttype import torch_dtype
 from ..tuner.buckets import m_bucket
 from .lookup import kernel_for
 
@@ -65,28 +65,30 @@ def serves_grouped(spec, n: int, k: int, device_type: str = "cpu") -> bool:
 
 
 def run_grouped(spec, x: torch.Tensor, weight, indices: torch.Tensor, bias: torch.Tensor | None = None,
-                checked: bool = False) -> torch.Tensor:
-    """y = spec(x, weight, indices, bias) of a `bitkern.ops.GroupedMatmul` by its compiled kernel (on x's device: the
-    host CPU or a CUDA GPU; see `GroupedMatmul.__call__`); `checked`: the caller has already checked the inputs
-    (`GroupedMatmul.check_routed`)."""
+                weights: torch.Tensor | None = None, checked: bool = False) -> torch.Tensor:
+    """y = spec(x, weight, indices, bias, weights) of a `bitkern.ops.GroupedMatmul` by its compiled kernel (on x's
+    device: the host CPU or a CUDA GPU; see `GroupedMatmul.__call__`); `checked`: the caller has already checked the
+    inputs (`GroupedMatmul.check_routed`)."""
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                         f"got {type(weight).__name__}")
     rehearsing = _rehearsal.get()
     if rehearsing is not None:
-        return _rehearse_grouped(spec, x, weight, indices, bias, *rehearsing)
+        return _rehearse_grouped(spec, x, weight, indices, bias, weights, *rehearsing)
     if not checked:
-        spec.check_routed(x, weight, indices, bias)
+        spec.check_routed(x, weight, indices, bias, weights)
     rows, k = weight.shape
     n = rows // spec.experts
-    if x.shape[0] == 0:
-        return torch.empty((0, spec.top_k, n), dtype=torch_dtype(spec.output_dtype), device=x.device)
+    tokens = indices.shape[0]
+    if tokens == 0:
+        return torch.empty(spec.output_shape(0, n), dtype=torch_dtype(spec.output_dtype), device=x.device)
     if x.is_cuda:  # before any kernel is tuned
         from ..codegen.cuda.grouped import check_pairs
 
-        check_pairs(x.shape[0], spec.top_k, n)
-    kernel = kernel_for(spec, n, k, x.shape[0], weight.layout, device_of(x))
-    return kernel(x if x.is_contiguous() else x.contiguous(), weight, bias, indices=indices)
+        check_pairs(tokens, spec.top_k, n)
+    kernel = kernel_for(spec, n, k, tokens, weight.layout, device_of(x))
+    routing = {"indices": indices} if weights is None else {"indices": indices, "weights": weights}
+    return kernel(x if x.is_contiguous() else x.contiguous(), weight, bias, **routing)
 
 
 @contextlib.contextmanager
@@ -124,10 +126,10 @@ def _rehearse(spec, x, weight, bias, residual, device, store, launches) -> torch
     return y if y.shape == shape else y.reshape(shape)
 
 
-def _rehearse_grouped(spec, x, weight, indices, bias, device, store, launches) -> torch.Tensor:
+def _rehearse_grouped(spec, x, weight, indices, bias, weights, device, store, launches) -> torch.Tensor:
     from ..codegen.cuda.launcher import check_launches
 
-    spec.check_routed(x, weight, indices, bias)
+    spec.check_routed(x, weight, indices, bias, weights)
     rows, k = weight.shape
     n = rows // spec.experts
     layout = layout_for(weight.ttype, device.kind)

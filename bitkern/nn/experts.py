@@ -247,32 +247,37 @@ class ExpertWeights(QuantizedModule):
         """The KernelCall of `spec` on this projection's weights (one expert's N and K) at `tokens`' counts."""
         return KernelCall(spec, *self.gemm_shape, self.layout, self.qweight.device, tokens, rows_per_token, up_to)
 
-    def routes(self, x: torch.Tensor) -> bool:
+    def routes(self, x: torch.Tensor, epilogue: str = "none", combine: bool = False) -> bool:
         """Whether the grouped kernel serves this projection for rows like x (a CPU tensor with the weight in tile16 or
         a CUDA one with it in lop3, a type without a tensor scale, out_features a multiple of 16, and a template for
-        them, and for the activation quantization, on x's device).  A meta projection (no weights yet: what `prebuild
-        --model` lists) is judged in the layout its weights take on x's device."""
+        them, for the activation quantization and for `epilogue` and `combine` in its output stage, on x's device).
+        A meta projection (no weights yet: what `prebuild --model` lists) is judged in the layout its weights take on
+        x's device."""
         laid_out = self.qweight.is_meta or self.layout == GROUPED_LAYOUTS.get(x.device.type)
         if x.device.type not in GROUPED_LAYOUTS or not laid_out or ttype.get(self.weight_dtype).tensor_scale or \
                 self.out_features % STACK_ROWS:
             return False
         return _grouped_kernel_serves(self._stacked_format(), self._compute_dtype or x.dtype, x.dtype,
                                       self._parameters["bias"] is not None, self.num_experts, x.device.type,
-                                      self._activation_quant)
+                                      self._activation_quant, epilogue, combine)
 
-    def routed(self, x: torch.Tensor, indices: torch.Tensor, checked: bool = False) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, indices: torch.Tensor, checked: bool = False, epilogue: str = "none",
+               weights: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, top_k, out_features] of x [M, in_features] with each row's top_k experts (indices [M, top_k]) by one
-        call of the grouped kernel (`routes` must hold); `checked`: the caller has checked x's shape and the expert
-        ids, as `Experts` does once for both projections."""
+        call of the grouped kernel (`routes` must hold for `epilogue` and the weights); epilogue "swiglu": silu of the
+        first half of each expert's outputs times the second (out_features / 2 columns); with the routing `weights` [M,
+        top_k], x is [M·top_k, in_features] (a row per pair) and y [M, ...] their weighted sum
+        (`bitkern.ops.GroupedMatmul`); `checked`: the caller has checked x's shape and the expert ids, as `Experts`
+        does once for both projections."""
         x, output_dtype = self._compute_input(x)
         bias = self._parameters["bias"]
         weight = self.stacked_weight()
         if library.eager(x, bias):
             return library.run_grouped_linear(x, weight, self._stacked_format(), indices, bias, output_dtype,
-                                              self.num_experts, self._activation_quant, checked)
+                                              self.num_experts, self._activation_quant, checked, epilogue, weights)
         tensors, weight_format = library.op_arguments(weight)
         return torch.ops.bitkern.grouped_linear(x, tensors, weight_format, indices, bias, output_dtype,
-                                                self.num_experts, self._activation_quant)
+                                                self.num_experts, self._activation_quant, epilogue, weights)
 
     def stacked_weight(self):
         """The experts' weights as one [E·N, K] `bitkern.PackedWeight` (views of the buffers, [E, tiles, ...] seen as
@@ -303,21 +308,25 @@ def stacked_format(format_text: str, experts: int) -> str:
 @functools.lru_cache(maxsize=None)
 @torch.compiler.assume_constant_result  # a compiled graph asks once, while tracing (it reads the CPU's features)
 def _grouped_kernel_serves(stacked_format_text: str, compute: torch.dtype, output: torch.dtype, bias: bool,
-                           experts: int, device_type: str, activation_quant: str) -> bool:
+                           experts: int, device_type: str, activation_quant: str, epilogue: str,
+                           combine: bool) -> bool:
     """Whether this machine's `device_type` ("cpu", "cuda") has a grouped kernel template for experts stacked as
-    `stacked_format_text` (and x quantized by `activation_quant`)."""
-    spec = library.grouped_spec_of(stacked_format_text, compute, output, bias, experts, 1, activation_quant)
+    `stacked_format_text` (x quantized by `activation_quant`, `epilogue` and `combine` in its output stage)."""
+    spec = library.grouped_spec_of(stacked_format_text, compute, output, bias, experts, 1, activation_quant, epilogue,
+                                   combine)
     rows, k = WeightFormat.decode(stacked_format_text).shape
     return serves_grouped(spec, rows // experts, k, device_type)
 
 
 @torch.compiler.disable  # run as it is, not traced, under torch.compile
 @functools.cache
-def _note_path(grouped: bool) -> None:
-    """Say once per process which path mixture-of-experts projections take."""
+def _note_path(grouped: bool, fused: tuple[bool, bool] = (False, False)) -> None:
+    """Say once per process (and path) which path mixture-of-experts projections take."""
     if grouped:
+        steps = [step for step, done in zip(("the SwiGLU", "the weighted top-k sum"), fused) if done]
         log.info("bitkern: mixture-of-experts projections of a few tokens (at most %d token-expert pairs) run the "
-                 "grouped kernel: one call per projection", GROUPED_PAIRS)
+                 "grouped kernel: one call per projection, %s", GROUPED_PAIRS,
+                 f"{' and '.join(steps)} in its output stage" if steps else "gate and weighted sum in torch")
     else:
         log.info("bitkern: mixture-of-experts projections run one dense matmul kernel call per expert with tokens "
                  "(prompts; or no grouped kernel serves them)")
@@ -357,6 +366,7 @@ class Experts(nn.Module):
         self.down = ExpertWeights(num_experts, intermediate_size, hidden_size, bias, **settings)
         self.gate = swiglu if gate is None else gate
         self.__dict__["float_template"] = None
+        self.__dict__["gate_is_swiglu"] = gate is None
 
     @property
     def num_experts(self) -> int:
@@ -407,6 +417,7 @@ class Experts(nn.Module):
         template = _template(module)
         experts.__dict__["gate"] = template._apply_gate if module.has_gate else template.act_fn
         experts.__dict__["float_template"] = template
+        experts.__dict__["gate_is_swiglu"] = gates_by_swiglu(module)
         return experts
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -431,11 +442,13 @@ class Experts(nn.Module):
         unsorted[order] = weighted
         return unsorted.view(tokens, top_k, hidden.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
-    def kernel_calls(self, dtype: torch.dtype, top_k: int | None) -> list[KernelCall]:
+    def kernel_calls(self, dtype: torch.dtype, top_k: int | None, fused: bool = True) -> list[KernelCall]:
         """The kernels calls with x of `dtype` and `top_k` experts a token run (what `bitkern.prepare` and vLLM's
         MoE method make ready): where the grouped kernels serve, calls of at most GROUPED_PAIRS pairs run the first
-        projection's at a row a token and the others' at a row a pair; the rest run each projection's dense kernel
-        at any row count up to the tokens (an expert's share).  top_k None (unknown): the dense kernels only."""
+        projection's at a row a token (with SwiGLU where `_fusions` says) and the others' at a row a pair (the last
+        one's at a token's pairs where it sums them); the rest run each projection's dense kernel at any row count
+        up to the tokens (an expert's share).  top_k None (unknown): the dense kernels only.  fused=False: the
+        grouped kernels of a device that runs neither step in them (a CUDA GPU's, listed for a prebuild from here)."""
         first, *rest = self.projections.values()
         probe = torch.empty(0, first.in_features, dtype=dtype, device="cuda" if first.qweight.is_cuda else "cpu")
         grouped = top_k is not None and all(projection.routes(probe) for projection in self.projections.values())
@@ -446,12 +459,26 @@ class Experts(nn.Module):
                                         (decode[1] + 1, ALL_TOKENS[1]), up_to=True)
                  for projection in self.projections.values()]
         if grouped:
-            for projection, routed in [(first, top_k), *((other, 1) for other in rest)]:
+            swiglu, combine = self._fusions(probe) if fused else (False, False)
+            last = len(self.projections) - 1
+            for index, projection in enumerate(self.projections.values()):
+                combined = combine and index == last
+                routed = top_k if index == 0 or combined else 1
                 spec = library.grouped_spec_of(library.op_arguments(projection.stacked_weight())[1],
                                                projection.compute_dtype or dtype, dtype, projection.bias is not None,
-                                               projection.num_experts, routed, projection.activation_quant)
+                                               projection.num_experts, routed, projection.activation_quant,
+                                               "swiglu" if swiglu and index == 0 else "none", combined)
                 calls.append(projection.kernel_call(spec, decode, rows_per_token=top_k // routed))
         return calls
+
+    def _fusions(self, x: torch.Tensor, routing_weights: torch.Tensor | None = None) -> tuple[bool, bool]:
+        """(SwiGLU in the first projection's grouped kernel, the weighted top-k sum in the last one's) for rows like
+        x: where the gate is SwiGLU on [gate; up] halves (`gates_by_swiglu`), the routing weights need no gradient,
+        and a grouped kernel serves each (the CPU's; CUDA's compute neither)."""
+        first, *_, last = self.projections.values()
+        swiglu = self.gate_is_swiglu and first.routes(x, epilogue="swiglu")
+        differentiated = routing_weights is not None and torch.is_grad_enabled() and routing_weights.requires_grad
+        return swiglu, not differentiated and last.routes(x, combine=True)
 
     def _routes(self, hidden_states: torch.Tensor, pairs: int) -> bool:
         """Whether a call of `pairs` token-expert pairs runs the grouped kernels (`_decode`): few pairs, nothing to
@@ -463,14 +490,22 @@ class Experts(nn.Module):
         """The forward of a few tokens by one grouped kernel call per projection: the first projection of each token
         for its top-k experts ([T, k, N]), the gate, then each further projection of each (token, expert) pair's
         row for its expert (top-1 routing of the T·k rows)."""
+        swiglu, combine = self._fusions(hidden_states, top_k_weights)
         if not torch.compiler.is_compiling():  # (a graph break under torch.compile)
-            _note_path(True)
+            _note_path(True, (swiglu, combine))
         tokens, top_k = top_k_index.shape
-        first, *rest = self.projections.values()
-        hidden = self.gate(first.routed(hidden_states, top_k_index, checked=True).view(tokens * top_k, -1))
+        first, *rest, last = self.projections.values()
+        if swiglu:
+            hidden = first.routed(hidden_states, top_k_index, checked=True, epilogue="swiglu")
+        else:
+            hidden = self.gate(first.routed(hidden_states, top_k_index, checked=True).view(tokens * top_k, -1))
+        hidden = hidden.reshape(tokens * top_k, -1)
         pair_experts = top_k_index.reshape(-1, 1)
         for projection in rest:
             hidden = projection.routed(hidden, pair_experts, checked=True).view(tokens * top_k, -1)
+        if combine:
+            return last.routed(hidden, top_k_index, checked=True, weights=top_k_weights).to(hidden_states.dtype)
+        hidden = last.routed(hidden, pair_experts, checked=True)
         weighted = hidden.float().view(tokens, top_k, -1) * top_k_weights.float().unsqueeze(-1)
         return weighted.sum(dim=1).to(hidden_states.dtype)
 
@@ -513,6 +548,21 @@ class Experts(nn.Module):
     def nbytes(self) -> int:
         """Bytes of the stored weights (codes, scales, zeros; biases not included)."""
         return sum(projection.nbytes for projection in self.projections.values())
+
+
+def gates_by_swiglu(module: nn.Module) -> bool:
+    """Whether a transformers experts module's gate is SwiGLU on [gate; up] halves, which the grouped kernels apply in
+    their output stage: transformers' default `_apply_gate` (halves, act_fn of the first times the second) with an
+    act_fn equal to torch's silu.  Others (gpt-oss's clamped gate, other activations) run as the model defines them."""
+    if not getattr(module, "has_gate", False):
+        return False
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if getattr(apply_gate, "__module__", None) != "transformers.integrations.moe" or \
+            getattr(apply_gate, "__name__", None) != "_default_apply_gate":
+        return False
+    act_fn = getattr(module, "act_fn", None)
+    probe = torch.linspace(-12.0, 12.0, 97)
+    return callable(act_fn) and torch.equal(act_fn(probe), nn.functional.silu(probe))
 
 
 def is_float_experts(module: nn.Module) -> bool:

@@ -8,8 +8,9 @@ fuses, and
 `bitkern.ops.Conv2d`; their fake implementations give the output's shape and dtype, and their autograd
 formulas send gradients to x and the bias only (the quantized weight is frozen).
 `torch.ops.bitkern.grouped_linear` is a mixture-of-experts projection of rows routed to their top-k experts
-through `bitkern.ops.GroupedMatmul`, and `torch.ops.bitkern.expert_blocks` one of rows sorted by expert, counted per
-expert by a tensor (a prompt's, inside a compiled graph; both inference only: no autograd formula).
+through `bitkern.ops.GroupedMatmul` (SwiGLU and the weighted top-k sum optionally in its output stage), and
+`torch.ops.bitkern.expert_blocks` one of rows sorted by expert, counted per expert by a tensor (a prompt's, inside a
+compiled graph; both inference only: no autograd formula).
 `torch.ops.bitkern.dequantize` gives the float weight.
 
 A weight crosses an op's boundary as two arguments (torch.library ops take plain values only): `weight`, its
@@ -162,40 +163,47 @@ def _linear_epilogue_fake(x, weight, weight_format, bias, output_dtype, epilogue
 
 @functools.lru_cache(maxsize=None)
 def grouped_spec_of(weight_format: str, activation: torch.dtype, output: torch.dtype, bias: bool, experts: int,
-                    top_k: int, activation_quant: str = "none") -> GroupedMatmul:
+                    top_k: int, activation_quant: str = "none", epilogue: str = "none",
+                    combine: bool = False) -> GroupedMatmul:
     """The GroupedMatmul spec of a grouped_linear call (weight_format: the experts' stacked [E·N, K] weight's)."""
     described = WeightFormat.decode(weight_format)
-    return GroupedMatmul(described.dtype, activation, experts=experts, top_k=top_k,
-                         activation_quant=activation_quant, **_spec_fields(described, output, bias))
+    return GroupedMatmul(described.dtype, activation, experts=experts, top_k=top_k, activation_quant=activation_quant,
+                         epilogue=epilogue, combine=combine, **_spec_fields(described, output, bias))
 
 
 def run_grouped_linear(x: Tensor, weight: PackedWeight, weight_format: str, indices: Tensor, bias: Optional[Tensor],
                        output_dtype: torch.dtype, experts: int, activation_quant: str = "none",
-                       checked: bool = False) -> Tensor:
+                       checked: bool = False, epilogue: str = "none", weights: Optional[Tensor] = None) -> Tensor:
     """The grouped_linear op's computation on the stacked weight object (what `bitkern.Experts` runs in eager
     inference, as `run_linear` for Linear; `checked`: its caller has checked x, the routing and the bias, as
     `bitkern.Experts` does once per call for both projections)."""
     spec = grouped_spec_of(weight_format, x.dtype, output_dtype, bias is not None, experts, indices.shape[-1],
-                           activation_quant)
-    return run_grouped(spec, x, weight, indices, bias, checked)
+                           activation_quant, epilogue, weights is not None)
+    return run_grouped(spec, x, weight, indices, bias, weights, checked)
 
 
 @op("grouped_linear")
 def grouped_linear(x: Tensor, weight: list[Optional[Tensor]], weight_format: str, indices: Tensor,
                    bias: Optional[Tensor], output_dtype: torch.dtype, experts: int,
-                   activation_quant: str = "none") -> Tensor:
-    """y[m, j] = x[m] · dequant(W[indices[m, j]])ᵀ (+ bias[indices[m, j]]): y [M, top_k, N] of x [M, K], the
+                   activation_quant: str = "none", epilogue: str = "none",
+                   weights: Optional[Tensor] = None) -> Tensor:
+    """y[m, j] = f(x[m] · dequant(W[indices[m, j]])ᵀ (+ bias[indices[m, j]])): y [M, top_k, N'] of x [M, K], the
     `experts` stacked [N, K] weights as one [E·N, K] weight, indices [M, top_k] (int32/int64 expert ids), bias
     [E, N] or None, computed in x's dtype (quantized by `activation_quant`, as in `linear`), returned in
-    `output_dtype` (`bitkern.ops.GroupedMatmul`).  Inference only: no autograd formula."""
+    `output_dtype`; f: `epilogue` "none" or "swiglu" (each expert's rows [gate; up], N' = N/2).  With the routing
+    `weights` [M, top_k], x holds a row per (m, j) pair ([M·top_k, K]) and y [M, N'] = Σ_j weights[m, j] · y[m, j]
+    (`bitkern.ops.GroupedMatmul`, combine=True).  Inference only: no autograd formula."""
     return run_grouped_linear(x, _weight(weight, weight_format), weight_format, indices, bias, output_dtype, experts,
-                              activation_quant)
+                              activation_quant, epilogue=epilogue, weights=weights)
 
 
 @grouped_linear.register_fake
-def _grouped_linear_fake(x, weight, weight_format, indices, bias, output_dtype, experts, activation_quant="none"):
-    out_features = WeightFormat.decode(weight_format).shape[0] // experts
-    return x.new_empty((x.shape[0], indices.shape[-1], out_features), dtype=output_dtype)
+def _grouped_linear_fake(x, weight, weight_format, indices, bias, output_dtype, experts, activation_quant="none",
+                         epilogue="none", weights=None):
+    out_features = WeightFormat.decode(weight_format).shape[0] // experts // (2 if epilogue == "swiglu" else 1)
+    shape = (indices.shape[0], out_features) if weights is not None else \
+        (indices.shape[0], indices.shape[-1], out_features)
+    return x.new_empty(shape, dtype=output_dtype)
 
 
 def run_expert_blocks(x: Tensor, counts: list[int], linear, weight_at, weight_format: str, bias: Optional[Tensor],

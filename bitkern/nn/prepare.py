@@ -88,16 +88,17 @@ def input_dtype(model: nn.Module, dtype=None) -> torch.dtype:
     return found.pop()
 
 
-def kernel_calls(model: nn.Module, dtype: torch.dtype, top_k: int | None = None
+def kernel_calls(model: nn.Module, dtype: torch.dtype, top_k: int | None = None, fused: bool = True
                  ) -> tuple[list[KernelCall], list[str]]:
     """(the distinct kernels a forward of `model` with inputs of `dtype` and `top_k` experts a token (mixture of
     experts; None: unknown) calls, in the order met; the names of the bitkern modules whose kernels are not listed,
-    such as convolutions, and experts layers' grouped kernels where top_k is unknown)."""
+    such as convolutions, and experts layers' grouped kernels where top_k is unknown).  fused: as
+    `Experts.kernel_calls` takes it."""
     calls, unlisted = {}, []
 
     def visit(name: str, module: nn.Module) -> None:
         if isinstance(module, Experts):
-            calls.update(dict.fromkeys(module.kernel_calls(dtype, top_k)))
+            calls.update(dict.fromkeys(module.kernel_calls(dtype, top_k, fused)))
             if top_k is None:
                 unlisted.append(f"{name} (grouped kernels: top_k unknown)")
             return

@@ -11,14 +11,14 @@ def run(spec, x, weight, bias=None, residual=None):
                        "to run operators on their compiled kernels")
 
 
-def run_grouped(spec, x, weight, indices, bias=None):
-    """Run a `GroupedMatmul` spec's `spec(x, weight, indices, bias)`: replaced by the attached dispatch."""
+def run_grouped(spec, x, weight, indices, bias=None, weights=None):
+    """Run a `GroupedMatmul` spec's `spec(x, weight, indices, bias, weights)`: replaced by the attached dispatch."""
     run(spec, x, weight, bias)  # raises as `run` does until a dispatch is attached
 
 
 def attach(runner, grouped_runner=None) -> None:
     """Make `runner(spec, x, weight, bias, residual)` what calling a spec does (and `grouped_runner(spec, x, weight,
-    indices, bias)` what calling a `GroupedMatmul` does)."""
+    indices, bias, weights)` what calling a `GroupedMatmul` does)."""
     global run, run_grouped
     run = runner
     if grouped_runner is not None:

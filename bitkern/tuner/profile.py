@@ -75,11 +75,13 @@ def inputs(spec: Matmul, n: int, k: int, m: int, layout: str, device):
 def stage_inputs(spec: Matmul, n: int, k: int, m: int, device) -> dict:
     """The keyword arguments a kernel of `spec` takes beyond (x, weight, bias) for M rows: the residual its output
     stage adds, the norm weight (and bias) of its prologue, a grouped spec's routing (each row to top_k distinct
-    experts); empty for a spec with none of them."""
+    experts, with equal weights where it combines them); empty for a spec with none of them."""
     where = "cpu" if device.kind == "cpu" else "cuda"
     extras = {}
     if spec.experts:  # row r to experts r·top_k, r·top_k + 1, ...: the first min(E, M·top_k) (`_expert_windows`)
         extras["indices"] = (torch.arange(m * spec.top_k).view(m, spec.top_k) % spec.experts).to(where)
+        if spec.combine:
+            extras["weights"] = torch.full((m, spec.top_k), 1 / spec.top_k, device=where)
     if spec.residual:
         extras["residual"] = torch.randn(m, spec.out_features(n)).to(torch_dtype(spec.output_dtype)).to(where)
     if spec.norm != "none":

@@ -67,6 +67,12 @@ def model_kernels(path, settings: BitkernConfig | None = None, dtype=None, targe
     top_k = getattr(config, "num_experts_per_tok", None)
     calls, unlisted = kernel_calls(model, dtype, top_k)
     grouped = [call for call in calls if isinstance(call.spec, GroupedMatmul)]
+    if grouped and not _runs_grouped(grouped, device_for(target)):  # without SwiGLU and the weighted sum in them
+        calls, _ = kernel_calls(model, dtype, top_k, fused=False)
+        grouped = [call for call in calls if isinstance(call.spec, GroupedMatmul)]
+        if _runs_grouped(grouped, device_for(target)):
+            log.info("bitkern prebuild: %s runs the experts of %s through grouped kernels without SwiGLU and the "
+                     "weighted top-k sum in them", target, path)
     if grouped and not _runs_grouped(grouped, device_for(target)):
         log.info("bitkern prebuild: %s runs the experts of %s through their dense kernels at every token count (no "
                  "grouped kernels there)", target, path)

@@ -73,10 +73,10 @@ def test_generate_after_prebuild_builds_nothing(checkpoints, empty_cache, monkey
     assert main(["prebuild", "--model", str(folder), "--tokens", ",".join(map(str, TOKENS)), *flags]) == 0
     printed = capsys.readouterr().out
     # q and o, k/v at buckets 1 and 17..128; the experts' dense gate/up (as q: 2 new buckets) and down at every
-    # bucket up to 24 rows (1, 2..4, 5..16, 17..128); the grouped gate/up at a token's row, the grouped down at its
-    # two pairs' rows
+    # bucket up to 24 rows (1, 2..4, 5..16, 17..128); the grouped gate/up with SwiGLU at a token's row, the grouped
+    # down summing its two pairs
     assert "prebuild: 12 kernels for cpu (12 built, 0 already cached)" in printed, printed
-    assert "(group 32, 4 experts, top 2)" in printed and "(group 32, 4 experts, top 1)" in printed
+    assert "(group 32, 4 experts, top 2, SwiGLU)" in printed and "(group 32, 4 experts, top 2, weighted sum)" in printed
     forget()
 
     def refuse(key, *args):
@@ -100,17 +100,22 @@ def test_the_listing_on_meta_is_the_loaded_models(checkpoints, empty_cache, arch
     listed = model_requests(folder, TOKENS, settings=settings)
     loaded = _loaded_requests(_load(folder, quantized))
     assert len(listed) == len(set(listed)) and set(listed) == loaded
-    grouped = {(r.spec.top_k, r.bucket) for r in listed if isinstance(r.spec, GroupedMatmul)}
-    assert grouped == {(2, (1, 1)), (1, (2, 4))}  # gate/up: a token's row, its 2 experts; down: a row a pair
+    grouped = {(r.spec.top_k, r.bucket, r.spec.epilogue, r.spec.combine) for r in listed
+               if isinstance(r.spec, GroupedMatmul)}
+    # gate/up: a token's row, its 2 experts (SwiGLU in the kernel but for gpt-oss's own gate); down: a token's 2 pairs
+    gate = "none" if architecture == "gpt_oss" else "swiglu"
+    assert grouped == {(2, (1, 1), gate, False), (2, (1, 1), "none", True)}
 
 
 def test_a_cuda_target_lists_the_grouped_decode_kernels_as_a_cpu_does(checkpoints, empty_cache):
-    """Experts on CUDA run the grouped GEMV for decode (`grouped_gemv`) as CPUs run theirs: the same kernels listed,
-    for sm_90."""
+    """Experts on CUDA run the grouped GEMV for decode (`grouped_gemv`) as CPUs run theirs, without SwiGLU and the
+    weighted top-k sum in it: the same dense kernels listed, for sm_90, and the grouped ones a GPU's experts call."""
     folder = checkpoints["qwen3_moe"][True]
     listed = model_requests(folder, TOKENS, "sm_90", dtype=torch.float16)
     on_cpu = model_requests(folder, TOKENS, "cpu", dtype=torch.float16)
     assert listed and all(r.target == "sm_90" for r in listed)
-    assert {(r.spec, r.n, r.k, r.bucket) for r in listed} == {(r.spec, r.n, r.k, r.bucket) for r in on_cpu}
-    grouped = {(r.spec.top_k, r.bucket) for r in listed if isinstance(r.spec, GroupedMatmul)}
-    assert grouped == {(2, (1, 1)), (1, (2, 4))}
+    dense = {(r.spec, r.n, r.k, r.bucket) for r in listed if not isinstance(r.spec, GroupedMatmul)}
+    assert dense == {(r.spec, r.n, r.k, r.bucket) for r in on_cpu if not isinstance(r.spec, GroupedMatmul)}
+    grouped = {(r.spec.top_k, r.bucket, r.spec.epilogue, r.spec.combine) for r in listed
+               if isinstance(r.spec, GroupedMatmul)}
+    assert grouped == {(2, (1, 1), "none", False), (1, (2, 4), "none", False)}

@@ -91,9 +91,9 @@ def test_prepare_covers_the_experts_of_a_moe_model(caches, monkeypatch, caplog):
     counts = (1, 2, 24)  # 1 and 2 tokens: the grouped kernels (at most 32 pairs of top-2); 24: the dense ones
     report = bitkern.prepare(model, tokens=counts, progress=False, warmup=False)
     # q/o and k/v at 3 buckets; the experts' dense gate/up and down at every bucket up to 24 rows (an expert's
-    # share of the prompt: 1, 2..4, 5..16, 17..128); the grouped gate/up at 1 and 2 rows, the grouped down at 2
-    # and 4 rows (a row a pair: one bucket)
-    assert report.kernels == 2 * 3 + 2 * 4 + 2 + 1, report
+    # share of the prompt: 1, 2..4, 5..16, 17..128); the grouped gate/up (with SwiGLU) and the grouped down (summing
+    # a token's pairs) at 1 and 2 tokens
+    assert report.kernels == 2 * 3 + 2 * 4 + 2 + 2, report
     _forbid_building(monkeypatch)
     with torch.inference_mode():
         for count in counts:

@@ -123,7 +123,8 @@ def test_int8_activations_decode_by_the_grouped_vnni_kernel_eager_and_compiled(m
     assert all(p.routes(x) for p in experts.projections.values())
     routed_calls = []
     routed = ExpertWeights.routed
-    monkeypatch.setattr(ExpertWeights, "routed", lambda self, *a, **kw: routed_calls.append(1) or routed(self, *a, **kw))
+    monkeypatch.setattr(ExpertWeights, "routed",
+                        lambda self, *a, **kw: routed_calls.append(1) or routed(self, *a, **kw))
     index, weights = _routing(3, 8, 4)
     with torch.no_grad():
         fast = experts(x, index, weights)
@@ -302,17 +303,18 @@ def _tiny_moe_layer(arch: str):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_decode_runs_one_grouped_call_per_projection_equal_to_the_per_expert_path(arch, monkeypatch):
-    """A few tokens (at most GROUPED_PAIRS token-expert pairs) take the grouped kernel, one call per projection; its
-    output equals the per-expert path's (dense kernels, expert by expert) within the kernels' bound, both against the
-    float64 reference; more pairs (a prompt) take the per-expert path."""
+    """A few tokens (at most GROUPED_PAIRS token-expert pairs) take the grouped kernel, one call per projection, the
+    model's SwiGLU (transformers' default gate with silu) in the first one's output stage and the weighted top-k sum in
+    the second one's; its output equals the per-expert path's (dense kernels, expert by expert) within the kernels'
+    bound, both against the float64 reference; more pairs (a prompt) take the per-expert path."""
     from bitkern.nn import experts as experts_module
 
     experts = _tiny_moe_layer(arch)
-    assert isinstance(experts, bitkern.Experts)
+    assert isinstance(experts, bitkern.Experts) and experts.gate_is_swiglu
     routed_calls, per_expert_calls = [], []
     routed, grouped = ExpertWeights.routed, ExpertWeights.grouped
     monkeypatch.setattr(ExpertWeights, "routed",
-                        lambda self, *a, **kw: routed_calls.append(1) or routed(self, *a, **kw))
+                        lambda self, *a, **kw: routed_calls.append(kw) or routed(self, *a, **kw))
     monkeypatch.setattr(ExpertWeights, "grouped", lambda self, *a: per_expert_calls.append(1) or grouped(self, *a))
     for tokens, top_k in ((1, 2), (1, 8), (4, 8), (3, 5)):
         x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
@@ -320,6 +322,7 @@ def test_decode_runs_one_grouped_call_per_projection_equal_to_the_per_expert_pat
         routed_calls.clear()
         fast = experts(x, index, weights)
         assert len(routed_calls) == 2 and not per_expert_calls
+        assert routed_calls[0].get("epilogue") == "swiglu" and routed_calls[1].get("weights") is weights
         with monkeypatch.context() as patch:
             patch.setattr(experts_module, "GROUPED_PAIRS", 0)
             slow = experts(x, index, weights)
@@ -341,6 +344,7 @@ def test_decode_with_biases_bfloat16_and_types_the_grouped_kernel_does_not_serve
     module = _gpt_oss_experts()
     experts = bitkern.Experts.from_float(module, {"dtype": "int8", "group_size": 32})
     assert all(p.routes(torch.zeros(1, 1)) for p in experts.projections.values())
+    assert not experts.gate_is_swiglu  # its clamped gate on interleaved rows runs as gpt-oss defines it
     x = torch.randn(2, HIDDEN) * 3
     index, weights = _routing(2, 4, 2)
     expected = reference(experts, x, index, weights, module._apply_gate)
@@ -351,3 +355,30 @@ def test_decode_with_biases_bfloat16_and_types_the_grouped_kernel_does_not_serve
         other = bitkern.Experts(4, HIDDEN, INTERMEDIATE, dtype=dtype, group_size=group)
         assert not any(p.routes(x) for p in other.projections.values())
         assert _relative_error(other(x, index, weights), reference(other, x, index, weights)) < 1e-5
+
+
+def test_the_fused_output_stages_follow_the_gate_and_the_routing_weights_gradient(monkeypatch, caplog):
+    """SwiGLU goes into the first grouped kernel only for the SwiGLU gate (a new module's default; not a custom gate
+    callable, not a transformers module with another activation); the weighted sum goes into the last unless the
+    routing weights need a gradient; which steps ran in the kernels is logged; the results agree either way."""
+    from bitkern.nn import experts as experts_module
+
+    torch.manual_seed(12)
+    experts = bitkern.Experts(6, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32)
+    custom = bitkern.Experts(6, HIDDEN, INTERMEDIATE, dtype="int4", group_size=32, gate=swiglu)
+    custom.load_state_dict(experts.state_dict())
+    assert experts.gate_is_swiglu and not custom.gate_is_swiglu
+    x = torch.randn(2, HIDDEN)
+    index, weights = _routing(2, 6, 3)
+    experts_module._note_path.__wrapped__.cache_clear()  # (inside torch.compiler.disable)
+    with caplog.at_level(logging.INFO, logger="bitkern"), torch.no_grad():
+        fused, unfused = experts(x, index, weights), custom(x, index, weights)
+    assert "projection, the SwiGLU and the weighted top-k sum in its output stage" in caplog.text
+    assert "projection, the weighted top-k sum in its output stage" in caplog.text  # the custom gate's
+    expected = reference(experts, x, index, weights)
+    assert _relative_error(fused, expected) < 1e-5 and _relative_error(unfused, expected) < 1e-5
+    assert experts._fusions(x, weights.requires_grad_()) == (True, False)
+    assert experts._fusions(x, weights.detach()) == (True, True)
+    qwen = _tiny_moe_layer("qwen3_moe")
+    monkeypatch.setattr(qwen.float_template, "act_fn", nn.GELU())
+    assert not experts_module.gates_by_swiglu(qwen.float_template)

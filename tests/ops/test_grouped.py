@@ -104,3 +104,50 @@ def test_experts_of_rows_not_a_multiple_of_16_and_tensor_scales_are_refused():
     nvfp4 = GroupedMatmul("nvfp4", "float32", group_size=16, experts=2, top_k=1)
     with pytest.raises(ValueError, match="has one scale per tensor"):
         nvfp4.exact(torch.randn(1, K), weight, torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_swiglu_takes_each_experts_halves_and_combine_sums_the_weighted_pairs():
+    """epilogue="swiglu": silu of an expert's first N/2 outputs times its last N/2; combine: x a row per pair, y the
+    routing weights' sum over a token's pairs; both from each expert's plain Matmul reference."""
+    spec, weight, x, indices, b = _case(bias=True)
+    rows = weight.dequantize(torch.float64).view(E, N, K)
+    fused = dataclasses.replace(spec, epilogue="swiglu", combine=True)
+    pairs = torch.randn(4 * 3, K, generator=torch.Generator().manual_seed(3))
+    weights = torch.rand(4, 3, generator=torch.Generator().manual_seed(4))
+    y = fused.exact(pairs, weight, indices, b, weights)
+    assert y.shape == fused.output_shape(4, N) == (4, N // 2)
+    for m in range(4):
+        expected = torch.zeros(N // 2, dtype=torch.float64)
+        for j in range(3):
+            e = int(indices[m, j])
+            z = pairs[3 * m + j].double() @ rows[e].T + b[e].double()
+            expected += weights[m, j].double() * torch.nn.functional.silu(z[:N // 2]) * z[N // 2:]
+        assert torch.allclose(y[m], expected, rtol=0, atol=1e-10)
+    gated = dataclasses.replace(spec, epilogue="swiglu").exact(x, weight, indices, b)
+    z = spec.exact(x, weight, indices, b)
+    assert gated.shape == (4, 3, N // 2)
+    assert torch.allclose(gated, torch.nn.functional.silu(z[..., :N // 2]) * z[..., N // 2:], rtol=0, atol=1e-12)
+    assert fused.matmul == spec.matmul and fused != spec and hash(fused) != hash(spec)
+    assert spec_from_dict(dataclasses.asdict(fused)) == fused
+
+
+def test_the_routing_weights_of_combine_are_checked_by_name():
+    spec, weight, x, indices, _ = _case()
+    combined = dataclasses.replace(spec, combine=True)
+    pairs = torch.randn(12, K)
+    with pytest.raises(ValueError, match="weights are required: the spec has combine=True"):
+        combined.exact(pairs, weight, indices)
+    with pytest.raises(ValueError, match="weights must be None: the spec has combine=False"):
+        spec.exact(x, weight, indices, weights=torch.ones(4, 3))
+    with pytest.raises(ValueError, match=r"x has 10 rows; combine=True takes a row per \(token, expert\) pair"):
+        combined.exact(pairs[:10], weight, indices, weights=torch.ones(4, 3))
+    with pytest.raises(ValueError, match=r"weights must be a float32, float16 or bfloat16 tensor \[4, 3\]"):
+        combined.exact(pairs, weight, indices, weights=torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"weights must be"):
+        combined.exact(pairs, weight, indices, weights=torch.ones(4, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"indices must be an int32 or int64 tensor \[4, top_k=3\]"):
+        combined.exact(pairs, weight, indices[:3], weights=torch.ones(4, 3))
+    with pytest.raises(TypeError, match="combine=1 must be a bool"):
+        GroupedMatmul("int4", "float32", experts=4, top_k=2, combine=1)
+    with pytest.raises(ValueError, match="epilogue='swiglu' needs a stacked weight of a multiple of 32 rows"):
+        dataclasses.replace(spec, epilogue="swiglu").check_shape(48, K)

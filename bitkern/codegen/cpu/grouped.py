@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ops.grouped import GroupedMatmul
+from ...ops.grouped import GROUPED_EPILOGUES, GroupedMatmul
 from ...ttype import get, torch_dtype
 from ..template import Work
 from .fma import BODY, FmaConfig, FmaTemplate, fits_registers, looks_up
 from .kernel import FEW_ROWS, PREFETCH_WORDS, CpuKernel, doublings, operand_bytes
 from .layout import AMX_TILE_ROWS, aligned, padded_k
-from .lut import LOOKUP_256, value_table
+from .lut import LOOKUP_256, min_tiles, value_table
 
 
 @dataclass
@@ -25,28 +25,33 @@ class GroupedCpuKernel(CpuKernel):
     """A compiled grouped kernel: called with the routing as well."""
 
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-                 indices: torch.Tensor | None = None) -> torch.Tensor:
-        """y [M, top_k, N] for a contiguous x [M, K] (M in m_range), the experts' stacked packed weight [E·N, K],
-        indices [M, top_k] (expert ids, int32 or int64) and bias [E, N] or None (inputs already validated by the
-        caller: `GroupedMatmul.check_routed`)."""
-        rows = x.shape[0]
-        self.check_rows(rows)
-        y = torch.empty(rows, self.spec.top_k, self.n, dtype=torch_dtype(self.spec.output_dtype), device=x.device)
+                 indices: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """y (`GroupedMatmul.output_shape`) for a contiguous x [M, K] ([M·top_k, K] combined; M in m_range), the
+        experts' stacked packed weight [E·N, K], indices [M, top_k] (expert ids, int32 or int64), bias [E, N] or None
+        and the routing weights [M, top_k] (combine specs) (inputs already validated by the caller:
+        `GroupedMatmul.check_routed`)."""
+        tokens = indices.shape[0]
+        self.check_rows(tokens)
+        y = torch.empty(self.spec.output_shape(tokens, self.n), dtype=torch_dtype(self.spec.output_dtype),
+                        device=x.device)
         if indices.dtype != torch.int64 or not indices.is_contiguous():
             indices = indices.to(torch.int64).contiguous()  # expert ids below E: exact
+        routing = (aligned(indices),) if weights is None else \
+            (aligned(indices), aligned(weights.float().contiguous()))
         bias_argument = () if bias is None else (aligned(bias.reshape(-1).float().contiguous()),)
-        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, aligned(indices), *bias_argument, y)
+        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *routing, *bias_argument, y)
         return y
 
 
 class Grouped:
     """What a grouped template adds to the dense template it derives from (listed first among its bases): grouped
-    specs only, their kernels called with the routing, no epilogue, residual or norm, no type with a tensor scale,
-    and any rows (each expert's rows a few at a time)."""
+    specs only, their kernels called with the routing, SwiGLU on each expert's [gate; up] halves and the weighted
+    top-k sum (`combine`) in the output stage, no other epilogue, residual or norm, no type with a tensor scale, and
+    any rows (each expert's rows a few at a time)."""
 
     grouped = True
     kernel_class = GroupedCpuKernel
-    epilogues = ("none",)
+    epilogues = GROUPED_EPILOGUES
     norms = ("none",)
     residual_add = False
 
@@ -68,9 +73,10 @@ class GroupedFmaTemplate(Grouped, FmaTemplate):
 
     def configs(self, spec: GroupedMatmul, n: int, k: int, bucket: tuple[int, int], device, hint) -> list[FmaConfig]:
         """Tiles per task while four rows' sums stay within BODY or the level's registers (`fits_registers`),
-        every prefetch depth."""
-        return [FmaConfig(n_tiles, prefetch) for n_tiles in doublings(1, 8) if n_tiles * FEW_ROWS <= BODY
-                or fits_registers(FEW_ROWS, n_tiles, device.level, looks_up(spec)) for prefetch in PREFETCH_WORDS]
+        in (gate, up) pairs for SwiGLU, every prefetch depth."""
+        return [FmaConfig(n_tiles, prefetch) for n_tiles in doublings(min_tiles(spec), 8)
+                if n_tiles * FEW_ROWS <= BODY or fits_registers(FEW_ROWS, n_tiles, device.level, looks_up(spec))
+                for prefetch in PREFETCH_WORDS]
 
     def work(self, spec: GroupedMatmul, n: int, k: int, m: int, config: FmaConfig, device) -> Work:
         """Per call, with the M·top_k pairs on as many distinct experts as they can be: each selected expert's code
@@ -85,7 +91,8 @@ class GroupedFmaTemplate(Grouped, FmaTemplate):
         operations = {"convert_code_vector": vectors * -(-per_expert // FEW_ROWS) * widths * decode,
                       "fma_code_row": vectors * per_expert * widths,
                       "fma_broadcast_row": vectors * per_expert * widths // config.n_tiles}
-        dram = selected * operand_bytes(spec, n, k, 0) + pairs * (k + n) * 4
+        dram = selected * operand_bytes(spec, n, k, 0) + pairs * k * 4 + m * spec.output_shape(1, n)[-1] * \
+            (1 if spec.combine else spec.top_k) * 4
         return Work(tasks, dram, operations, streams=config.n_tiles, prefetch=config.prefetch)
 
     def emit(self, spec: GroupedMatmul, n: int, k: int, config: FmaConfig, bucket, device):

@@ -35,8 +35,10 @@ class GroupedVnniTemplate(Grouped, VnniTemplate):
         pairs = m * spec.top_k
         selected = min(spec.experts, pairs)
         work = super().work(spec, selected * n, k, -(-pairs // selected), config, device)
-        operations = dict(work.operations, vnni_quantize_element=m * k * device.cores)
-        dram = selected * operand_bytes(spec, n, k, 0) + m * k * 4 + pairs * n * 4
+        rows = pairs if spec.combine else m  # x's rows, each quantized by every chunk
+        operations = dict(work.operations, vnni_quantize_element=rows * k * device.cores)
+        dram = selected * operand_bytes(spec, n, k, 0) + rows * k * 4 + \
+            (m if spec.combine else pairs) * spec.out_features(n) * 4
         return dataclasses.replace(work, operations=operations, dram_bytes=dram)
 
     def program(self, spec: GroupedMatmul, n: int, k: int, config: VnniConfig, layout, bucket, device):

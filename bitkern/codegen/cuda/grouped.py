@@ -96,6 +96,8 @@ class GroupedGemvTemplate(GemvTemplate):
     def spec_unsupported(self, spec: GroupedMatmul, n: int, k: int, arch: str) -> str | None:
         if get(spec.weight_dtype).tensor_scale:
             return f"{spec.weight_dtype} (a scale per tensor, which stacked experts do not share)"
+        if spec.combine:
+            return "combine=True (its blocks compute one pair each; the weighted top-k sum runs after it)"
         if (reason := super().spec_unsupported(spec, n, k, arch)) is not None:
             return reason
         if spec.experts * n * padded_shape(n, k)[1] // codes_per_word(get(spec.weight_dtype).bits) >= MAX_INDEX:

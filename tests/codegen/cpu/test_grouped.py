@@ -1,8 +1,11 @@
 """The grouped FMA template (`codegen.cpu.grouped`, `emit.grouped`): one launch for rows routed to their top-k of
 stacked experts, against the float64 reference (`ops.GroupedMatmul`) for every type the FMA template serves, top-k 1
 to 8, experts no row picks, one expert taking every row (more than the four rows of a body), the same expert picked by
-several rows, fuzzed routings (seeded, repeats within a row too), biases and partial tile blocks; at every level this
-CPU runs (x86-64-v3 forced), compiled to FMA code above it; the tuner and the cache through the spec's call."""
+several rows, fuzzed routings (seeded, repeats within a row too), biases and partial tile blocks; the output stage's
+SwiGLU on each expert's [gate; up] halves and weighted top-k sum (combine) the same way; at every level this CPU runs
+(x86-64-v3 forced), compiled to FMA code above it; the tuner and the cache through the spec's call."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,9 +19,10 @@ from bitkern.codegen.cpu.kernel import disassembly
 from bitkern.ops import GroupedMatmul, Matmul
 from bitkern.tuner import host_cpu
 from bitkern.tuner.space import usable_templates
-from tests.helpers import assert_within_bound, summed_magnitudes
+from tests.helpers import assert_grouped_output_within_bound, assert_within_bound, summed_magnitudes
 
 E, N, K = 6, 48, 320  # 3 tiles per expert: blocks of 2 tiles leave a partial one
+N_SWIGLU = 96  # [gate; up] of 3 tiles each: blocks of 2 (gate, up) pairs leave a partial one
 LEVELS = [level.name for level in (*isa.LEVELS, *isa.ARM_LEVELS) if TEMPLATE.runs_at(level) and level.runs_on(
     host_cpu().level.features)]  # on an aarch64 host (the emulated lane), its levels
 ABOVE = [level.name for level in isa.LEVELS if TEMPLATE.runs_at(level) and level.arch == "x86_64"
@@ -31,14 +35,15 @@ TYPES = [("int4", None, 64), ("uint4", "gptq", 64), ("uint4", "hqq", 64), ("int8
 
 def _case(dtype, zero_mode, group, top_k, activation="float32", bias=True, experts=E, seed=0, **fields):
     """(spec, the experts' [E·N, K] stacked weight, bias [E, N] or None) of random weights; `fields`: more of the
-    spec's."""
+    spec's.  SwiGLU specs take experts of N_SWIGLU rows."""
     generator = torch.Generator().manual_seed(seed)
-    weight = bitkern.quantize(torch.randn(experts * N, K, generator=generator), dtype, group_size=group,
+    n = N_SWIGLU if fields.get("epilogue") == "swiglu" else N
+    weight = bitkern.quantize(torch.randn(experts * n, K, generator=generator), dtype, group_size=group,
                               zero_mode=zero_mode)
     scale = "float16" if weight.ttype.block_size > 1 else weight.scales.dtype
     spec = GroupedMatmul(dtype, activation, group_size=group, zero_mode=weight.zero_mode, bias=bias,
                          scale_dtype=scale, experts=experts, top_k=top_k, **fields)
-    b = torch.randn(experts, N, generator=generator) if bias else None
+    b = torch.randn(experts, n, generator=generator) if bias else None
     return spec, weight, b
 
 
@@ -51,8 +56,9 @@ def _check(spec, weight, bias, kernel, x, indices):
     assert_within_bound(spec, weight, y, spec.exact(x, weight, indices, bias), magnitude)
 
 
-def _build(spec, level, config=FmaConfig(n_tiles=2, prefetch=16)):
-    return build_kernel(spec, N, K, "grouped_fma", config, "tile16", (1, 16), host_cpu().at_level(level))
+def _build(spec, level, config=FmaConfig(n_tiles=2, prefetch=16), n=None):
+    n = n or (N_SWIGLU if spec.epilogue == "swiglu" else N)
+    return build_kernel(spec, n, K, "grouped_fma", config, "tile16", (1, 16), host_cpu().at_level(level))
 
 
 def _distinct(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
@@ -188,3 +194,99 @@ def test_four_tiles_a_task_where_the_registers_hold_them(dtype, zero_mode, group
         for tokens in (1, 2, 4):
             x = torch.randn(tokens, K, generator=torch.Generator().manual_seed(tokens))
             _check(spec, weight, bias, kernel, x, _distinct(tokens, top_k, 8, tokens))
+
+
+OUTPUT_STAGES = [("swiglu", False), ("none", True), ("swiglu", True)]  # (epilogue, combine)
+
+
+def _check_output_stage(spec, weight, bias, kernel, x, indices, weights=None):
+    """The kernel's y with SwiGLU and/or the weighted top-k sum within the bound of the float64 reference."""
+    y = kernel(x, pack(weight), bias, indices=indices, weights=weights)
+    c = 1e-5 if "bfloat16" in weight.ttype.compute_types else 2.0**-8
+    magnitudes = summed_magnitudes(spec.matmul, weight).view(spec.experts, -1, K)
+    assert_grouped_output_within_bound(spec, weight, bias, y, x, indices, weights, magnitudes, c)
+
+
+def routings_of_three() -> list:
+    """Top-3 routings of E experts: one expert taking all 9 tokens (the others none), an expert picked twice by a
+    token, then 8 fuzzed ones of 1 to 10 tokens (any expert in any slot, repeats allowed)."""
+    generator = torch.Generator().manual_seed(11)
+    routings = [torch.full((9, 3), 4), torch.tensor([[2, 2, 5], [5, 2, 2]])]
+    return routings + [torch.randint(0, E, (int(torch.randint(1, 11, (1,), generator=generator)), 3),
+                                     generator=generator) for _ in range(8)]
+
+
+def _routed_inputs(spec, tokens: int, indices, seed: int):
+    """(x, weights) of `tokens` tokens: x a row per token, or per (token, expert) pair where the spec combines; the
+    routing weights positive, summing to 1 per token (a router's softmax), or None."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens * spec.top_k if spec.combine else tokens, K, generator=generator)
+    weights = torch.rand(tokens, spec.top_k, generator=generator).softmax(-1) if spec.combine else None
+    return x.to(getattr(torch, spec.activation_dtype)), weights
+
+
+@pytest.mark.parametrize("epilogue, combine", OUTPUT_STAGES)
+@pytest.mark.parametrize("dtype, zero_mode, group", TYPES)
+def test_every_type_with_swiglu_and_the_weighted_sum(dtype, zero_mode, group, epilogue, combine):
+    spec, weight, bias = _case(dtype, zero_mode, group, top_k=2, epilogue=epilogue, combine=combine)
+    assert TEMPLATE.unsupported(spec, N, K, host_cpu()) is None
+    kernel = _build(spec, LEVELS[-1])
+    for tokens in (1, 2, 5):
+        indices = _distinct(tokens, 2, E, tokens)
+        x, weights = _routed_inputs(spec, tokens, indices, tokens)
+        _check_output_stage(spec, weight, bias, kernel, x, indices, weights)
+
+
+@pytest.mark.parametrize("epilogue, combine", OUTPUT_STAGES)
+def test_output_stages_for_top_k_one_to_eight_and_any_routing(epilogue, combine):
+    """Top-k 1..8 (one kernel each, 1 to 4 tiles a task), then fuzzed routings with repeats, experts no token picks
+    and one expert taking every token, bfloat16 activations and output, at the lowest level this CPU runs."""
+    for top_k in range(1, 9):
+        spec, weight, bias = _case("int4", None, 64, top_k, "bfloat16", experts=8, seed=top_k, epilogue=epilogue,
+                                   combine=combine)
+        kernel = _build(spec, LEVELS[0], FmaConfig(n_tiles=2 * (1 + top_k % 2), prefetch=16 * (top_k % 3)))
+        for tokens in (1, 3):
+            indices = _distinct(tokens, top_k, 8, top_k)
+            x, weights = _routed_inputs(spec, tokens, indices, top_k)
+            _check_output_stage(spec, weight, bias, kernel, x, indices, weights)
+    spec, weight, bias = _case("uint4", "gptq", 64, 3, epilogue=epilogue, combine=combine)
+    kernel = _build(spec, LEVELS[0])
+    for trial, indices in enumerate(routings_of_three()):
+        x, weights = _routed_inputs(spec, indices.shape[0], indices, trial)
+        _check_output_stage(spec, weight, bias, kernel, x, indices if trial % 2 else indices.int(), weights)
+
+
+def test_swiglu_and_the_weighted_sum_compose_as_the_plain_kernel_and_torch():
+    """The fused kernel against the plain one (same configuration) with SwiGLU on the halves and the weighted sum done
+    in torch: equal within float32 rounding."""
+    spec, weight, bias = _case("nf4", None, 64, 4, epilogue="swiglu", combine=True)
+    plain_spec = dataclasses.replace(spec, epilogue="none", combine=False, top_k=1)
+    fused, plain = _build(spec, LEVELS[-1]), _build(plain_spec, LEVELS[-1], n=N_SWIGLU)
+    indices = _distinct(3, 4, E, 5)
+    x, weights = _routed_inputs(spec, 3, indices, 5)
+    z = plain(x, pack(weight), bias, indices=indices.reshape(-1, 1)).view(3, 4, N_SWIGLU)
+    gate, up = z.chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up * weights.unsqueeze(-1)).sum(1)
+    assert torch.allclose(fused(x, pack(weight), bias, indices=indices, weights=weights), expected, rtol=1e-5,
+                          atol=1e-5 * float(expected.abs().max()))
+
+
+def test_the_output_stages_are_offered_and_refused_by_name():
+    """The grouped templates serve SwiGLU and the weighted sum (SwiGLU in tile pairs); other epilogues are refused by
+    the spec; an odd number of tiles a task is not offered for SwiGLU."""
+    spec, weight, bias = _case("int4", None, 64, 2, epilogue="swiglu", combine=True)
+    configs = TEMPLATE.configs(spec, N, K, (1, 1), host_cpu(), None)
+    assert configs and all(config.n_tiles % 2 == 0 for config in configs)
+    with pytest.raises(ValueError, match="needs an even n_tiles"):
+        _build(spec, LEVELS[0], FmaConfig(n_tiles=1, prefetch=0))
+    with pytest.raises(ValueError, match="epilogue='gelu'"):
+        GroupedMatmul("int4", "float32", experts=E, top_k=2, epilogue="gelu")
+    x, weights = _routed_inputs(spec, 2, None, 0)
+    indices = _distinct(2, 2, E, 0)
+    y = spec(x, pack(weight), indices, bias, weights)  # through the tuner and the cache
+    assert y.shape == (2, N_SWIGLU // 2)
+    with pytest.raises(ValueError, match="weights are required"):
+        spec(x, pack(weight), indices, bias)
+    with pytest.raises(ValueError, match="a multiple of top_k=2"):
+        spec(x[:3], pack(weight), indices, bias, weights)
+    assert spec(x[:0], pack(weight), indices[:0], bias, weights[:0]).shape == (0, N_SWIGLU // 2)

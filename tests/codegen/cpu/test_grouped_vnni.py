@@ -2,8 +2,9 @@
 top-k of stacked experts with int8 activations (activation_quant="int8"), against the float64 reference
 (`ops.GroupedMatmul`, x quantized as `ops.matmul.activation_blocks` defines) for every type the VNNI template serves,
 top-k 1 to 8, experts no row picks, one expert taking every row (more than a block's rows), the same expert picked
-twice, fuzzed routings, non-finite x, biases and partial tile blocks; at every level this CPU runs (x86-64-v3 forced),
-compiled to its byte dot product above it; the tuner and the cache through the spec's call."""
+twice, fuzzed routings, non-finite x, biases and partial tile blocks; the output stage's SwiGLU on each expert's [gate;
+up] halves and weighted top-k sum (combine) the same way; at every level this CPU runs (x86-64-v3 forced), compiled to
+its byte dot product above it; the tuner and the cache through the spec's call."""
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ from bitkern.ops import GroupedMatmul
 from bitkern.ops.matmul import quantize_activations
 from bitkern.tuner import host_cpu
 from bitkern.tuner.space import usable_templates
-from tests.codegen.cpu.test_grouped import E, K, N, _distinct
+from tests.codegen.cpu.test_grouped import (E, K, N, N_SWIGLU, OUTPUT_STAGES, _distinct, _routed_inputs,
+                                            routings_of_three)
 from tests.codegen.cpu.test_grouped import _case as grouped_case
-from tests.helpers import OUTPUT_EPS, vnni_magnitudes
+from tests.helpers import OUTPUT_EPS, assert_grouped_output_within_bound, vnni_magnitudes
 
 LEVELS = [level.name for level in (*isa.LEVELS, *isa.ARM_LEVELS) if TEMPLATE.runs_at(level) and level.runs_on(
     host_cpu().level.features)]  # on an aarch64 host, its levels with the dot product
@@ -47,7 +49,8 @@ def _check(spec, weight, bias, y, x, indices):
 
 
 def _build(spec, level, config=VnniConfig(n_tiles=2, rows=1, prefetch=16)):
-    return build_kernel(spec, N, K, "grouped_vnni", config, "tile16", (1, 16), host_cpu().at_level(level))
+    n = N_SWIGLU if spec.epilogue == "swiglu" else N
+    return build_kernel(spec, n, K, "grouped_vnni", config, "tile16", (1, 16), host_cpu().at_level(level))
 
 
 @pytest.mark.parametrize("level", sorted({LEVELS[0], LEVELS[-1]}) if LEVELS else [])
@@ -156,3 +159,55 @@ def test_the_model_ranks_it_by_the_experts_a_call_selects():
                                         activation_quant="int8"), 1536, 2048, 1, config, cpu).dram_bytes
     assert 7.5 < top_8 / top_1 < 8.5
     assert TEMPLATE.configs(spec, 1536, 2048, (1, 1), cpu, None)
+
+
+def _check_output_stage(spec, weight, bias, kernel, x, indices, weights=None):
+    """The kernel's y with SwiGLU and/or the weighted top-k sum within the VNNI kernels' bound, carried through."""
+    y = kernel(x, pack(weight), bias, indices=indices, weights=weights)
+    magnitudes = vnni_magnitudes(weight).view(spec.experts, -1, K)
+    assert_grouped_output_within_bound(spec, weight, bias, y, x, indices, weights, magnitudes, 1e-5)
+
+
+@pytest.mark.parametrize("epilogue, combine", OUTPUT_STAGES)
+@pytest.mark.parametrize("dtype, zero_mode, group", TYPES)
+def test_every_type_with_swiglu_and_the_weighted_sum(dtype, zero_mode, group, epilogue, combine):
+    spec, weight, bias = _case(dtype, zero_mode, group, top_k=2, epilogue=epilogue, combine=combine)
+    assert TEMPLATE.unsupported(spec, N_SWIGLU, K, host_cpu()) is None
+    kernel = _build(spec, LEVELS[-1], VnniConfig(n_tiles=2, rows=2, prefetch=16))
+    for tokens in (1, 2, 5):
+        indices = _distinct(tokens, 2, E, tokens)
+        x, weights = _routed_inputs(spec, tokens, indices, tokens)
+        _check_output_stage(spec, weight, bias, kernel, x, indices, weights)
+
+
+@pytest.mark.parametrize("epilogue, combine", OUTPUT_STAGES)
+def test_output_stages_for_top_k_one_to_eight_any_routing_and_non_finite_x(epilogue, combine):
+    """Top-k 1..8 (one kernel each: 2 or 4 tiles, at once or in turn, blocks of 1, 2 or 4 rows), then fuzzed routings
+    with repeats, experts no token picks and one expert taking every token, then a NaN in one pair's row: that token's
+    outputs are NaN where it reaches them, the others' as before."""
+    for top_k in range(1, 9):
+        activation = ("bfloat16", "float16", "float32")[top_k % 3]
+        spec, weight, bias = _case("int4", None, 64, top_k, activation, experts=8, seed=top_k, epilogue=epilogue,
+                                   combine=combine)
+        rows = (1, 2, 4)[top_k % 3]
+        config = VnniConfig(n_tiles=2 if rows == 4 else 2 + top_k % 2 * 2, rows=rows, prefetch=32 * (top_k % 2),
+                            in_turn=top_k % 4 == 0)
+        kernel = _build(spec, LEVELS[0], config)
+        for tokens in (1, 3):
+            indices = _distinct(tokens, top_k, 8, top_k)
+            x, weights = _routed_inputs(spec, tokens, indices, top_k)
+            _check_output_stage(spec, weight, bias, kernel, x, indices, weights)
+    spec, weight, bias = _case("uint4", "gptq", 64, 3, epilogue=epilogue, combine=combine)
+    kernel = _build(spec, LEVELS[-1], VnniConfig(n_tiles=2, rows=4, prefetch=16))
+    routings = routings_of_three()
+    for trial, indices in enumerate(routings):
+        x, weights = _routed_inputs(spec, indices.shape[0], indices, trial)
+        _check_output_stage(spec, weight, bias, kernel, x, indices if trial % 2 else indices.int(), weights)
+    indices = routings[1]
+    x, weights = _routed_inputs(spec, 2, indices, 0)
+    x[1, 9] = float("nan")  # token 0's second pair (combined), or token 1's row
+    y = kernel(x, pack(weight), bias, indices=indices, weights=weights)
+    reference = spec.exact(x, weight, indices, bias, weights)
+    nan_token = 0 if combine else 1
+    assert torch.equal(torch.isnan(y), torch.isnan(reference)) and bool(torch.isnan(y[nan_token]).all())
+    assert bool(torch.isfinite(y[1 - nan_token]).all())

@@ -8,23 +8,24 @@ For x [M, K], the stacked experts' tile16 weights (as the grouped FMA kernel rea
             pairs of a row share them;
   tasks     (selected expert, block of n_tiles tiles) in turn, split evenly between the chunks: the expert's sorted
             pairs `rows` at a time, each block over all of K with y in registers (the VNNI kernel's row block, its
-            activations the pair's row's), the sums stored to y[row, j] (+ the non-finite terms, + the expert's bias).
+            activations the pair's row's), the sums (+ the non-finite terms) to the output stage (`emit.grouped.
+            PairOutput`: + the expert's bias, SwiGLU, y[row, j] or the weighted sum of a combine spec).
 So each selected expert's weights stream from memory once per call, however many rows pick it.
 
-Arguments, in order: x [M, K], qweight [E·T, words, 16], scales (and zeros) [E·T, groups, 16], lut (code books'
-int8 values), indices [M, top_k] int64, bias [E·N] float32 (bias specs), y [M, top_k, N].
+Arguments, in order: x [M, K] ([M·top_k, K] combined), qweight [E·T, words, 16], scales (and zeros) [E·T, groups,
+16], lut (code books' int8 values), indices [M, top_k] int64, weights [M, top_k] float32 (combine specs), bias [E·N]
+float32 (bias specs), y (`GroupedMatmul.output_shape`).
 """
 
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script.ir_builder import tirx as T
 
 from ....ops.grouped import GroupedMatmul
 from ..isa import IsaLevel
 from ..vnni import VnniConfig
 from . import nonfinite
-from .grouped import chunk_tasks, each_part, route, write_pair
+from .grouped import PairOutput, block_tiles, each_part, route
 from .groups import GroupArguments
 from .tile16 import when
 from .tir import LANES, load, ramp
@@ -48,62 +49,62 @@ class GroupedVnniBuilder(VnniBuilder):
     def __init__(self, spec: GroupedMatmul, n: int, k: int, config: VnniConfig, threads: int, level: IsaLevel):
         super().__init__(spec, n, k, config, level, config.rows)
         self.threads, self.top_k = threads, spec.top_k
+        if spec.combine:
+            self.x_rows = self.m * spec.top_k  # a row per pair
 
     def _arguments(self) -> None:
         s, spec = self.s, self.spec
         tiles = spec.experts * s.n_tiles
-        self.x = T.arg("x", T.Buffer((self.m, s.k), spec.activation_dtype))
+        self.x = T.arg("x", T.Buffer(spec.input_shape(self.m, s.k), spec.activation_dtype))
         self.qweight = T.arg("qweight", T.Buffer((tiles, s.words, LANES), "int32"))
         self.group_args = GroupArguments.declare(spec, (tiles, s.scale_groups, LANES))
         self._declare_constants()
         self.norm = self.residual = None
-        self.indices = T.arg("indices", T.Buffer((self.m, self.top_k), "int64"))
-        self.bias = T.arg("bias", T.Buffer((spec.experts * s.n,), "float32")) if spec.bias else None
-        self.y = T.arg("y", T.Buffer((self.m, self.top_k, s.n), spec.output_dtype))
+        self.out = PairOutput.declare(spec, self.m, s.n, self.cfg.n_tiles)
 
     def _body(self) -> None:
-        blocks = -(-self.s.n_tiles // self.cfg.n_tiles)
         with T.parallel(0, self.threads) as chunk:
-            selected, counts, starts, self.order, found = route(self.indices, self.m * self.top_k, self.top_k)
-            self._allocate_activations(self.m)
-            self.nonfinite = T.alloc_buffer((self.m, LANES), "uint32")  # rows with ±Inf or NaN in x
-            self._prologue(self.m)
+            selected, counts, starts, self.order, found = route(self.out.indices, self.m * self.top_k, self.top_k)
+            self._allocate_activations(self.x_rows)
+            self.nonfinite = T.alloc_buffer((self.x_rows, LANES), "uint32")  # rows with ±Inf or NaN in x
+            self._prologue(self.x_rows)
             base = T.alloc_buffer((1,), "int32", scope="local")  # the task's expert's first tile
+            self.out.allocate()
 
             def task(slot, block):
                 T.buffer_store(base, load(selected, slot) * self.s.n_tiles, [0])
                 self._expert_task(load(base, 0), block, load(counts, slot), load(starts, slot))
 
-            chunk_tasks(chunk, self.threads, load(found, 0), blocks, task)
+            self.out.run_tasks(chunk, self.threads, load(found, 0), task)
 
     def _expert_task(self, base, block, count, start) -> None:
         """Column block `block` of the expert whose tiles start at `base`, for its `count` sorted rows from `start`."""
-        cfg, tiles_n = self.cfg, self.s.n_tiles
-        first_tile = block * cfg.n_tiles
-        tiles = [base + tirx.min(first_tile + c, tiles_n - 1) for c in range(cfg.n_tiles)]
-        owned = [first_tile + c < tiles_n for c in range(cfg.n_tiles)]
+        cfg = self.cfg
+        offsets, owned = block_tiles(self.spec, block, cfg.n_tiles, self.s.n_tiles)
+        tiles = [base + offset for offset in offsets]
         yacc = T.alloc_buffer((cfg.rows, cfg.n_tiles, LANES), "float32", scope="local", align=64)
         block_registers = self._task_registers()
 
         def rows_from(first, rows: int) -> None:
             self._all_of_k(yacc, block_registers, tiles, first, 0, rows)
-            self._store_pairs(yacc, tiles, owned, base, first, rows)
+            self._store_pairs(yacc, tiles, offsets, owned, base, first, rows)
 
         each_part(count, start, cfg.rows, rows_from)
 
     def _activation_row(self, row):
-        """x's row of sorted row `row`: the m of its pair (m, j)."""
-        return tirx.floordiv(load(self.order, row), self.top_k)
+        """x's row of sorted row `row`: the m of its pair (m, j), or the pair's own where the kernel combines."""
+        return self.out.x_row(load(self.order, row))
 
-    def _store_pairs(self, yacc, tiles, owned, base, first, rows: int) -> None:
-        """y[m, j, tile's 16 columns] = sums (+ the terms of x's non-finite values, + the expert's bias) for each
-        sorted row first + r, the pair (m, j)."""
+    def _store_pairs(self, yacc, tiles, offsets, owned, base, first, rows: int) -> None:
+        """The output of each sorted row first + r, the pair (m, j): its sums (+ the terms of x's non-finite values)
+        to the output stage (`PairOutput.store`), an output tile per tile (SwiGLU: per gate and up tile)."""
         s = self.s
+        step = 2 if self.spec.epilogue == "swiglu" else 1
         for r in range(rows):
             pair = load(self.order, first + r)
-            nonfinite.add_terms(yacc, r, tiles, self.nonfinite, tirx.floordiv(pair, self.top_k), s.k, self._x_value,
+            nonfinite.add_terms(yacc, r, tiles, self.nonfinite, self.out.x_row(pair), s.k, self._x_value,
                                 lambda tile, j: nonfinite.weight_lanes(self.spec, s.k, self.qweight, self.group_args,
                                                                        tile, j))
-            for c, tile in enumerate(tiles):
-                when(owned[c], lambda r=r, c=c, tile=tile, pair=pair: write_pair(
-                    self, pair, load(yacc, r, c, ramp(0)), base, tile, s.n_tiles, s.n))
+            for c in range(0, len(tiles), step):
+                when(owned[c], lambda r=r, c=c, pair=pair: self.out.store(
+                    pair, lambda i: load(yacc, r, c + i, ramp(0)), c, base, offsets[c], s.n_tiles))

@@ -141,6 +141,7 @@ class Tile16Builder(abc.ABC):
         else:  # a convolution: M = B · output pixels
             self.batch = tirx.Var("B", "int32")
             self.m = self.batch * spec.geometry.pixels
+        self.x_rows = self.m  # the rows of x the prologue reads (a grouped kernel's may differ from M)
         self._set_decode(config)
 
     def _set_decode(self, config) -> None:
@@ -226,7 +227,7 @@ class Tile16Builder(abc.ABC):
         """A-plane row `row` and its group sums: x's row (or the gathered pixel), zeros past M."""
         s = self.s
         full_chunks = s.k // 32  # chunks of 16 pairs that lie inside K
-        with T.If(row < self.m):
+        with T.If(row < self.x_rows):
             with T.Then():
                 if self.spec.geometry is not None:
                     self._gather_row(row)
