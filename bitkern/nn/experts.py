@@ -9,9 +9,10 @@ convention: 3-D `gate_up_proj`/`up_proj` and `down_proj`, optional biases, `is_t
 
 A call of a few tokens (decode: at most GROUPED_PAIRS token-expert pairs) runs each projection as one call of the
 grouped kernel (`ExpertWeights.routed`, `bitkern.ops.GroupedMatmul`), which reads each selected expert's weights
-once; a prompt sorts the (token, expert) pairs by expert and multiplies each projection over the experts' blocks of
-rows in `ExpertWeights.grouped`, one call of `bitkern.Linear`'s matmul kernel per expert that has tokens.  Which
-path runs is logged once.
+once, with SwiGLU and the weighted top-k sum in its output stage where it has them (`Experts._fusions`); a prompt
+sorts the (token, expert) pairs by expert and multiplies each projection over the experts' blocks of rows in
+`ExpertWeights.grouped`, one call of `bitkern.Linear`'s matmul kernel per expert that has tokens.  Which path runs is
+logged once.
 """
 
 from __future__ import annotations
@@ -488,8 +489,9 @@ class Experts(nn.Module):
 
     def _decode(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The forward of a few tokens by one grouped kernel call per projection: the first projection of each token
-        for its top-k experts ([T, k, N]), the gate, then each further projection of each (token, expert) pair's
-        row for its expert (top-1 routing of the T·k rows)."""
+        for its top-k experts ([T, k, N]), the gate (in that kernel where `_fusions` says), then each further
+        projection of each (token, expert) pair's row for its expert (top-1 routing of the T·k rows; the last one
+        summing a token's pairs with their routing weights in the kernel where `_fusions` says)."""
         swiglu, combine = self._fusions(hidden_states, top_k_weights)
         if not torch.compiler.is_compiling():  # (a graph break under torch.compile)
             _note_path(True, (swiglu, combine))
