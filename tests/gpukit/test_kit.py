@@ -230,17 +230,26 @@ def test_matrix_holds_grouped_cases_for_every_type_top_k_and_routing():
 
 
 def test_dispatch_holds_the_grouped_kernels_an_experts_decode_asks_for():
-    """`DISPATCH_EXPERTS`' grouped kernels are those `bitkern.Experts.kernel_calls` lists for its decode (the specs do
-    not depend on the device: the GPU test's module asks for these on CUDA)."""
+    """`DISPATCH_EXPERTS`' grouped kernels are those `bitkern.Experts.kernel_calls` lists for its decode on a CUDA GPU,
+    whose grouped GEMV runs neither SwiGLU nor the weighted top-k sum (the GPU test's module asks for these there; a
+    CPU's listing has both steps in its kernels)."""
+    from bitkern.codegen.cuda.grouped import TEMPLATE
     from bitkern.gpukit.matrix import DISPATCH_EXPERTS, dispatch_specs, experts_kernels
+    from bitkern.tuner.space import usable_templates
 
     listed = {(spec, n, k) for spec, n, k, _ in dispatch_specs() if spec.experts}
     for dtype, group, activation, num_experts, hidden, intermediate, tokens, top_k in DISPATCH_EXPERTS:
         experts = bitkern.Experts(num_experts, hidden, intermediate, dtype=dtype, group_size=group)
-        calls = [call for call in experts.kernel_calls(getattr(torch, activation), top_k) if call.spec.experts]
+        calls = [call for call in experts.kernel_calls(getattr(torch, activation), top_k, fused=False)
+                 if call.spec.experts]
         wanted = experts_kernels(dtype, group, activation, num_experts, hidden, intermediate, tokens, top_k)
         assert {(c.spec, c.n, c.k) for c in calls} == {(spec, n, k) for spec, n, k, _ in wanted} <= listed
         assert [m for *_, m in wanted] == [tokens, tokens * top_k]
+        fused = [call for call in experts.kernel_calls(getattr(torch, activation), top_k) if call.spec.experts]
+        assert {(call.spec.epilogue, call.spec.combine) for call in fused} == {("swiglu", False), ("none", True)}
+        for call in fused:
+            usable, unused = usable_templates(call.spec, call.n, call.k, (1, 1), "lop3", cuda_device("sm_90"))
+            assert not usable and unused[TEMPLATE.name]
 
 
 def test_smoke_kit_carries_a_grouped_kernel(smoke_kit):
