@@ -8,7 +8,7 @@ Recipe (CI does not run it; needs cmake, a C++ compiler and PyPI; everything bui
 ~/.cache/bitkern-llamacpp, never in the repository):
 
     python benchmarks/llama_cpp.py [--rounds 3] [--repetitions 2] [--cache-dir DIR] [--venv DIR] [--level LEVEL]
-                                   [--architecture llama|moe] [--systems 'NAME;NAME']
+                                   [--architecture llama|moe] [--systems 'NAME;NAME'] [--out FILE]
 
 1. llama.cpp: the source vendored in the sdist of llama-cpp-python (pinned: LLAMA_CPP_PYTHON; its CHANGELOG names
    the llama.cpp commit, passed to cmake as LLAMA_BUILD_COMMIT so that llama-bench reports it), built with
@@ -38,7 +38,8 @@ Recipe (CI does not run it; needs cmake, a C++ compiler and PyPI; everything bui
    Memory limit per generated token = (bytes of every tensor read per token: all layers, final norm and output
    layer, not the embedding table, of which one row is read; plus the KV cache at the mean context of the 64
    steps) / the round's DRAM bandwidth; fraction = tokens/s / that limit.  Medians over rounds; ratios per round.
-Results: printed, and written to benchmarks/results/llama_cpp.md with the llama.cpp version and the commands.
+Results: printed, and written to benchmarks/results/llama_cpp.md (llama_cpp_moe.md, ..._LEVEL.md; the figures drawn
+from it redrawn) with the llama.cpp version and the commands, or to --out FILE (nothing redrawn).
 """
 
 from __future__ import annotations
@@ -507,6 +508,8 @@ def main() -> None:
                              "torch held to it (default: the host's own, llama.cpp with -march=native)")
     parser.add_argument("--architecture", choices=list(ARCHITECTURES), default="llama",
                         help="the model: the dense Llama (default) or the mixture of experts (MOE_CONFIG)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the results to this file instead of benchmarks/results/ (figures not redrawn)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--systems", default=";".join([*GGUF_TYPES, *BITKERN]),
@@ -575,9 +578,10 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     name = "llama_cpp" + (f"_{args.architecture}" if args.architecture != "llama" else "") + \
         (f"_{args.level}" if args.level else "")
-    path = RESULTS / f"{name}.md"
+    path = args.out or RESULTS / f"{name}.md"
     path.write_text(text + "\n")
-    plots.render(path)
+    if args.out is None:
+        plots.render(path)
 
 
 def memory_limits(system: str, weight_bytes: dict, rounds: list, bandwidth: str) -> tuple[float, list[float]]:
