@@ -29,7 +29,7 @@ from torch import nn
 from .. import ttype
 from ..codegen import pack, packed_class, to_layout
 from ..cache.dispatch import serves_grouped
-from ..ops.grouped import STACK_ROWS
+from ..ops.grouped import STACK_ROWS, swiglu_halves as swiglu  # the default gate: silu(gate) · up over [gate | up]
 from ..ops.matmul import ACTIVATION_QUANTS
 from ..ttype import Layout, QuantizedWeight, WeightFormat
 from . import library
@@ -331,12 +331,6 @@ def _note_path(grouped: bool, fused: tuple[bool, bool] = (False, False)) -> None
     else:
         log.info("bitkern: mixture-of-experts projections run one dense matmul kernel call per expert with tokens "
                  "(prompts; or no grouped kernel serves them)")
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) · up over the halves [gate | up] of the gate/up projection's output."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
 
 
 class Experts(nn.Module):

@@ -168,9 +168,14 @@ class GroupedMatmul(Matmul):
         if bias is not None:
             y = y + bias.double()[indices.long()]
         if self.epilogue == "swiglu":
-            gate, up = y.chunk(2, dim=-1)
-            y = torch.nn.functional.silu(gate) * up
+            y = swiglu_halves(y)
         return (y * weights.double().unsqueeze(-1)).sum(dim=1) if self.combine else y
+
+
+def swiglu_halves(z: torch.Tensor) -> torch.Tensor:
+    """silu of the first half of z's last dimension times the second: SwiGLU on [gate; up] (epilogue="swiglu")."""
+    gate, up = z.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def _describe(value) -> str:

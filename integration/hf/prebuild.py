@@ -65,18 +65,17 @@ def model_kernels(path, settings: BitkernConfig | None = None, dtype=None, targe
         model = _meta_model(config, settings or BitkernConfig.from_dict(dict(stored)))
     dtype = input_dtype(model, dtype)
     top_k = getattr(config, "num_experts_per_tok", None)
+    device = device_for(target)
     calls, unlisted = kernel_calls(model, dtype, top_k)
-    grouped = [call for call in calls if isinstance(call.spec, GroupedMatmul)]
-    if grouped and not _runs_grouped(grouped, device_for(target)):  # without SwiGLU and the weighted sum in them
+    if not _runs_grouped(calls, device):  # e.g. a GPU's grouped kernels, without SwiGLU and the weighted sum in them
         calls, _ = kernel_calls(model, dtype, top_k, fused=False)
-        grouped = [call for call in calls if isinstance(call.spec, GroupedMatmul)]
-        if _runs_grouped(grouped, device_for(target)):
+        if _runs_grouped(calls, device):
             log.info("bitkern prebuild: %s runs the experts of %s through grouped kernels without SwiGLU and the "
                      "weighted top-k sum in them", target, path)
-    if grouped and not _runs_grouped(grouped, device_for(target)):
-        log.info("bitkern prebuild: %s runs the experts of %s through their dense kernels at every token count (no "
-                 "grouped kernels there)", target, path)
-        calls, _ = kernel_calls(model, dtype)
+        else:
+            log.info("bitkern prebuild: %s runs the experts of %s through their dense kernels at every token count "
+                     "(no grouped kernels there)", target, path)
+            calls, _ = kernel_calls(model, dtype)
     if unlisted:
         log.warning("bitkern prebuild: not prebuilt, so tuned on their first call: %s", ", ".join(unlisted))
     return calls
@@ -100,8 +99,10 @@ def _meta_model(config, settings: BitkernConfig):
     return model
 
 
-def _runs_grouped(grouped: list[KernelCall], device) -> bool:
-    """Whether experts run these grouped kernels on `device` (the experts listed them by this CPU's templates): a
-    template for each on the device, reading them in its kernels' layout (tile16 on CPUs, lop3 on CUDA GPUs)."""
+def _runs_grouped(calls: list[KernelCall], device) -> bool:
+    """Whether experts run the grouped kernels among `calls` on `device` (the experts listed them by this CPU's
+    templates; True where there are none): a template for each on the device, reading them in its kernels' layout
+    (tile16 on CPUs, lop3 on CUDA GPUs)."""
     layout = GROUPED_LAYOUTS[device.kind]
-    return all(usable_templates(call.spec, call.n, call.k, m_bucket(1), layout, device)[0] for call in grouped)
+    return all(usable_templates(call.spec, call.n, call.k, m_bucket(1), layout, device)[0] for call in calls
+               if isinstance(call.spec, GroupedMatmul))

@@ -7,6 +7,7 @@ meant for the few of a decode step (a prompt's many rows are better served exper
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +92,7 @@ class GroupedFmaTemplate(Grouped, FmaTemplate):
         operations = {"convert_code_vector": vectors * -(-per_expert // FEW_ROWS) * widths * decode,
                       "fma_code_row": vectors * per_expert * widths,
                       "fma_broadcast_row": vectors * per_expert * widths // config.n_tiles}
-        dram = selected * operand_bytes(spec, n, k, 0) + pairs * k * 4 + m * spec.output_shape(1, n)[-1] * \
-            (1 if spec.combine else spec.top_k) * 4
+        dram = selected * operand_bytes(spec, n, k, 0) + pairs * k * 4 + math.prod(spec.output_shape(m, n)) * 4
         return Work(tasks, dram, operations, streams=config.n_tiles, prefetch=config.prefetch)
 
     def emit(self, spec: GroupedMatmul, n: int, k: int, config: FmaConfig, bucket, device):

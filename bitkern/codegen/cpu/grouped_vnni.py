@@ -8,6 +8,7 @@ product (vpmaddubsw from AVX2 up, vpdpbusd, sdot, smmla)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ...ops.grouped import GroupedMatmul
 from .grouped import Grouped
@@ -37,8 +38,7 @@ class GroupedVnniTemplate(Grouped, VnniTemplate):
         work = super().work(spec, selected * n, k, -(-pairs // selected), config, device)
         rows = pairs if spec.combine else m  # x's rows, each quantized by every chunk
         operations = dict(work.operations, vnni_quantize_element=rows * k * device.cores)
-        dram = selected * operand_bytes(spec, n, k, 0) + rows * k * 4 + \
-            (m if spec.combine else pairs) * spec.out_features(n) * 4
+        dram = selected * operand_bytes(spec, n, k, 0) + rows * k * 4 + math.prod(spec.output_shape(m, n)) * 4
         return dataclasses.replace(work, operations=operations, dram_bytes=dram)
 
     def program(self, spec: GroupedMatmul, n: int, k: int, config: VnniConfig, layout, bucket, device):

@@ -158,7 +158,7 @@ class PairOutput:
     chunk's float32 sums of token m, which `run_tasks` zeroes before the chunk's tasks and stores to y[m] after."""
 
     def __init__(self, spec: GroupedMatmul, m, n: int, per_task: int):
-        self.spec, self.m, self.n, self.per_task = spec, m, n, per_task
+        self.spec, self.m, self.n = spec, m, n
         self.swiglu, self.combine, self.top_k = spec.epilogue == "swiglu", spec.combine, spec.top_k
         self.outputs = per_task // 2 if self.swiglu else per_task  # output tiles a task makes
         self.out_tiles = spec.out_features(n) // LANES
