@@ -117,9 +117,11 @@ def test_without_a_bias_and_with_bfloat16_output():
 
 
 @pytest.mark.parametrize("level", ABOVE)
-def test_levels_above_this_cpu_compile_to_fma_code(level):
-    spec, _, _ = _case("int4", None, 64, top_k=2)
-    kernel = build_kernel(spec, N, K, "grouped_fma", FmaConfig(2, 16), "tile16", (1, 16), host_cpu().at_level(level))
+@pytest.mark.parametrize("epilogue, combine", [("none", False), ("swiglu", True)])
+def test_levels_above_this_cpu_compile_to_fma_code(level, epilogue, combine):
+    spec, _, _ = _case("int4", None, 64, top_k=2, epilogue=epilogue, combine=combine)
+    kernel = build_kernel(spec, N_SWIGLU if combine else N, K, "grouped_fma", FmaConfig(2, 16), "tile16", (1, 16),
+                          host_cpu().at_level(level))
     code = disassembly(kernel.library)
     assert "vfmadd" in code and "vcvtdq2ps" in code
 

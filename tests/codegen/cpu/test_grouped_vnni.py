@@ -122,10 +122,11 @@ def test_without_a_bias_with_bfloat16_output_and_non_finite_x():
 
 
 @pytest.mark.parametrize("level", ABOVE)
-def test_levels_above_this_cpu_compile_to_their_byte_products(level):
-    spec, _, _ = _case("int4", None, 64, top_k=2)
-    kernel = build_kernel(spec, N, K, "grouped_vnni", VnniConfig(2, prefetch=16), "tile16", (1, 16),
-                          host_cpu().at_level(level))
+@pytest.mark.parametrize("epilogue, combine", [("none", False), ("swiglu", True)])
+def test_levels_above_this_cpu_compile_to_their_byte_products(level, epilogue, combine):
+    spec, _, _ = _case("int4", None, 64, top_k=2, epilogue=epilogue, combine=combine)
+    kernel = build_kernel(spec, N_SWIGLU if combine else N, K, "grouped_vnni", VnniConfig(2, prefetch=16), "tile16",
+                          (1, 16), host_cpu().at_level(level))
     assert dot_instruction(isa.level(level)) in disassembly(kernel.library)
 
 
