@@ -382,3 +382,19 @@ def test_the_grouped_template_compiles_to_neon_at_every_aarch64_level(level, nam
     tables = re.findall(r"\btbl\s+v\d+\.16b", code)
     assert len(re.findall(r"\bfmla\s+v\d+\.4s", code)) >= 16 and (len(tables) >= 8) == (name == "nf4")
     assert _neon_only(code)
+
+
+@pytest.mark.parametrize("level", ARM_LEVELS)
+def test_the_grouped_templates_with_swiglu_and_the_weighted_sum_compile_to_neon_at_every_aarch64_level(level):
+    """The output stage of experts' decode (SwiGLU on each expert's [gate; up] halves, the weighted top-k sum) on
+    aarch64: the grouped FMA kernel's fmla, and where the level has the dot product the grouped VNNI kernel's sdot; no
+    x86 or SVE arithmetic."""
+    device = host_cpu().at_level(level)
+    spec = GroupedMatmul("int4", "bfloat16", group_size=64, experts=4, top_k=2, epilogue="swiglu", combine=True)
+    code = _assembly(spec, device, "grouped_fma", (1, 1))
+    assert len(re.findall(r"\bfmla\s+v\d+\.4s", code)) >= 16 and _neon_only(code)
+    if level in DOTPROD_LEVELS:
+        quantized = GroupedMatmul("int4", "bfloat16", group_size=64, experts=4, top_k=2, epilogue="swiglu",
+                                  combine=True, activation_quant="int8")
+        code = _assembly(quantized, device, "grouped_vnni", (1, 1), VnniConfig(2, prefetch=32))
+        assert re.search(r"\bsdot\s+v\d+\.4s", code) and _neon_only(code)
