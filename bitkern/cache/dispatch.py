@@ -4,6 +4,8 @@
 attaches `run` to it (`bitkern.ops.execution.attach`), so `Matmul(...)(x, weight)` comes here: the inputs are
 checked (a few comparisons on the hot path, the full check otherwise), the kernel of (spec, N, K, M, layout,
 device) is found through `kernel_for`, and it runs on x's rows; a `GroupedMatmul`'s calls come to `run_grouped`.
+The torch ops' CPU calls also bind their kernel to the weight (`bound`), and later calls of the same signature run
+it through `run_bound` / `run_grouped_bound`.
 Inside `rehearsal(device)` the same calls (grouped ones too), with host tensors, run as on a GPU up to the driver (a GPU
 kit's dry run).
 """
@@ -20,6 +22,7 @@ from ..codegen import PackedWeight, layout_for, to_layout
 from ..ops import execution
 from ..ttype import torch_dtype
 from ..tuner.buckets import m_bucket
+from . import bound
 from .lookup import kernel_for
 
 _rehearsal = contextvars.ContextVar("bitkern_rehearsal", default=None)  # (device, store, launches) inside rehearsal()
@@ -27,9 +30,10 @@ _rehearsal = contextvars.ContextVar("bitkern_rehearsal", default=None)  # (devic
 
 def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-        norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+        norm_bias: torch.Tensor | None = None, bind: tuple | None = None) -> torch.Tensor:
     """y = spec(x, weight, bias, residual, norm_weight, norm_bias) by the compiled kernel (see
-    `bitkern.ops.Matmul.__call__`)."""
+    `bitkern.ops.Matmul.__call__`); `bind`: (the weight's tensors, the call's signature) to bind a CPU call's kernel
+    to, for the later calls of that signature (`bound`)."""
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                         f"got {type(weight).__name__}")
@@ -44,6 +48,8 @@ def run(spec, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     if rows.shape[0] == 0:
         return torch.empty(shape, dtype=torch_dtype(spec.output_dtype), device=x.device)
     kernel = kernel_for(kernel_spec, n, k, kernel_spec.rows(rows), weight.layout, None if quick else device_of(x))
+    if bind is not None and x.is_cpu and kernel_spec is spec:
+        bound.keep(*bind, kernel, weight)
     if norm_weight is not None:  # a norm prologue (CPU templates only)
         y = kernel(rows, weight, bias, None if residual is None else residual.reshape(rows.shape[0], -1),
                    norm=(norm_weight, norm_bias))
@@ -65,10 +71,10 @@ def serves_grouped(spec, n: int, k: int, device_type: str = "cpu") -> bool:
 
 
 def run_grouped(spec, x: torch.Tensor, weight, indices: torch.Tensor, bias: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None, checked: bool = False) -> torch.Tensor:
+                weights: torch.Tensor | None = None, checked: bool = False, bind: tuple | None = None) -> torch.Tensor:
     """y = spec(x, weight, indices, bias, weights) of a `bitkern.ops.GroupedMatmul` by its compiled kernel (on x's
     device: the host CPU or a CUDA GPU; see `GroupedMatmul.__call__`); `checked`: the caller has already checked the
-    inputs (`GroupedMatmul.check_routed`)."""
+    inputs (`GroupedMatmul.check_routed`); `bind` as for `run`."""
     if not isinstance(weight, PackedWeight):
         raise TypeError(f"weight must be packed for the kernels with bitkern.pack(quantized_weight), "
                         f"got {type(weight).__name__}")
@@ -87,8 +93,35 @@ def run_grouped(spec, x: torch.Tensor, weight, indices: torch.Tensor, bias: torc
 
         check_pairs(tokens, spec.top_k, n)
     kernel = kernel_for(spec, n, k, tokens, weight.layout, device_of(x))
+    if bind is not None and x.is_cpu:
+        bound.keep(*bind, kernel, weight)
     routing = {"indices": indices} if weights is None else {"indices": indices, "weights": weights}
     return kernel(x if x.is_contiguous() else x.contiguous(), weight, bias, **routing)
+
+
+def bound_call(tensors, signature: tuple) -> bound.Bound | None:
+    """The CPU call bound to the weight `tensors` for `signature` by an earlier `run` / `run_grouped` (their `bind`),
+    or None (none yet, or inside a rehearsal, whose calls run as on a GPU)."""
+    return None if _rehearsal.get() is not None else bound.find(tensors, signature)
+
+
+def run_bound(call: bound.Bound, x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+              norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`run`'s result for a call of a bound call's signature, by its kernel at once."""
+    kernel = call.kernel
+    _, rows, shape = kernel.spec.gemm_input(x, kernel.n, kernel.k)
+    y = kernel.run(rows, call.arguments(qweight), bias,
+                   None if residual is None else residual.reshape(rows.shape[0], -1),
+                   () if norm_weight is None else (norm_weight, norm_bias))
+    return y if y.shape == shape else y.reshape(shape)
+
+
+def run_grouped_bound(call: bound.Bound, x: torch.Tensor, qweight: torch.Tensor, indices: torch.Tensor,
+                      bias: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """`run_grouped`'s result for a call of a bound call's signature: the expert ids checked, then its kernel."""
+    call.kernel.spec.check_expert_ids(indices)
+    return call.kernel.run(x, call.arguments(qweight), bias, indices, weights)
 
 
 @contextlib.contextmanager

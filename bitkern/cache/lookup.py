@@ -18,6 +18,7 @@ from pathlib import Path
 from ..ops.matmul import Matmul
 from ..tuner.buckets import m_bucket
 from ..tuner.device import host_cpu
+from . import bound
 from .disk import DiskStore
 from .key import KernelKey, pinned_name
 
@@ -173,7 +174,9 @@ def tuning_mode() -> str:
 
 
 def forget() -> None:
-    """Drop this process's map (kernels stay on disk): the next call of each shape loads or builds again."""
+    """Drop this process's map (kernels stay on disk) and the calls bound to its kernels: the next call of each shape
+    loads or builds again."""
     with _build_lock:
         _kernels.clear()
         _by_rows.clear()
+        bound.clear()

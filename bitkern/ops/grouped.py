@@ -135,16 +135,20 @@ class GroupedMatmul(Matmul):
                              f"{x.device}, got {_describe(weights)}")
         if indices.device != x.device:
             raise ValueError(f"indices is on {indices.device} but x is on {x.device}")
-        if indices.numel():
-            low, high = (int(bound) for bound in torch.aminmax(indices))
-            if low < 0 or high >= self.experts:
-                raise ValueError(f"indices holds expert ids outside [0, {self.experts}) (min {low}, max {high})")
+        self.check_expert_ids(indices)
         if self.bias != (bias is not None):
             raise ValueError(f"bias {'is required' if self.bias else 'must be None'}: the spec has bias={self.bias}")
         if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (self.experts, n)
                                  or bias.dtype not in BIAS_DTYPES or bias.device != x.device):
             raise ValueError(f"bias must be a float32, float16 or bfloat16 tensor [{self.experts}, {n}] on "
                              f"{x.device}, got {_describe(bias)}")
+
+    def check_expert_ids(self, indices: torch.Tensor) -> None:
+        """Raise unless every id of `indices` names one of the experts: in [0, experts)."""
+        if indices.numel():
+            low, high = (int(bound) for bound in torch.aminmax(indices))
+            if low < 0 or high >= self.experts:
+                raise ValueError(f"indices holds expert ids outside [0, {self.experts}) (min {low}, max {high})")
 
     def reference(self, x: torch.Tensor, weight, indices: torch.Tensor, bias: torch.Tensor | None = None,
                   weights: torch.Tensor | None = None) -> torch.Tensor:

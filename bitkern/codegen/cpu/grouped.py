@@ -31,16 +31,21 @@ class GroupedCpuKernel(CpuKernel):
         experts' stacked packed weight [E·N, K], indices [M, top_k] (expert ids, int32 or int64), bias [E, N] or None
         and the routing weights [M, top_k] (combine specs) (inputs already validated by the caller:
         `GroupedMatmul.check_routed`)."""
-        tokens = indices.shape[0]
-        self.check_rows(tokens)
-        y = torch.empty(self.spec.output_shape(tokens, self.n), dtype=torch_dtype(self.spec.output_dtype),
+        self.check_rows(indices.shape[0])
+        return self.run(x, (*weight.kernel_arguments(), *self.constants), bias, indices, weights)
+
+    def run(self, x: torch.Tensor, arguments: tuple, bias: torch.Tensor | None = None,
+            indices: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The call with the weight's kernel arguments and the constants (`arguments`), inputs as `__call__`
+        takes them (or as a bound call's first call had, `bitkern.cache.bound`)."""
+        y = torch.empty(self.spec.output_shape(indices.shape[0], self.n), dtype=torch_dtype(self.spec.output_dtype),
                         device=x.device)
         if indices.dtype != torch.int64 or not indices.is_contiguous():
             indices = indices.to(torch.int64).contiguous()  # expert ids below E: exact
         routing = (aligned(indices),) if weights is None else \
             (aligned(indices), aligned(weights.float().contiguous()))
         bias_argument = () if bias is None else (aligned(bias.reshape(-1).float().contiguous()),)
-        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *routing, *bias_argument, y)
+        self.function(aligned(x), *arguments, *routing, *bias_argument, y)
         return y
 
 

@@ -52,17 +52,21 @@ class CpuKernel:
         in m_range (inputs already validated by the caller; residual: [M, N] in the output type, for specs with
         one; norm: (weight, bias or None) of a norm prologue, [K] each, passed as float32).  AMX kernels ask for the tile permission here, on their first call, so that they can be built for
         a CPU that is not this one."""
-        rows = self.spec.rows(x)
-        self.check_rows(rows)
+        self.check_rows(self.spec.rows(x))
         if self.amx_tiles:
             enable_amx()
-        y = torch.empty(rows, self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype),
+        return self.run(x, (*weight.kernel_arguments(), *self.constants), bias, residual, norm)
+
+    def run(self, x: torch.Tensor, arguments: tuple, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None, norm: tuple = ()) -> torch.Tensor:
+        """The call on x's rows with the weight's kernel arguments and the constants (`arguments`), rows and inputs
+        as `__call__` has checked them (or as a bound call's first call had, `bitkern.cache.bound`)."""
+        y = torch.empty(self.spec.rows(x), self.spec.out_features(self.n), dtype=torch_dtype(self.spec.output_dtype),
                         device=x.device)
         bias_argument = () if bias is None else (_float32(bias),)
         residual_argument = () if residual is None else (aligned(residual.contiguous()),)
         norm_arguments = tuple(_float32(vector) for vector in norm if vector is not None)
-        self.function(aligned(x), *weight.kernel_arguments(), *self.constants, *norm_arguments, *bias_argument,
-                      *residual_argument, y)
+        self.function(aligned(x), *arguments, *norm_arguments, *bias_argument, *residual_argument, y)
         return y
 
     def check_rows(self, rows: int) -> None:
