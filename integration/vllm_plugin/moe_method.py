@@ -29,6 +29,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.activation import SwigluOAIAndMul
 
 from bitkern import Experts
+from bitkern.nn.dispatcher import op
 from bitkern.nn.experts import ExpertWeights
 from bitkern.nn.prepare import prepare_calls
 
@@ -51,7 +52,7 @@ SHARDS = {"w13": ("w1", "w3"), "w2": ("w2",)}
 EXPERT_LAYERS = dict(zip(("w1", "w3", "w2"), STACKED["gate_up"] + STACKED["down"]))
 
 
-@torch.library.custom_op("bitkern::vllm_experts", mutates_args=())
+@op("vllm_experts")
 def vllm_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
     """The routed experts' output [tokens, hidden] of the vLLM MoE layer `layer_name` (its bitkern.Experts)."""
     runner = get_forward_context().no_compile_layers[layer_name]
