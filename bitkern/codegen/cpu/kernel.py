@@ -50,8 +50,8 @@ class CpuKernel:
                  residual: torch.Tensor | None = None, norm: tuple = ()) -> torch.Tensor:
         """y[M, N] for a contiguous x (x[M, K], or a convolution's NHWC image: M = its output pixels) with M
         in m_range (inputs already validated by the caller; residual: [M, N] in the output type, for specs with
-        one; norm: (weight, bias or None) of a norm prologue, [K] each, passed as float32).  AMX kernels ask for the tile permission here, on their first call, so that they can be built for
-        a CPU that is not this one."""
+        one; norm: (weight, bias or None) of a norm prologue, [K] each, passed as float32).  AMX kernels ask for the
+        tile permission here, on their first call, so that they can be built for a CPU that is not this one."""
         self.check_rows(self.spec.rows(x))
         if self.amx_tiles:
             enable_amx()
