@@ -20,7 +20,9 @@ log = logging.getLogger("bitkern")
 
 PROFILE_MAX_BYTES = 2 << 30
 NVCC_JOBS = 4  # nvcc builds run in subprocesses: a thread each
-GRAPH_CALLS = 64  # calls of a kernel in the CUDA graph a sample replays
+# bytes a CUDA sample writes before its call, flushing the L2 (what triton.testing.do_bench writes, as the GPU
+# benchmark times its calls)
+FLUSH_BYTES = 256 << 20
 
 
 def profile_bytes(device) -> int:
@@ -149,22 +151,25 @@ def wall_clock(calls):
 
 
 def cuda_graph(calls):
-    """A sampler of CUDA kernels: `calls` (at most GRAPH_CALLS) captured in one CUDA graph; each sample replays
-    it between CUDA events and gives the seconds per call.  That is the GPU's time: an eager call timed between
-    events measured the host's Python dispatch instead (~0.1 ms a call on an H100, whatever the kernel)."""
-    calls = calls[:GRAPH_CALLS]
+    """A sampler of CUDA kernels that times a call as the GPU benchmark does (`benchmarks/bench_gpu.py`): the first of
+    `calls` captured alone in a CUDA graph, each sample its replay between CUDA events after FLUSH_BYTES are written
+    to flush the L2, so its weights come from DRAM; seconds per call.  Eager calls between events measured the host's
+    Python dispatch (~0.1 ms a call on an H100, whatever the kernel), and 64 calls back to back in one graph found the
+    L2 warm: on the H100 run of 2026-11-27 the tuner put four M=1 picks 7-11% ahead that the benchmark put 9-13%
+    behind."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for call in calls:
-            call()
+        calls[0]()
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
 
     def sample() -> float:
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3 / len(calls)
+        return start.elapsed_time(end) / 1e3
     return sample
 
 
