@@ -124,14 +124,9 @@ def eager(x: Tensor, bias: Tensor | None) -> bool:
 def run_linear(x: Tensor, weight: PackedWeight | list, weight_format: str, bias: Optional[Tensor],
                output_dtype: torch.dtype, activation_quant: str = "none") -> Tensor:
     """The linear op's computation on a weight object or the op's weight tensors (its `weight_format` string as
-    the op takes it): a call of a signature seen before by the kernel bound to it (`bitkern.cache.bound`)."""
-    tensors = _tensors(weight)
-    signature = ("linear", weight_format, described(x), described(bias), output_dtype, activation_quant)
-    call = bound_call(tensors, signature)
-    if call is not None:
-        return run_bound(call, x, tensors[0], bias)
-    spec = spec_of(weight_format, x.dtype, output_dtype, bias is not None, activation_quant=activation_quant)
-    return run(spec, x, _packed(weight, weight_format), bias, bind=(tensors, signature))
+    the op takes it): `run_linear_epilogue`'s without an epilogue, residual or norm (the same spec)."""
+    return run_linear_epilogue(x, weight, weight_format, bias, output_dtype, "none", None,
+                               activation_quant=activation_quant)
 
 
 @op("linear")
@@ -167,7 +162,8 @@ def run_linear_epilogue(x: Tensor, weight: PackedWeight | list, weight_format: s
                         norm_weight: Optional[Tensor] = None, norm_bias: Optional[Tensor] = None,
                         norm_eps: float = 1e-6, activation_quant: str = "none") -> Tensor:
     """The linear_epilogue op's computation on a weight object or the op's weight tensors (what fused modules run
-    in eager inference, as `run_linear` for Linear)."""
+    in eager inference, as `run_linear` for Linear): a call of a signature seen before by the kernel bound to it
+    (`bitkern.cache.bound`)."""
     tensors = _tensors(weight)
     signature = ("linear_epilogue", weight_format, described(x), described(bias), output_dtype, epilogue,
                  described(residual), norm, described(norm_weight), described(norm_bias), norm_eps, activation_quant)
