@@ -27,10 +27,10 @@ FLUSH_BYTES = 256 << 20
 
 def profile_bytes(device) -> int:
     """Weights rotate through this much memory while timing, so memory-bound candidates are timed reading DRAM as
-    they will in use (a cache-resident rotation favours compute): three last-level caches of a CPU, four L2s of
-    a GPU."""
+    they will in use (a cache-resident rotation favours compute): three last-level caches of a CPU; nothing on a GPU,
+    where each sample flushes the L2 before its call (`cuda_graph`), so one weight is read from DRAM."""
     if device.kind == "cuda":
-        return 4 * device.l2_bytes
+        return 0
     return min(PROFILE_MAX_BYTES, max(64 << 20, 3 * device.llc_bytes))
 
 
@@ -178,9 +178,9 @@ SAMPLERS = {"cpu": wall_clock, "cuda": cuda_graph}
 
 def time_kernels(kernels, x, copies, bias, budget_s: float = 0.15, sampler=wall_clock) -> list[float]:
     """Median seconds per call of each kernel (within about `budget_s` each), rotating through the weight
-    copies (each kernel's calls start at its own copy).  The kernels take turns sample by sample, so that drift
-    in the machine's speed (other processes, clocks) hits them all alike: timed one after another, candidates
-    within ~5% were ranked by the drift."""
+    copies (each kernel's calls start at its own copy; a CUDA sample times that first call alone).  The kernels take
+    turns sample by sample, so that drift in the machine's speed (other processes, clocks) hits them all alike: timed
+    one after another, candidates within ~5% were ranked by the drift."""
     for kernel in kernels:
         for weight in copies[:2]:
             kernel(x, weight, bias)
